@@ -1,0 +1,62 @@
+"""ggml tensor types: block geometry and the per-type kernel record.
+
+Block geometry comes from ``gguf.GGML_QUANT_SIZES`` (elements per block,
+bytes per block); this module only narrows it to the types pyimp supports.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+QT = GGMLQuantizationType
+
+# Weight types pyimp can load and compute with.
+SUPPORTED_TYPES: frozenset[QT] = frozenset({
+    QT.F32, QT.F16, QT.BF16,
+    QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0,
+    QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K,
+})
+
+
+def type_name(qtype: int) -> str:
+    """Readable name for a ggml type id, also for ids gguf does not know."""
+    try:
+        return QT(qtype).name
+    except ValueError:
+        return f"type#{qtype}"
+
+
+def block_size(qtype: int) -> int:
+    """Elements per block (1 for float types)."""
+    return GGML_QUANT_SIZES[QT(qtype)][0]
+
+
+def type_size(qtype: int) -> int:
+    """Bytes per block."""
+    return GGML_QUANT_SIZES[QT(qtype)][1]
+
+
+def row_bytes(qtype: int, n: int) -> int:
+    """Bytes of one row of ``n`` elements; ``n`` must be a multiple of the block size."""
+    bs, ts = GGML_QUANT_SIZES[QT(qtype)]
+    if n % bs:
+        raise ValueError(f"row length {n} is not a multiple of {type_name(qtype)} block size {bs}")
+    return n // bs * ts
+
+
+class TypeKernels(NamedTuple):
+    """Kernels for one weight type. ``raw`` is always ``uint8[rows, row_bytes]``.
+
+    dequantize(raw, out)           out: float32[rows, n]
+    matvec(raw, x, out)            fp32 numerics: out[r] = sum_j w[r, j] * x[j]; x float32[n]
+    act_type                       ggml's vec_dot_type for this weight type (activation format)
+    matmul_ggml(raw, xq, out)      ggml numerics: xq = activations already converted to
+                                   ``act_type`` (uint8[m, act_row_bytes], or float32[m, n]
+                                   when act_type is F32); out: float32[m, rows]
+    """
+
+    dequantize: Callable
+    matvec: Callable
+    act_type: QT
+    matmul_ggml: Callable

@@ -1,0 +1,312 @@
+"""The inference engine: forward pass over the paged KV cache, eval and generation.
+
+``Engine.forward`` reads top to bottom like the model: embeddings, then per
+layer attention (norm, projections, RoPE, cache write, paged attention,
+output projection) and feed-forward, then the output head. Architecture
+choices come from :class:`pyimp.model.ArchSpec`.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+
+from loaders.config import ModelConfig, read_config
+from loaders.gguf_file import GGUFFile
+
+from . import attention, ops
+from .kvcache import KVCache
+from .model import ModelWeights
+from .sampling import Sampler, SamplingParams
+
+NUMERICS = ("fp32", "ggml")
+# token texts that end a generation even when the file names no eot token (as llama.cpp does)
+_EOG_TEXTS = frozenset({"<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<EOT>"})
+
+
+@dataclass
+class EngineOptions:
+    """Construction options (the same names as the CLI flags)."""
+
+    n_ctx: int = 4096              # 0 = the model's training context
+    block_len: int = 32
+    batch_size: int = 512          # prefill chunk
+    n_threads: int = 0             # 0 = all cores numba sees
+    numerics: str = "fp32"
+    kv_type: str = "f16"
+
+    def validate(self) -> None:
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
+        if self.n_ctx < 0:
+            raise ValueError(f"context size must be >= 0, got {self.n_ctx}")
+        if self.block_len <= 0:
+            raise ValueError(f"block length must be positive, got {self.block_len}")
+        if self.batch_size <= 0:
+            raise ValueError(f"batch size must be positive, got {self.batch_size}")
+        if self.n_threads < 0:
+            raise ValueError(f"thread count must be >= 0, got {self.n_threads}")
+
+
+@dataclass
+class Timings:
+    load_s: float = 0.0
+    compile_s: float = 0.0
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        def rate(n, s):
+            return n / s if s > 0 else 0.0
+        return {"load_s": self.load_s, "compile_s": self.compile_s,
+                "prefill_tokens": self.prefill_tokens, "prefill_s": self.prefill_s,
+                "prefill_tok_s": rate(self.prefill_tokens, self.prefill_s),
+                "decode_tokens": self.decode_tokens, "decode_s": self.decode_s,
+                "decode_tok_s": rate(self.decode_tokens, self.decode_s)}
+
+
+class Engine:
+    """A loaded model with its KV cache. Not thread-safe; one sequence."""
+
+    def __init__(self, path: str | os.PathLike, options: EngineOptions | None = None):
+        t0 = time.perf_counter()
+        self.options = opts = options or EngineOptions()
+        opts.validate()
+        if opts.n_threads:
+            import numba
+            numba.set_num_threads(min(opts.n_threads, numba.config.NUMBA_NUM_THREADS))
+        self.path = os.fspath(path)
+        self.file = GGUFFile(self.path)
+        self.cfg: ModelConfig = read_config(self.file)
+        self.weights = ModelWeights(self.file, self.cfg)
+        self.n_ctx = opts.n_ctx or self.cfg.n_ctx_train
+        self.cache = KVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim, self.n_ctx,
+                             block_len=opts.block_len, kv_type=opts.kv_type)
+        self._tokenizer = None
+        self._vocab = None
+        self._eog: set | None = None
+        self.tokens: list[int] = []          # what the cache holds, in order
+        self.timings = Timings(load_s=time.perf_counter() - t0)
+
+    # ------------------------------------------------------------ tokenizer
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from loaders.tokenizer import Tokenizer
+            self._tokenizer = Tokenizer.from_vocab(self.vocab)
+        return self._tokenizer
+
+    def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
+        return self.tokenizer.encode(text, add_special=add_bos, parse_special=special)
+
+    def detokenize(self, tokens) -> str:
+        return self.tokenizer.decode(list(tokens))
+
+    # -------------------------------------------------------------- forward
+    def _rope_tables(self, il: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        cfg = self.cfg
+        return ops.rope_cache(pos, cfg.rope_dim, cfg.layer_rope_base(il), cfg.layer_rope_scale(il),
+                              self.weights.rope_freqs)
+
+    def forward(self, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
+        """Run ``tokens`` (appended after the cached ones) through the model.
+
+        Returns float32[T, n_vocab] logits when ``all_logits`` else float32[1, n_vocab]
+        for the last token. The cache grows by T tokens.
+        """
+        cfg, W, A = self.cfg, self.weights, self.weights.arch
+        num = self.options.numerics
+        eps = cfg.rms_eps
+        T = len(tokens)
+        Hq, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        pos0 = int(self.cache.cache_seqlens[0])
+        self.cache.reserve(T)
+        pos = np.arange(pos0, pos0 + T)
+        block_table = self.cache.block_table[0]
+        kq_scale = 1.0 if A.q_prescale else 1.0 / math.sqrt(D)
+
+        x = W.embed(tokens)                                            # [T, E] token embeddings
+        for il, lw in enumerate(W.layers):
+            # attention rmsnorm
+            h = ops.rms_norm(x, lw.attn_norm, eps)
+            # q, k, v projections
+            q = lw.attn_q(h, num)
+            k = lw.attn_k(h, num)
+            v = lw.attn_v(h, num)
+            if lw.attn_q_bias is not None:
+                q += lw.attn_q_bias
+            if lw.attn_k_bias is not None:
+                k += lw.attn_k_bias
+            if lw.attn_v_bias is not None:
+                v += lw.attn_v_bias
+            q = q.reshape(T, Hq, D)
+            k = k.reshape(T, Hkv, D)
+            v = v.reshape(T, Hkv, D)
+            # per-head q/k norms (gemma3)
+            if A.qk_norm:
+                q = ops.rms_norm(q, lw.attn_q_norm, eps)
+                k = ops.rms_norm(k, lw.attn_k_norm, eps)
+            # rotary position embedding
+            cos, sin = self._rope_tables(il, pos)
+            ops.rope(q, cos, sin, A.rope_neox)
+            ops.rope(k, cos, sin, A.rope_neox)
+            if A.q_prescale:
+                q *= np.float32(1.0 / math.sqrt(D))
+            # store k, v in the paged cache, then attend over everything cached so far
+            self.cache.write(il, k, v, pos0)
+            window = cfg.sliding_window if cfg.is_swa(il) else 0
+            att = np.empty((T, Hq, D), dtype=np.float32)
+            kc, vc = self.cache.k_cache_fp16_[il], self.cache.v_cache_fp16_[il]
+            if T == 1:
+                attention.attention_decode(q[0], kc, vc, block_table, pos0 + 1, kq_scale, window, att[0])
+            else:
+                attention.attention_prefill(q, kc, vc, block_table, pos0, kq_scale, window, att)
+            # output projection
+            o = lw.attn_output(att.reshape(T, Hq * D), num)
+            if lw.attn_output_bias is not None:
+                o += lw.attn_output_bias
+            if A.post_norms:
+                o = ops.rms_norm(o, lw.post_attention_norm, eps)
+            # residual
+            x = x + o
+            if il == cfg.n_layer - 1 and not all_logits:
+                x = x[-1:]                                             # only the last row is needed now
+            # feed-forward rmsnorm, gated FFN, residual
+            h = ops.rms_norm(x, lw.ffn_norm, eps)
+            g = lw.ffn_gate(h, num)
+            u = lw.ffn_up(h, num)
+            f = lw.ffn_down(self._act(g) * u, num)
+            if A.post_norms:
+                f = ops.rms_norm(f, lw.post_ffw_norm, eps)
+            x = x + f
+        self.cache.commit(T)
+        self.tokens.extend(int(t) for t in tokens)
+        # output norm and head
+        x = ops.rms_norm(x, W.output_norm, eps)
+        logits = W.output(x, num)
+        if cfg.final_softcap:
+            logits = ops.softcap(logits, cfg.final_softcap)
+        return logits
+
+    def _act(self, g: np.ndarray) -> np.ndarray:
+        if self.weights.arch.ffn_act == "silu":
+            return ops.silu(g)
+        return ops.gelu_tanh_ggml(g) if self.options.numerics == "ggml" else ops.gelu_tanh(g)
+
+    # ----------------------------------------------------------------- API
+    def _check_tokens(self, tokens) -> np.ndarray:
+        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if arr.size and (arr.min() < 0 or arr.max() >= self.cfg.n_vocab):
+            bad = arr[(arr < 0) | (arr >= self.cfg.n_vocab)][0]
+            raise ValueError(f"token id {int(bad)} is outside the vocabulary (size {self.cfg.n_vocab})")
+        room = self.n_ctx - len(self.tokens)
+        if arr.size > room:
+            raise ValueError(f"{arr.size} tokens do not fit: {len(self.tokens)} cached, context size "
+                             f"{self.n_ctx} (use a larger -c/--ctx-size)")
+        return arr
+
+    def eval(self, tokens, all_logits: bool = True, progress=None) -> np.ndarray:
+        """Append ``tokens`` to the cache in prefill chunks; logits float32[T or 1, n_vocab]."""
+        arr = self._check_tokens(tokens)
+        if arr.size == 0:
+            raise ValueError("no tokens to evaluate")
+        bs = self.options.batch_size
+        outs = []
+        t0 = time.perf_counter()
+        for s in range(0, arr.size, bs):
+            outs.append(self.forward(arr[s:s + bs], all_logits=all_logits))
+            if progress is not None:
+                progress(min(s + bs, arr.size), arr.size)
+        dt = time.perf_counter() - t0
+        if arr.size > 1:
+            self.timings.prefill_tokens += int(arr.size)
+            self.timings.prefill_s += dt
+        else:
+            self.timings.decode_tokens += 1
+            self.timings.decode_s += dt
+        return np.concatenate(outs, axis=0) if all_logits else outs[-1]
+
+    def reset(self) -> None:
+        """Empty the KV cache."""
+        self.cache.reset()
+        self.tokens = []
+
+    def warmup(self) -> float:
+        """Compile (or load from cache) every kernel of prefill and decode; returns seconds."""
+        t0 = time.perf_counter()
+        saved = self.tokens
+        if saved:
+            raise RuntimeError("warmup needs an empty cache")
+        bos = max(self.cfg.bos_id, 0)
+        self.forward(np.array([bos, bos], dtype=np.int64))
+        self.forward(np.array([bos], dtype=np.int64))
+        self.reset()
+        self.timings.compile_s = time.perf_counter() - t0
+        return self.timings.compile_s
+
+    def generate(self, prompt: str | list, max_tokens: int = 128, sampling: SamplingParams | None = None,
+                 stop: list | None = None, add_bos: bool = True, progress=None) -> Iterator[tuple[int, float]]:
+        """Yield (token id, log-probability) pairs, continuing ``prompt`` (text or ids).
+
+        Stops at end-of-generation tokens, after ``max_tokens``, or when the
+        generated text contains one of ``stop`` (the stop string itself is
+        yielded as part of the tokens that produced it). The cache is reset first.
+        """
+        sampler = Sampler(sampling or SamplingParams())
+        ids = self.tokenize(prompt, add_bos=add_bos) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        self.reset()
+        self._check_tokens(ids)
+        if max_tokens > 0 and len(ids) + max_tokens > self.n_ctx:
+            max_tokens = self.n_ctx - len(ids)
+        logits = self.eval(ids, all_logits=False, progress=progress)[-1]
+        eog = self.eog_ids()
+        text = ""
+        n = 0
+        while max_tokens < 0 or n < max_tokens:
+            tok = sampler.sample(logits, self.tokens)
+            logp = float(ops.log_softmax(logits)[tok])
+            n += 1
+            yield tok, logp
+            if tok in eog:
+                return
+            if stop:
+                text += self.tokenizer.decode([tok])
+                if any(s in text for s in stop):
+                    return
+            if len(self.tokens) >= self.n_ctx or n == max_tokens:
+                return
+            logits = self.eval([tok], all_logits=False)[-1]
+
+    @property
+    def vocab(self):
+        if self._vocab is None:
+            self._vocab = self.file.vocab()
+        return self._vocab
+
+    def eog_ids(self) -> set:
+        """End-of-generation token ids: eos/eot/eom plus the end-of-turn texts llama.cpp recognises."""
+        if self._eog is None:
+            sp = self.vocab.special
+            ids = {sp.get(n, -1) for n in ("eos", "eot", "eom")} | {self.cfg.eos_id}
+            for i, text in enumerate(self.vocab.tokens):
+                if text in _EOG_TEXTS:
+                    ids.add(i)
+            ids.discard(-1)
+            self._eog = ids
+        return self._eog
+
+def load(path: str | os.PathLike | None = None, **options) -> Engine:
+    """Load a GGUF model (``None`` = the embedded default model) into an :class:`Engine`."""
+    if path is None:
+        from .default_model import default_model_path
+        path = default_model_path()
+    return Engine(path, EngineOptions(**options))

@@ -1,0 +1,157 @@
+"""Model weights (GGUF names, kept quantized) and the per-architecture recipe.
+
+Everything that differs between ``llama`` and ``gemma3`` lives in
+:class:`ArchSpec`; the forward pass in :mod:`pyimp.engine` reads it and has
+no ``arch ==`` branches.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from loaders import quants
+from loaders.config import ModelConfig
+from loaders.gguf_file import GGUFFile, QTensor
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """The architecture-specific choices of the forward pass."""
+
+    rope_neox: bool        # NEOX pairs (i, i+n/2) vs NORM pairs (2i, 2i+1)
+    embd_scale: bool       # multiply embeddings by sqrt(n_embd)
+    qk_norm: bool          # per-head RMSNorm of q and k (attn_q_norm, attn_k_norm)
+    post_norms: bool       # RMSNorm after attention and after the FFN (post_attention_norm, post_ffw_norm)
+    ffn_act: str           # "silu" (SwiGLU) or "gelu_tanh" (GeGLU)
+    q_prescale: bool       # scale q by 1/sqrt(head_dim) before attention (softmax scale 1)
+
+
+ARCHS = {
+    "llama": ArchSpec(rope_neox=False, embd_scale=False, qk_norm=False, post_norms=False,
+                      ffn_act="silu", q_prescale=False),
+    "gemma3": ArchSpec(rope_neox=True, embd_scale=True, qk_norm=True, post_norms=True,
+                       ffn_act="gelu_tanh", q_prescale=True),
+}
+
+
+class Linear:
+    """A quantized weight matrix y = x @ W.T with W stored as ggml rows (n_out rows of n_in)."""
+
+    def __init__(self, t: QTensor):
+        self.name = t.name
+        self.raw = t.raw
+        self.qtype = t.qtype
+        self.n_in = t.shape[0]
+        self.n_out = t.n_rows
+
+    def __call__(self, x: np.ndarray, numerics: str) -> np.ndarray:
+        """x float32[T, n_in] -> float32[T, n_out]."""
+        if x.shape[0] == 1:
+            return quants.matvec(self.raw, self.qtype, self.n_in, x[0], numerics)[None, :]
+        return quants.matmul(self.raw, self.qtype, self.n_in, x, numerics)
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: np.ndarray
+    attn_q: Linear
+    attn_k: Linear
+    attn_v: Linear
+    attn_output: Linear
+    ffn_norm: np.ndarray
+    ffn_gate: Linear
+    ffn_up: Linear
+    ffn_down: Linear
+    attn_q_bias: np.ndarray | None = None
+    attn_k_bias: np.ndarray | None = None
+    attn_v_bias: np.ndarray | None = None
+    attn_output_bias: np.ndarray | None = None
+    attn_q_norm: np.ndarray | None = None
+    attn_k_norm: np.ndarray | None = None
+    post_attention_norm: np.ndarray | None = None
+    post_ffw_norm: np.ndarray | None = None
+
+
+def _vector(f: GGUFFile, name: str, n: int) -> np.ndarray:
+    """A 1-D float tensor as float32[n] (F32 is zero-copy; F16/BF16 are converted once)."""
+    t = f.tensor(name, (n,))
+    return quants.dequantize(t.raw.reshape(1, -1), t.qtype, n)[0] if t.qtype != GGMLQuantizationType.F32 \
+        else t.as_float32()
+
+
+class ModelWeights:
+    """All tensors of a model, named as in GGUF, shape-checked against the config."""
+
+    def __init__(self, f: GGUFFile, cfg: ModelConfig):
+        self.cfg = cfg
+        self.arch = ARCHS[cfg.arch]
+        E, D, Hq, Hkv, F, V = cfg.n_embd, cfg.head_dim, cfg.n_head, cfg.n_head_kv, cfg.n_ff, cfg.n_vocab
+        self.token_embd = f.tensor("token_embd.weight", (E, V))
+        self.output_norm = _vector(f, "output_norm.weight", E)
+        self.output = Linear(f.tensor("output.weight", (E, V)) if not cfg.tied_output else self.token_embd)
+        self.rope_freqs = _vector(f, "rope_freqs.weight", cfg.rope_dim // 2) if cfg.has_rope_freqs else None
+        self.layers: list[LayerWeights] = []
+        for il in range(cfg.n_layer):
+            p = f"blk.{il}."
+
+            def lin(name: str, n_in: int, n_out: int) -> Linear:
+                return Linear(f.tensor(p + name + ".weight", (n_in, n_out)))
+
+            def opt_vec(name: str, n: int) -> np.ndarray | None:
+                return _vector(f, p + name, n) if f.has_tensor(p + name) else None
+
+            lw = LayerWeights(
+                attn_norm=_vector(f, p + "attn_norm.weight", E),
+                attn_q=lin("attn_q", E, Hq * D),
+                attn_k=lin("attn_k", E, Hkv * D),
+                attn_v=lin("attn_v", E, Hkv * D),
+                attn_output=lin("attn_output", Hq * D, E),
+                ffn_norm=_vector(f, p + "ffn_norm.weight", E),
+                ffn_gate=lin("ffn_gate", E, F),
+                ffn_up=lin("ffn_up", E, F),
+                ffn_down=lin("ffn_down", F, E),
+                attn_q_bias=opt_vec("attn_q.bias", Hq * D),
+                attn_k_bias=opt_vec("attn_k.bias", Hkv * D),
+                attn_v_bias=opt_vec("attn_v.bias", Hkv * D),
+                attn_output_bias=opt_vec("attn_output.bias", E),
+            )
+            if self.arch.qk_norm:
+                lw.attn_q_norm = _vector(f, p + "attn_q_norm.weight", D)
+                lw.attn_k_norm = _vector(f, p + "attn_k_norm.weight", D)
+            if self.arch.post_norms:
+                lw.post_attention_norm = _vector(f, p + "post_attention_norm.weight", E)
+                lw.post_ffw_norm = _vector(f, p + "post_ffw_norm.weight", E)
+            self.layers.append(lw)
+
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """float32[T, n_embd] rows of token_embd (scaled by sqrt(n_embd) for gemma3)."""
+        t = self.token_embd
+        x = quants.dequantize_rows(t.raw, t.qtype, t.shape[0], np.asarray(tokens, dtype=np.int64))
+        if self.arch.embd_scale:
+            x = x * np.float32(math.sqrt(self.cfg.n_embd))
+        return x
+
+    def summary(self) -> dict:
+        """Parameter count and bytes per weight type."""
+        by_type: dict[str, int] = {}
+        n_params = 0
+        tensors = [self.token_embd]
+        for lw in self.layers:
+            tensors += [lin for lin in (lw.attn_q, lw.attn_k, lw.attn_v, lw.attn_output,
+                                        lw.ffn_gate, lw.ffn_up, lw.ffn_down)]
+        if not self.cfg.tied_output:
+            tensors.append(self.output)
+        for t in tensors:
+            by_type[t.qtype.name] = by_type.get(t.qtype.name, 0) + t.raw.nbytes
+            n_in = t.shape[0] if isinstance(t, QTensor) else t.n_in
+            n_rows = t.n_rows if isinstance(t, QTensor) else t.n_out
+            n_params += n_in * n_rows
+        return {"n_params": n_params, "bytes_by_type": by_type}
+

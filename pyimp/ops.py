@@ -1,0 +1,125 @@
+"""Element-wise and normalization ops of the forward pass, in NumPy float32.
+
+Each op follows ggml's CPU arithmetic where that is cheap to do (double sums
+in RMSNorm, float32 RoPE angle recurrence, fp16 GELU table in ``ggml``
+numerics), so that the two engines differ only by summation order.
+"""
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+F32 = np.float32
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis times ``weight``; x float32[..., n].
+
+    Sum of squares in float64 as ggml does; the scale is float32.
+    """
+    n = x.shape[-1]
+    ss = np.sum(np.square(x).astype(np.float64), axis=-1, keepdims=True)
+    mean = (ss / n).astype(F32)
+    scale = F32(1.0) / np.sqrt(mean + F32(eps))
+    return (x * scale) * weight
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    """x * sigmoid(x) in float32, as ggml's silu: x / (1 + exp(-x))."""
+    with np.errstate(over="ignore"):
+        return x / (F32(1.0) + np.exp(-x))
+
+
+_SQRT_2_OVER_PI = F32(0.79788456080286535587989211986876)
+_GELU_COEF_A = F32(0.044715)
+
+
+def gelu_tanh(x: np.ndarray) -> np.ndarray:
+    """tanh-approximated GELU in float32."""
+    return F32(0.5) * x * (F32(1.0) + np.tanh(_SQRT_2_OVER_PI * x * (F32(1.0) + _GELU_COEF_A * x * x)))
+
+
+@functools.lru_cache(maxsize=1)
+def _gelu_fp16_table() -> np.ndarray:
+    """float32[65536]: GELU of every fp16 value, rounded to fp16 (ggml's table)."""
+    xs = np.arange(65536, dtype=np.uint16).view(np.float16).astype(F32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return gelu_tanh(xs).astype(np.float16).astype(F32)
+
+
+def gelu_tanh_ggml(x: np.ndarray) -> np.ndarray:
+    """GELU as ggml's CPU computes it: fp16 lookup table inside (-10, 10), identity/zero outside."""
+    idx = x.astype(np.float16).view(np.uint16)
+    y = _gelu_fp16_table()[idx]
+    y = np.where(x <= F32(-10.0), F32(0.0), y)
+    return np.where(x >= F32(10.0), x, y).astype(F32)
+
+
+def softcap(x: np.ndarray, cap: float) -> np.ndarray:
+    """cap * tanh(x / cap), float32."""
+    c = F32(cap)
+    return np.tanh(x * (F32(1.0) / c)) * c
+
+
+@functools.lru_cache(maxsize=64)
+def _theta_scale(base: float, n_dims: int) -> np.float32:
+    # powf(freq_base, -2.0f/n_dims) in float32, as ggml
+    return np.power(F32(base), F32(-2.0) / F32(n_dims), dtype=F32)
+
+
+def rope_cache(positions: np.ndarray, n_dims: int, base: float, freq_scale: float,
+               freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin: float32[T, n_dims // 2] for integer ``positions`` int[T].
+
+    The angle of pair i is ``p * theta_scale**i`` built by repeated float32
+    multiplication (ggml's recurrence), divided by ``freq_factors[i]``
+    (rope_freqs) and multiplied by ``freq_scale`` (1 / linear scaling).
+    cos and sin are evaluated in float64 and rounded, i.e. correctly rounded
+    float32 values, as glibc's cosf/sinf return.
+    """
+    half = n_dims // 2
+    ts = _theta_scale(float(base), n_dims)
+    theta = np.empty((len(positions), half), dtype=F32)
+    t = positions.astype(F32)
+    for i in range(half):
+        theta[:, i] = t
+        t = t * ts
+    if freq_factors is not None:
+        theta = theta / freq_factors.astype(F32)[:half]
+    theta = theta * F32(freq_scale)
+    th = theta.astype(np.float64)
+    return np.cos(th).astype(F32), np.sin(th).astype(F32)
+
+
+def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+    """Rotate the first ``2 * cos.shape[1]`` channels of x float32[T, H, D] in place; returns x.
+
+    NORM mode (llama) rotates adjacent pairs (2i, 2i+1); NEOX mode (gemma3)
+    rotates (i, i + n_dims/2).
+    """
+    half = cos.shape[1]
+    c = cos[:, None, :]
+    s = sin[:, None, :]
+    if neox:
+        x0 = x[..., :half].copy()
+        x1 = x[..., half:2 * half].copy()
+    else:
+        x0 = x[..., 0:2 * half:2].copy()
+        x1 = x[..., 1:2 * half:2].copy()
+    r0 = x0 * c - x1 * s
+    r1 = x0 * s + x1 * c
+    if neox:
+        x[..., :half] = r0
+        x[..., half:2 * half] = r1
+    else:
+        x[..., 0:2 * half:2] = r0
+        x[..., 1:2 * half:2] = r1
+    return x
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """float64 log-probabilities over the last axis."""
+    z = logits.astype(np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
