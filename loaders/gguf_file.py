@@ -331,6 +331,10 @@ class GGUFFile:
                 raise GGUFError(self.path, f"truncated file: tensor {name!r} data ends at byte "
                                            f"{start + nbytes}, file has {file_size}")
             self.tensors[name] = TensorInfo(name, qtype, shape, start, nbytes)
+        spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in self.tensors.values())
+        for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+            if start < end:
+                raise GGUFError(self.path, f"tensor {b!r}: data overlaps tensor {a!r}")
 
     # --------------------------------------------------------------- metadata
     @property

@@ -1,0 +1,236 @@
+"""Write synthetic ``llama`` / ``gemma3`` GGUF models with random weights.
+
+Any shape and weight type (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 via
+``gguf.quants``; K-quants via ggml's own quantizer from llama-cpp-python's
+libggml). The vocabulary is copied from a vocab-only GGUF (e.g. one of
+llama.cpp's tokenizer fixtures) or, without one, a minimal byte-level SPM
+vocabulary is generated. llama.cpp loads these files, so they serve both as
+test models and as benchmark stand-ins for real shapes.
+
+    python -m tools.write_synthetic_gguf out.gguf --arch llama --layers 2 --embd 64 --type Q8_0
+    python -m tools.write_synthetic_gguf tinyllama.gguf --preset tinyllama --type Q4_0
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+import gguf
+from gguf import GGMLQuantizationType as QT
+
+PRESETS = {
+    # TinyLlama-1.1B's shape
+    "tinyllama": dict(arch="llama", n_layer=22, n_embd=2048, n_head=32, n_head_kv=4, n_ff=5632,
+                      n_ctx=2048, vocab_size=32000),
+    # Gemma 3 270M's shape
+    "gemma3-270m": dict(arch="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, head_dim=256,
+                        n_ff=2048, n_ctx=32768, sliding_window=512, vocab_size=262144),
+}
+
+
+@dataclass
+class SynthSpec:
+    arch: str = "llama"
+    n_layer: int = 2
+    n_embd: int = 64
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 0            # 0 = n_embd / n_head
+    n_ff: int = 128
+    n_ctx: int = 2048
+    weight_type: str = "F32"     # type of the 2-D weight matrices
+    embd_type: str = ""          # token_embd type ("" = weight_type)
+    tied_output: bool = True
+    rope_base: float = 10000.0
+    rope_base_swa: float = 10000.0
+    rope_scale: float = 1.0      # linear scaling factor (1 = none)
+    rope_freqs: bool = False     # add a rope_freqs.weight tensor (llama)
+    biases: bool = False         # q/k/v/o biases (llama)
+    sliding_window: int = 0      # gemma3
+    swa_pattern: int = 6
+    final_softcap: float = 0.0
+    vocab_size: int = 0          # 0 = from the vocabulary source
+    rms_eps: float = 1e-5
+    seed: int = 0
+
+
+def _quantize(qtype: QT, x: np.ndarray) -> np.ndarray:
+    """float32[rows, n] -> stored array for GGUFWriter (float array or uint8 blocks)."""
+    if qtype == QT.F32:
+        return x.astype(np.float32)
+    if qtype == QT.F16:
+        return x.astype(np.float16)
+    if qtype in (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K):
+        from tools import ggml_oracle
+        if not ggml_oracle.available():
+            raise RuntimeError(f"{qtype.name} weights need libggml from llama-cpp-python: "
+                               f"{ggml_oracle.unavailable_reason()}")
+        return ggml_oracle.quantize(int(qtype), x.astype(np.float32))
+    return gguf.quants.quantize(x.astype(np.float32), qtype)
+
+
+def _byte_vocab(n: int):
+    """A minimal SPM vocabulary: <unk>, <s>, </s>, 256 byte tokens, then filler pieces."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    types = [2, 3, 3] + [6] * 256
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    i = 0
+    while len(tokens) < n:
+        a, b = divmod(i, 26)
+        piece = ("\u2581" if a % 2 else "") + letters[b] + letters[(a // 2) % 26] * (1 + a // 52)
+        if piece not in tokens:
+            tokens.append(piece)
+            types.append(1)
+        i += 1
+    scores = [0.0] * 259 + [-float(k) for k in range(n - 259)]
+    return dict(model="llama", pre="default", tokens=tokens[:n], scores=np.array(scores[:n], np.float32),
+                types=np.array(types[:n], np.int32), merges=[], bos=1, eos=2, unk=0, flags={})
+
+
+def _vocab_from(path: str):
+    from loaders.gguf_file import GGUFFile
+    with GGUFFile(path) as f:
+        v = f.vocab()
+        return dict(model=v.model, pre=v.pre, tokens=list(v.tokens), scores=np.array(v.scores),
+                    types=np.array(v.token_types), merges=list(v.merges), bos=v.special["bos"],
+                    eos=v.special["eos"], unk=v.special["unk"], flags=dict(v.flags))
+
+
+def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = None) -> str:
+    """Write the model described by ``spec``; returns the path."""
+    rng = np.random.default_rng(spec.seed)
+    voc = _vocab_from(vocab_path) if vocab_path else _byte_vocab(spec.vocab_size or 512)
+    V = len(voc["tokens"])
+    if spec.vocab_size and spec.vocab_size != V:
+        # pad or cut a copied vocabulary to the requested size
+        if spec.vocab_size < V:
+            for k in ("tokens", "scores", "types"):
+                voc[k] = voc[k][:spec.vocab_size]
+        else:
+            extra = spec.vocab_size - V
+            voc["tokens"] = list(voc["tokens"]) + [f"<extra_{i}>" for i in range(extra)]
+            voc["scores"] = np.concatenate([voc["scores"], np.zeros(extra, np.float32)])
+            voc["types"] = np.concatenate([voc["types"], np.full(extra, 5, np.int32)])
+        V = spec.vocab_size
+    E, Hq, Hkv, F = spec.n_embd, spec.n_head, spec.n_head_kv, spec.n_ff
+    D = spec.head_dim or E // Hq
+    wtype = QT[spec.weight_type]
+    etype = QT[spec.embd_type or spec.weight_type]
+
+    w = gguf.GGUFWriter(os.fspath(path), spec.arch)
+    w.add_name(f"synthetic {spec.arch}")
+    w.add_block_count(spec.n_layer)
+    w.add_context_length(spec.n_ctx)
+    w.add_embedding_length(E)
+    w.add_feed_forward_length(F)
+    w.add_head_count(Hq)
+    w.add_head_count_kv(Hkv)
+    w.add_key_length(D)
+    w.add_value_length(D)
+    w.add_layer_norm_rms_eps(spec.rms_eps)
+    w.add_rope_freq_base(spec.rope_base)
+    w.add_rope_dimension_count(D)
+    if spec.rope_scale != 1.0:
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(spec.rope_scale)
+    if spec.arch == "gemma3":
+        if spec.sliding_window:
+            w.add_sliding_window(spec.sliding_window)
+            w.add_uint32(f"{spec.arch}.attention.sliding_window_pattern", spec.swa_pattern)
+            w.add_rope_freq_base_swa(spec.rope_base_swa)
+        if spec.final_softcap:
+            w.add_final_logit_softcapping(spec.final_softcap)
+    w.add_file_type(int(wtype) if wtype in (QT.F32, QT.F16) else 7)
+    # vocabulary
+    w.add_tokenizer_model(voc["model"])
+    w.add_tokenizer_pre(voc["pre"])
+    w.add_token_list(voc["tokens"])
+    w.add_token_scores(list(map(float, voc["scores"])))
+    w.add_token_types(list(map(int, voc["types"])))
+    if voc["merges"]:
+        w.add_token_merges(voc["merges"])
+    for key, val in (("bos", voc["bos"]), ("eos", voc["eos"]), ("unknown", voc["unk"])):
+        if 0 <= val < V:
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", int(val))
+    for key, val in voc["flags"].items():
+        w.add_bool(f"tokenizer.ggml.{key}", bool(val))
+
+    def mat(name: str, n_in: int, n_out: int, qtype: QT = wtype, std: float | None = None) -> None:
+        s = (1.0 / np.sqrt(n_in)) if std is None else std
+        x = rng.standard_normal((n_out, n_in), dtype=np.float32) * np.float32(s)
+        w.add_tensor(name, _quantize(qtype, x), raw_dtype=qtype)
+
+    def vec(name: str, n: int, center: float, spread: float) -> None:
+        w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
+
+    mat("token_embd.weight", E, V, etype, std=1.0 if spec.arch == "llama" else 1.0 / np.sqrt(E))
+    vec("output_norm.weight", E, 1.0, 0.1)
+    if not spec.tied_output:
+        mat("output.weight", E, V)
+    if spec.rope_freqs:
+        w.add_tensor("rope_freqs.weight", (1.0 + 3.0 * rng.random(D // 2)).astype(np.float32))
+    for il in range(spec.n_layer):
+        p = f"blk.{il}."
+        vec(p + "attn_norm.weight", E, 1.0, 0.1)
+        mat(p + "attn_q.weight", E, Hq * D)
+        mat(p + "attn_k.weight", E, Hkv * D)
+        mat(p + "attn_v.weight", E, Hkv * D)
+        mat(p + "attn_output.weight", Hq * D, E)
+        vec(p + "ffn_norm.weight", E, 1.0, 0.1)
+        mat(p + "ffn_gate.weight", E, F)
+        mat(p + "ffn_up.weight", E, F)
+        mat(p + "ffn_down.weight", F, E)
+        if spec.biases:
+            for name, n in (("attn_q", Hq * D), ("attn_k", Hkv * D), ("attn_v", Hkv * D), ("attn_output", E)):
+                vec(p + name + ".bias", n, 0.0, 0.05)
+        if spec.arch == "gemma3":
+            vec(p + "attn_q_norm.weight", D, 1.0, 0.1)
+            vec(p + "attn_k_norm.weight", D, 1.0, 0.1)
+            vec(p + "post_attention_norm.weight", E, 1.0, 0.1)
+            vec(p + "post_ffw_norm.weight", E, 1.0, 0.1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return os.fspath(path)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out")
+    ap.add_argument("--preset", choices=sorted(PRESETS))
+    ap.add_argument("--arch", choices=("llama", "gemma3"))
+    ap.add_argument("--layers", type=int)
+    ap.add_argument("--embd", type=int)
+    ap.add_argument("--heads", type=int)
+    ap.add_argument("--kv-heads", type=int)
+    ap.add_argument("--head-dim", type=int)
+    ap.add_argument("--ff", type=int)
+    ap.add_argument("--ctx", type=int)
+    ap.add_argument("--vocab-size", type=int)
+    ap.add_argument("--type", default="F32", help="weight type (F32, F16, Q8_0, Q4_0, Q4_K, ...)")
+    ap.add_argument("--embd-type", default="")
+    ap.add_argument("--untied", action="store_true")
+    ap.add_argument("--vocab", help="copy the vocabulary from this GGUF")
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    kw = dict(PRESETS[a.preset]) if a.preset else {}
+    for field_name, val in (("arch", a.arch), ("n_layer", a.layers), ("n_embd", a.embd), ("n_head", a.heads),
+                            ("n_head_kv", a.kv_heads), ("head_dim", a.head_dim), ("n_ff", a.ff),
+                            ("n_ctx", a.ctx), ("vocab_size", a.vocab_size)):
+        if val is not None:
+            kw[field_name] = val
+    try:
+        QT[a.type]
+    except KeyError:
+        ap.error(f"unknown weight type {a.type!r}")
+    spec = SynthSpec(weight_type=a.type, embd_type=a.embd_type, tied_output=not a.untied, seed=a.seed, **kw)
+    print(write(a.out, spec, a.vocab))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
