@@ -40,12 +40,39 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return F32(0.5) * x * (F32(1.0) + np.tanh(_SQRT_2_OVER_PI * x * (F32(1.0) + _GELU_COEF_A * x * x)))
 
 
+def _libm_tanhf():
+    """glibc's tanhf through ctypes, or None where no C math library is found."""
+    import ctypes
+    import ctypes.util
+    name = ctypes.util.find_library("m")
+    if not name:
+        return None
+    try:
+        fn = ctypes.CDLL(name).tanhf
+    except (OSError, AttributeError):
+        return None
+    fn.restype = ctypes.c_float
+    fn.argtypes = [ctypes.c_float]
+    return fn
+
+
 @functools.lru_cache(maxsize=1)
 def _gelu_fp16_table() -> np.ndarray:
-    """float32[65536]: GELU of every fp16 value, rounded to fp16 (ggml's table)."""
+    """float32[65536]: GELU of every fp16 value, rounded to fp16, as ggml builds its table.
+
+    ggml evaluates 0.5f*x*(1 + tanhf(k*x*(1 + a*x*x))) with the inner sum contracted to
+    fma(a*x, x, 1) and the C library's tanhf; many entries sit near an fp16 rounding tie, so
+    the float32 value has to be reproduced exactly (float64 holds (a*x)*x exactly).
+    """
     xs = np.arange(65536, dtype=np.uint16).view(np.float16).astype(F32)
     with np.errstate(invalid="ignore", over="ignore"):
-        return gelu_tanh(xs).astype(np.float16).astype(F32)
+        ax = _GELU_COEF_A * xs
+        inner = (ax.astype(np.float64) * xs + 1.0).astype(F32)
+        z = _SQRT_2_OVER_PI * xs * inner
+        tanhf = _libm_tanhf()
+        t = np.array([tanhf(float(v)) for v in z], dtype=F32) if tanhf else np.tanh(z)
+        y = F32(0.5) * xs * (F32(1.0) + t)
+        return y.astype(np.float16).astype(F32)
 
 
 def gelu_tanh_ggml(x: np.ndarray) -> np.ndarray:
@@ -64,8 +91,10 @@ def softcap(x: np.ndarray, cap: float) -> np.ndarray:
 
 @functools.lru_cache(maxsize=64)
 def _theta_scale(base: float, n_dims: int) -> np.float32:
-    # powf(freq_base, -2.0f/n_dims) in float32, as ggml
-    return np.power(F32(base), F32(-2.0) / F32(n_dims), dtype=F32)
+    # powf(freq_base, -2.0f/n_dims) as ggml: the exponent in float32, the power correctly
+    # rounded to float32 as glibc's powf returns it (NumPy's float32 power can be 1 ulp off)
+    expo = F32(-2.0) / F32(n_dims)
+    return F32(np.float64(F32(base)) ** np.float64(expo))
 
 
 def rope_cache(positions: np.ndarray, n_dims: int, base: float, freq_scale: float,
@@ -107,8 +136,11 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndar
     else:
         x0 = x[..., 0:2 * half:2].copy()
         x1 = x[..., 1:2 * half:2].copy()
-    r0 = x0 * c - x1 * s
-    r1 = x0 * s + x1 * c
+    # ggml's compiled rope contracts x0*c - x1*s into fma(x0, c, -(x1*s)) (and likewise for
+    # r1); float64 holds x0*c exactly, so rounding the float64 sum once reproduces the fma
+    f64 = np.float64
+    r0 = (x0.astype(f64) * c - (x1 * s)).astype(F32)
+    r1 = (x0.astype(f64) * s + (x1 * c)).astype(F32)
     if neox:
         x[..., :half] = r0
         x[..., half:2 * half] = r1

@@ -63,12 +63,13 @@ def _quantize(qtype: QT, x: np.ndarray) -> np.ndarray:
         return x.astype(np.float32)
     if qtype == QT.F16:
         return x.astype(np.float16)
-    if qtype in (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K):
-        from tools import ggml_oracle
-        if not ggml_oracle.available():
-            raise RuntimeError(f"{qtype.name} weights need libggml from llama-cpp-python: "
-                               f"{ggml_oracle.unavailable_reason()}")
+    from tools import ggml_oracle
+    if ggml_oracle.available():
+        # ggml's own quantizers (C, fast); gguf.quants gives the same bytes for legacy types
         return ggml_oracle.quantize(int(qtype), x.astype(np.float32))
+    if qtype in (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K):
+        raise RuntimeError(f"{qtype.name} weights need libggml from llama-cpp-python: "
+                           f"{ggml_oracle.unavailable_reason()}")
     return gguf.quants.quantize(x.astype(np.float32), qtype)
 
 
@@ -166,7 +167,8 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
     def vec(name: str, n: int, center: float, spread: float) -> None:
         w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
 
-    mat("token_embd.weight", E, V, etype, std=1.0 if spec.arch == "llama" else 1.0 / np.sqrt(E))
+    # embeddings sized so that (tied) logits have a standard deviation of a few units
+    mat("token_embd.weight", E, V, etype, std=(3.0 if spec.arch == "llama" else 1.0) / np.sqrt(E))
     vec("output_norm.weight", E, 1.0, 0.1)
     if not spec.tied_output:
         mat("output.weight", E, V)

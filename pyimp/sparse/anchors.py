@@ -1,0 +1,163 @@
+"""Block anchors: per-block key summaries that queries are scored against.
+
+Buffer (one layer's slice of ``anchor_``): float16 ``[NB][A][Hq][D]``, indexed
+by physical block (KVCACHE.md section 5). Anchors are built from the block's
+valid keys (``n_valid`` tokens; a partial tail block uses only those).
+
+Under GQA query head h reads kv head ``h // G``: every type except DYNAMIC
+depends only on the kv head, and its value is repeated into each of the G
+query-head slots; DYNAMIC picks tokens by the importance of query head h.
+
+Slots (the score is ``sum_d max_a(anchor[a][h][d] * q[h][d])``):
+
+- BLOCK_MEAN: per-channel mean of the valid keys.
+- BLOCK_MAX: per-channel max (starting from -inf, so an empty block is -inf).
+- FIXED: mean of the keys at in-block positions ``a*B//A`` for a < A (only
+  the valid ones; position 0 always is).
+- DYNAMIC: sum of the keys of the A most important valid tokens for head h
+  (ties: lower position first); A = 1 is the hottest token's key.
+- QUEST: slot 0 = per-channel max, slot 1 = per-channel min. The score is then
+  Quest's upper bound on ``max_t q . k_t`` inside the block.
+- CUBOID_MEAN: center ``c = (max + min) / 2``, radius ``r = mean_t |k_t - c|``
+  per channel; slot 0 = ``c + r``, slot 1 = ``c - r``, scored like QUEST. Since
+  ``r <= (max - min) / 2`` the box is inside QUEST's, so its score is at most
+  QUEST's and at least ``q . c``; it is *not* an upper bound on ``max_t q . k_t``
+  (a key far from the center on a channel can stick out of the box).
+
+The single-vector types (BLOCK_MEAN, BLOCK_MAX, FIXED, DYNAMIC) write their
+vector into every one of the A slots, so the max over slots equals the plain
+dot product; :func:`anchor_slots` tells retrieval how many slots it needs to
+read (1 for these, 2 for QUEST and CUBOID_MEAN).
+
+QUEST and CUBOID_MEAN round their upper slot up and their lower slot down
+when storing fp16, so the bound survives the fp16 anchor buffer even for a
+float32 cache; the other types round to nearest.
+"""
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+
+class AnchorType(enum.Enum):
+    FIXED = "fixed"
+    DYNAMIC = "dynamic"
+    QUEST = "quest"
+    BLOCK_MEAN = "block_mean"
+    BLOCK_MAX = "block_max"
+    CUBOID_MEAN = "cuboid_mean"
+
+
+_TWO_SLOT = (AnchorType.QUEST, AnchorType.CUBOID_MEAN)
+
+
+def anchor_slots(anchor_type: AnchorType, anchor_num: int) -> int:
+    """Number of anchor slots that carry distinct information (what retrieval reads)."""
+    return 2 if anchor_type in _TWO_SLOT else 1
+
+
+def min_anchor_num(anchor_type: AnchorType) -> int:
+    """Smallest A the type can be stored in."""
+    return 2 if anchor_type in _TWO_SLOT else 1
+
+
+def group_shared(anchor_type: AnchorType) -> bool:
+    """True when all G query heads of a kv head hold the same anchor."""
+    return anchor_type is not AnchorType.DYNAMIC
+
+
+def block_spans(block_table: np.ndarray, n_ctx: int, block_len: int, lb_start: int = 0,
+                lb_end: int | None = None):
+    """Physical ids and valid-token counts of logical blocks [lb_start, lb_end) (int64 arrays)."""
+    n_lb = -(-n_ctx // block_len)
+    lb_end = n_lb if lb_end is None else min(lb_end, n_lb)
+    lb = np.arange(lb_start, lb_end)
+    n_valid = np.minimum(block_len, n_ctx - lb * block_len)
+    return block_table[lb].astype(np.int64), n_valid.astype(np.int64)
+
+
+def _round_up_f16(x: np.ndarray) -> np.ndarray:
+    y = x.astype(np.float16)
+    low = y.astype(np.float32) < x
+    y[low] = np.nextafter(y[low], np.float16(np.inf))
+    return y
+
+
+def _round_down_f16(x: np.ndarray) -> np.ndarray:
+    y = x.astype(np.float16)
+    high = y.astype(np.float32) > x
+    y[high] = np.nextafter(y[high], np.float16(-np.inf))
+    return y
+
+
+def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_valid,
+                    anchor: np.ndarray, importance: np.ndarray | None = None) -> None:
+    """(Re)compute the anchors of the given physical blocks, in place.
+
+    k_cache: float16/float32 [Hkv][NB][B*D]; blocks: int [n] physical ids
+    (distinct); n_valid: int [n] valid tokens of each block (0..B);
+    anchor: float16 [NB][A][Hq][D], rows ``blocks`` written;
+    importance: float16 [NB][B][Hq], required for DYNAMIC.
+    """
+    blocks = np.asarray(blocks, np.int64)
+    n_valid = np.asarray(n_valid, np.int64)
+    if blocks.size == 0:
+        return
+    Hkv, NB, BD = k_cache.shape
+    _, A, Hq, D = anchor.shape
+    B = BD // D
+    G = Hq // Hkv
+    n = blocks.size
+    if anchor_type in _TWO_SLOT and A < 2:
+        raise ValueError(f"{anchor_type.name} anchors need anchor_num >= 2, got {A}")
+    K = k_cache[:, blocks].astype(np.float32).reshape(Hkv, n, B, D)
+    valid = np.arange(B)[None, :] < n_valid[:, None]  # [n, B]
+    vmask = valid[None, :, :, None]  # [1, n, B, 1]
+    cnt = np.maximum(n_valid, 1).astype(np.float32)[None, :, None]  # [1, n, 1]
+
+    if anchor_type is AnchorType.DYNAMIC:
+        if importance is None:
+            raise ValueError("DYNAMIC anchors need the importance matrix")
+        imp = importance[blocks].astype(np.float32)  # [n, B, Hq]
+        imp = np.where(valid[:, :, None], imp, -np.inf)
+        order = np.argsort(-imp, axis=1, kind="stable")  # [n, B, Hq]
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(B)[None, :, None], axis=1)
+        w = ((rank < A) & valid[:, :, None]).astype(np.float32)  # [n, B, Hq]
+        vec = np.empty((n, Hq, D), np.float32)
+        for kvh in range(Hkv):
+            hs = slice(kvh * G, (kvh + 1) * G)
+            vec[:, hs, :] = np.einsum("nbg,nbd->ngd", w[:, :, hs], K[kvh])
+        anchor[blocks] = vec[:, None, :, :].astype(np.float16)
+        return
+
+    if anchor_type is AnchorType.BLOCK_MEAN:
+        vec = np.where(vmask, K, 0.0).sum(axis=2) / cnt  # [Hkv, n, D]
+        slots = [vec.astype(np.float16)] * A
+    elif anchor_type is AnchorType.BLOCK_MAX:
+        vec = np.where(vmask, K, -np.inf).max(axis=2)
+        slots = [vec.astype(np.float16)] * A
+    elif anchor_type is AnchorType.FIXED:
+        pos = (np.arange(A) * B) // A
+        sample = np.zeros((n, B), bool)
+        sample[:, pos] = True
+        sample &= valid
+        ns = np.maximum(sample.sum(axis=1), 1).astype(np.float32)[None, :, None]
+        vec = np.where(sample[None, :, :, None], K, 0.0).sum(axis=2) / ns
+        slots = [vec.astype(np.float16)] * A
+    elif anchor_type is AnchorType.QUEST:
+        hi = np.where(vmask, K, -np.inf).max(axis=2)
+        lo = np.where(vmask, K, np.inf).min(axis=2)
+        slots = [_round_up_f16(hi), _round_down_f16(lo)] + [_round_up_f16(hi)] * (A - 2)
+    elif anchor_type is AnchorType.CUBOID_MEAN:
+        hi = np.where(vmask, K, -np.inf).max(axis=2)
+        lo = np.where(vmask, K, np.inf).min(axis=2)
+        c = (hi + lo) * np.float32(0.5)
+        r = np.where(vmask, np.abs(K - c[:, :, None, :]), 0.0).sum(axis=2) / cnt
+        slots = [_round_up_f16(c + r), _round_down_f16(c - r)] + [_round_up_f16(c + r)] * (A - 2)
+    else:  # pragma: no cover - enum is closed
+        raise ValueError(anchor_type)
+    # [A][Hkv, n, D] -> [n, A, Hq, D], each kv head repeated into its G query heads
+    st = np.stack(slots, axis=0).transpose(2, 0, 1, 3)  # [n, A, Hkv, D]
+    anchor[blocks] = np.repeat(st, G, axis=2)

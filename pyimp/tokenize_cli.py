@@ -1,0 +1,119 @@
+"""``pyimp-tokenize``: print the token ids of a text, like llama.cpp's ``llama-tokenize``.
+
+    pyimp-tokenize MODEL.gguf -p "Hello world"          # one line per token: id -> 'piece'
+    pyimp-tokenize MODEL.gguf -f prompt.txt --ids       # [2, 9259, 1902]
+
+Escape sequences (\\n, \\r, \\t, \\', \\", \\\\, \\xHH) in the text are processed
+unless ``--no-escape`` is given, for ``-p`` and ``-f`` alike, as llama-tokenize
+does. Only the vocabulary is read; no engine code (and no Numba) is imported.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+PROG = "pyimp-tokenize"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage dump
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def process_escapes(data: bytes) -> bytes:
+    """llama.cpp's string_process_escapes on bytes."""
+    out = bytearray()
+    i, n = 0, len(data)
+    simple = {ord("n"): 10, ord("r"): 13, ord("t"): 9, ord("'"): 39, ord('"'): 34, ord("\\"): 92}
+    while i < n:
+        c = data[i]
+        if c == 0x5C and i + 1 < n:
+            i += 1
+            e = data[i]
+            if e in simple:
+                out.append(simple[e])
+            elif e == ord("x") and i + 2 < n and all(chr(h) in "0123456789abcdefABCDEF" for h in data[i + 1:i + 3]):
+                out.append(int(data[i + 1:i + 3], 16))
+                i += 2
+            else:
+                out += bytes([0x5C, e])
+        else:
+            out.append(c)
+        i += 1
+    return bytes(out)
+
+
+def _piece_text(piece: bytes) -> tuple[str, bool]:
+    try:
+        return piece.decode("utf-8"), True
+    except UnicodeDecodeError:
+        return "<" + " ".join(f"{b:02x}" for b in piece) + ">", False
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(prog=PROG, description="Print the token ids of a text for a GGUF vocabulary "
+                                       "(same ids as llama.cpp's llama-tokenize).")
+    p.add_argument("model", metavar="MODEL.gguf", help="GGUF model or vocab-only file")
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="text to tokenize")
+    src.add_argument("-f", "--file", help="read the text from this file (bytes as they are)")
+    src.add_argument("--stdin", action="store_true", help="read the text from standard input")
+    p.add_argument("--ids", action="store_true", help="print only the ids, as a list")
+    p.add_argument("--parse-special", action="store_true",
+                   help="turn control-token text such as <start_of_turn> into those tokens")
+    p.add_argument("--no-bos", action="store_true", help="do not add BOS/EOS even where the model asks for them")
+    p.add_argument("--no-escape", action="store_true", help="take backslashes in the text literally")
+    p.add_argument("--show-count", action="store_true", help="print the number of tokens at the end")
+    a = p.parse_args(argv)
+
+    def fail(msg: str):
+        print(f"{PROG}: error: {msg}", file=sys.stderr)
+        raise SystemExit(1)
+
+    if a.prompt is None and a.file is None and not a.stdin:
+        p.error("one of -p/--prompt, -f/--file or --stdin is required")
+    if a.prompt is not None:
+        try:
+            text = a.prompt.encode("utf-8", "surrogateescape")  # undecodable argv bytes come back as they were
+        except UnicodeEncodeError:
+            text = a.prompt.encode("utf-8", "surrogatepass")
+    elif a.file is not None:
+        try:
+            with open(a.file, "rb") as f:
+                text = f.read()
+        except OSError as e:
+            fail(f"cannot read {a.file}: {e.strerror or e}")
+    else:
+        text = sys.stdin.buffer.read()
+    if not a.no_escape:
+        text = process_escapes(text)
+
+    from loaders.gguf_file import GGUFError
+    from loaders.tokenizer import Tokenizer, TokenizerError
+    try:
+        tok = Tokenizer.from_gguf(a.model)
+        ids = tok.encode(text, add_special=tok.add_bos and not a.no_bos, parse_special=a.parse_special)
+    except (GGUFError, TokenizerError) as e:
+        fail(str(e))
+
+    lines = []
+    if a.ids:
+        lines.append("[" + ", ".join(str(i) for i in ids) + "]")
+    else:
+        for i in ids:
+            s, ok = _piece_text(tok.token_to_bytes(i))
+            lines.append(f"{i:6d} -> '{s}'" + ("" if ok else " (utf-8 decode failure)"))
+    if a.show_count:
+        lines.append(f"Total number of tokens: {len(ids)}")
+    try:
+        out = sys.stdout
+        out.write("".join(line + "\n" for line in lines))
+        out.flush()
+    except BrokenPipeError:  # e.g. piped into head
+        sys.stderr.close()
+        raise SystemExit(1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

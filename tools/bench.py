@@ -1,0 +1,130 @@
+"""End-to-end speed: pyimp vs llama.cpp (flash attention on) in the same run.
+
+For each model and context length C: prefill C tokens (tok/s), then decode
+``--decode`` tokens on top (tok/s), 2 threads each, every measurement in a
+fresh subprocess so that peak RSS is per engine and per run.
+
+    python -m tools.bench                      # gemma3 270M + synthetic TinyLlama-1.1B Q4_0
+    python -m tools.bench --models gemma --ctx 128 1024
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+
+def _tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(10, min(n_vocab, 32000), n)]
+
+
+def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numerics: str) -> dict:
+    """Runs inside the subprocess; returns timings and peak RSS."""
+    t0 = time.perf_counter()
+    if engine == "pyimp":
+        from pyimp.engine import Engine, EngineOptions
+        eng = Engine(model, EngineOptions(n_ctx=ctx + n_decode + 8, n_threads=threads, numerics=numerics))
+        load = time.perf_counter() - t0
+        compile_s = eng.warmup()
+        toks = _tokens(ctx + n_decode, eng.cfg.n_vocab)
+        t = time.perf_counter()
+        eng.eval(toks[:ctx], all_logits=False)
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        for tok in toks[ctx:]:
+            eng.eval([tok], all_logits=False)
+        decode = time.perf_counter() - t
+    else:
+        from tools import llamacpp_peer
+        m = llamacpp_peer.open_model(model, n_ctx=ctx + n_decode + 8, n_batch=512, kv_type="f16",
+                                     flash_attn=True, n_threads=threads, logits_all=False)
+        load = time.perf_counter() - t0
+        compile_s = 0.0
+        toks = _tokens(ctx + n_decode, m.n_vocab())
+        t = time.perf_counter()
+        m.eval(toks[:ctx])
+        prefill = time.perf_counter() - t
+        t = time.perf_counter()
+        for tok in toks[ctx:]:
+            m.eval([tok])
+        decode = time.perf_counter() - t
+    return {"engine": engine, "ctx": ctx, "load_s": load, "compile_s": compile_s,
+            "prefill_tok_s": ctx / prefill, "decode_tok_s": n_decode / decode,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def _spawn(engine, model, ctx, n_decode, threads, numerics) -> dict:
+    cmd = [sys.executable, "-m", "tools.bench", "--worker", engine, "--model", model, "--ctx", str(ctx),
+           "--decode", str(n_decode), "--threads", str(threads), "--numerics", numerics]
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+               OPENBLAS_NUM_THREADS=str(threads))
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if r.returncode:
+        raise RuntimeError(f"{engine} worker failed: {r.stderr.strip().splitlines()[-1:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def tinyllama_path() -> str:
+    from pyimp.default_model import cache_dir
+    from tools.write_synthetic_gguf import PRESETS, SynthSpec, write
+    p = cache_dir() / "synthetic-tinyllama-1.1b-q4_0.gguf"
+    if not p.exists():
+        tmp = p.with_suffix(".tmp")
+        write(tmp, SynthSpec(weight_type="Q4_0", embd_type="Q4_0", tied_output=False, **PRESETS["tinyllama"]))
+        os.replace(tmp, p)
+    return str(p)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["gemma", "tinyllama"], choices=["gemma", "tinyllama"])
+    ap.add_argument("--ctx", nargs="+", type=int, default=[128, 1024, 4096])
+    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--numerics", default="fp32", choices=["fp32", "ggml"])
+    ap.add_argument("--worker", choices=["pyimp", "llama.cpp"], help=argparse.SUPPRESS)
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.worker:
+        print(json.dumps(worker(a.worker, a.model, a.ctx[0], a.decode, a.threads, a.numerics)))
+        return 0
+    from pyimp.default_model import default_model_path
+    paths = {"gemma": str(default_model_path())}
+    if "tinyllama" in a.models:
+        paths["tinyllama"] = tinyllama_path()
+    print(f"threads {a.threads}, decode {a.decode} tokens after the prefill, numerics {a.numerics}, "
+          f"llama.cpp with flash_attn, both f16 KV")
+    hdr = (f"{'model':10} {'ctx':>5} | {'pyimp pf':>9} {'llama pf':>9} {'ratio':>6} | {'pyimp dec':>9} "
+           f"{'llama dec':>9} {'ratio':>6} | {'pyimp RSS':>9} {'llama RSS':>9} {'GGUF+KV+400':>11}")
+    print(hdr)
+    print("-" * len(hdr))
+    for name in a.models:
+        path = paths[name]
+        gguf_mb = os.path.getsize(path) / 2**20
+        from loaders.config import read_config
+        from loaders.gguf_file import GGUFFile
+        cfg = read_config(GGUFFile(path))
+        for ctx in a.ctx:
+            if ctx + a.decode + 8 > cfg.n_ctx_train:
+                continue
+            p = _spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics)
+            q = _spawn("llama.cpp", path, ctx, a.decode, a.threads, a.numerics)
+            kv_mb = cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 2 * 2 * (ctx + a.decode + 8) / 2**20
+            print(f"{name:10} {ctx:5d} | {p['prefill_tok_s']:9.1f} {q['prefill_tok_s']:9.1f} "
+                  f"{p['prefill_tok_s'] / q['prefill_tok_s']:6.2f} | {p['decode_tok_s']:9.2f} "
+                  f"{q['decode_tok_s']:9.2f} {p['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
+                  f"{p['peak_rss_mb']:8.0f}M {q['peak_rss_mb']:8.0f}M {gguf_mb + kv_mb + 400:10.0f}M",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
