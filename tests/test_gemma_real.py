@@ -19,7 +19,8 @@ PROMPTS = [
     "def factorial(n):\n    \"\"\"Return n! for a non-negative integer n.\"\"\"\n",
     "Photosynthesis is the process by which green plants, algae and some bacteria convert light "
     "energy into chemical energy. In the chloroplasts, chlorophyll absorbs sunlight, and water and "
-    "carbon dioxide are turned into glucose and oxygen. The oxygen we breathe",
+    "carbon dioxide are turned into glucose and oxygen. This reaction powers nearly every food chain on "
+    "Earth, and the oxygen it releases into the atmosphere is the oxygen we breathe",
 ]
 
 
@@ -44,8 +45,13 @@ def test_prompt_logits_close_to_llamacpp(engine, gemma_path, prompt):
 
 
 def test_greedy_continuation_matches_llamacpp(engine, gemma_path):
-    toks = engine.tokenize("The capital of France is")
+    # This model has many near-ties: llama.cpp's own greedy text changes after 2-11 tokens on
+    # several factual prompts when only its batch size changes (e.g. "The capital of France
+    # is": 11 tokens). A prompt is a fair oracle only where llama.cpp agrees with itself, so
+    # that is checked first, then pyimp must reproduce 16 tokens exactly.
+    toks = engine.tokenize("Water boils at a temperature of")
     from pyimp.sampling import SamplingParams
+    ref = llamacpp_peer.greedy(gemma_path, toks, 16, n_batch=512, kv_type="f16")
+    assert llamacpp_peer.greedy(gemma_path, toks, 16, n_batch=1, kv_type="f16") == ref
     ours = [t for t, _ in engine.generate(toks, max_tokens=16, sampling=SamplingParams(temperature=0))]
-    ref = llamacpp_peer.greedy(gemma_path, toks, 16, kv_type="f16")
     assert ours == ref, (engine.detokenize(ours), engine.detokenize(ref))

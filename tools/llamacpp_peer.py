@@ -56,7 +56,7 @@ def logits(path: str, tokens, n_batch: int = 512, kv_type: str = "f32", n_ctx: i
 
 def greedy(path: str, tokens, n: int, n_batch: int = 512, kv_type: str = "f16") -> list[int]:
     """``n`` greedy continuation tokens of ``tokens``."""
-    m = open_model(path, n_ctx=len(tokens) + n + 8, n_batch=n_batch, kv_type=kv_type, logits_all=False)
+    m = open_model(path, n_ctx=len(tokens) + n + 8, n_batch=n_batch, kv_type=kv_type, logits_all=True)
     out = []
     with _quiet():
         m.eval([int(t) for t in tokens])

@@ -1,0 +1,182 @@
+"""Dispatcher over the per-type kernels: dequantize, gather rows, matvec, matmul.
+
+Weights arrive as the bytes a GGUF tensor stores: ``uint8[rows, row_bytes]``
+(a memory map slice), or a typed view of them for float types (``float32``
+for F32, ``float16``/``uint16`` for F16, ``uint16`` for BF16).
+
+Two numerics:
+
+* ``"fp32"``: exact dequantized float32 weights, float32 products and sums
+  (matvec: fused kernels that never build the float matrix; matmul: row tiles
+  dequantized once, then BLAS).
+* ``"ggml"``: activations converted to the weight type's ``act_type`` exactly
+  as ggml's CPU matmul does, then ggml's per-block integer dot products and
+  float accumulation order.
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+
+from . import quants_legacy
+from .ggml_types import SUPPORTED_TYPES, TypeKernels, row_bytes, type_name
+
+QT = GGMLQuantizationType
+
+try:  # K-quants live in their own module
+    from . import quants_k
+except ImportError:  # pragma: no cover - only while quants_k is absent
+    quants_k = None
+
+KERNELS: dict[QT, TypeKernels] = dict(quants_legacy.KERNELS)
+if quants_k is not None:
+    KERNELS.update(quants_k.KERNELS)
+
+_ACT_CONVERTERS = dict(quants_legacy.ACT_CONVERTERS)
+if quants_k is not None:
+    _ACT_CONVERTERS[QT.Q8_K] = quants_k.quantize_act_q8_k
+
+NUMERICS = ("fp32", "ggml")
+# rows dequantized at once by fp32 matmul (a float32 tile of at most ~8 MB for n <= 4096)
+MATMUL_TILE_ROWS = 512
+
+_TYPED_OK = {
+    QT.F32: (np.float32,),
+    QT.F16: (np.float16, np.uint16),
+    QT.BF16: (np.uint16,),
+}
+
+
+def available_types() -> frozenset[QT]:
+    """Supported weight types whose kernels are present."""
+    return frozenset(t for t in SUPPORTED_TYPES if t in KERNELS)
+
+
+def kernels(qtype: int) -> TypeKernels:
+    """The kernel record of ``qtype``; ValueError when unsupported."""
+    try:
+        return KERNELS[QT(qtype)]
+    except (KeyError, ValueError):
+        raise ValueError(f"no kernels for ggml type {type_name(qtype)}") from None
+
+
+def as_raw(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
+    """Weights of ``qtype`` with rows of ``n`` elements -> read-only ``uint8[rows, row_bytes]``.
+
+    Accepts uint8/int8 bytes (2-D ``[rows, row_bytes]`` or 1-D holding whole rows)
+    and, for float types, typed arrays (``[rows, n]`` or 1-D).
+    """
+    qtype = QT(qtype)
+    rb = row_bytes(qtype, n)
+    a = np.asarray(raw)
+    if a.dtype not in (np.uint8, np.int8):
+        if qtype not in _TYPED_OK or a.dtype.type not in _TYPED_OK[qtype]:
+            raise ValueError(f"{type_name(qtype)} weights given as {a.dtype}; expected uint8 bytes"
+                             + (f" or {[t.__name__ for t in _TYPED_OK[qtype]]}" if qtype in _TYPED_OK else ""))
+    if a.ndim == 2:
+        if a.shape[1] * a.itemsize != rb:
+            raise ValueError(f"{type_name(qtype)} rows of {n} elements take {rb} bytes; "
+                             f"got rows of {a.shape[1] * a.itemsize} bytes (shape {a.shape}, {a.dtype})")
+        rows = a.shape[0]
+    elif a.ndim == 1:
+        if a.size * a.itemsize % rb:
+            raise ValueError(f"{a.size * a.itemsize} bytes of {type_name(qtype)} weights are not "
+                             f"whole rows of {n} elements ({rb} bytes each)")
+        rows = a.size * a.itemsize // rb
+    else:
+        raise ValueError(f"weights must be 1-D or 2-D, got shape {a.shape}")
+    a = np.ascontiguousarray(a)
+    out = a.view(np.uint8).reshape(rows, rb)
+    if out.flags.writeable:
+        out = out.view()
+        out.flags.writeable = False  # one compiled specialization for memmaps and arrays alike
+    return out
+
+
+def _check_numerics(numerics: str) -> None:
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
+
+
+def _out(out: np.ndarray | None, shape: tuple) -> np.ndarray:
+    if out is None:
+        return np.empty(shape, dtype=np.float32)
+    if out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be C-contiguous float32{list(shape)}, got {out.dtype}{list(out.shape)}")
+    return out
+
+
+def dequantize(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
+    """Weights -> float32[rows, n] (bit-identical to ``gguf.quants.dequantize``)."""
+    k = kernels(qtype)
+    r = as_raw(raw, qtype, n)
+    out = np.empty((r.shape[0], n), dtype=np.float32)
+    k.dequantize(r, out)
+    return out
+
+
+def dequantize_rows(raw: np.ndarray, qtype: int, n: int, rows) -> np.ndarray:
+    """Gather and dequantize rows (embedding lookup): -> float32[len(rows), n]."""
+    r = as_raw(raw, qtype, n)
+    idx = np.asarray(rows, dtype=np.int64).reshape(-1)
+    if idx.size and (idx.min() < -r.shape[0] or idx.max() >= r.shape[0]):
+        raise IndexError(f"row index out of range for {r.shape[0]} rows")
+    return dequantize(r[idx], qtype, n)
+
+
+def quantize_activations(x: np.ndarray, act_type: int) -> np.ndarray:
+    """float32[m, n] (or [n]) -> activations in ``act_type`` as ggml's CPU ``from_float``:
+    uint8[m, act_row_bytes], float32[m, n] for F32."""
+    try:
+        conv = _ACT_CONVERTERS[QT(act_type)]
+    except (KeyError, ValueError):
+        raise ValueError(f"no activation converter for {type_name(act_type)}") from None
+    x = np.asarray(x, dtype=np.float32)
+    if x.ndim == 1:
+        x = x[None, :]
+    if x.ndim != 2:
+        raise ValueError(f"activations must be float32[m, n], got shape {x.shape}")
+    return conv(np.ascontiguousarray(x))
+
+
+def matvec(raw: np.ndarray, qtype: int, n: int, x: np.ndarray, numerics: str = "fp32",
+           out: np.ndarray | None = None) -> np.ndarray:
+    """W @ x: weights ``[rows, n]`` of ``qtype``, x float32[n] -> float32[rows]."""
+    _check_numerics(numerics)
+    k = kernels(qtype)
+    r = as_raw(raw, qtype, n)
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.shape != (n,):
+        raise ValueError(f"x must be float32[{n}], got shape {x.shape}")
+    res = _out(out, (r.shape[0],))
+    if numerics == "fp32":
+        k.matvec(r, x, res)
+    else:
+        k.matmul_ggml(r, quantize_activations(x, k.act_type), res.reshape(1, -1))
+    return res
+
+
+def matmul(raw: np.ndarray, qtype: int, n: int, X: np.ndarray, numerics: str = "fp32",
+           out: np.ndarray | None = None) -> np.ndarray:
+    """X @ W.T: weights ``[rows, n]`` of ``qtype``, X float32[m, n] -> float32[m, rows]."""
+    _check_numerics(numerics)
+    k = kernels(qtype)
+    r = as_raw(raw, qtype, n)
+    X = np.ascontiguousarray(X, dtype=np.float32)
+    if X.ndim != 2 or X.shape[1] != n:
+        raise ValueError(f"X must be float32[m, {n}], got shape {X.shape}")
+    m, rows = X.shape[0], r.shape[0]
+    res = _out(out, (m, rows))
+    if numerics == "ggml":
+        k.matmul_ggml(r, quantize_activations(X, k.act_type), res)
+        return res
+    if m == 1:
+        k.matvec(r, X[0], res.reshape(-1))
+        return res
+    tile = np.empty((min(MATMUL_TILE_ROWS, rows), n), dtype=np.float32)
+    for r0 in range(0, rows, MATMUL_TILE_ROWS):
+        r1 = min(r0 + MATMUL_TILE_ROWS, rows)
+        t = tile[:r1 - r0]
+        k.dequantize(r[r0:r1], t)
+        res[:, r0:r1] = X @ t.T
+    return res

@@ -1,0 +1,1062 @@
+"""Kernels for the float and legacy block types: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0.
+
+Byte layouts (one block; ggml field names; all multi-byte fields little-endian):
+
+    F32   4 bytes   float32 value                                   (1 element)
+    F16   2 bytes   IEEE half                                       (1 element)
+    BF16  2 bytes   upper 16 bits of a float32                      (1 element)
+    Q4_0 18 bytes   d: f16 | qs: u8[16]                             (32 elements)
+                    q[j] = qs[j] & 0xF, q[j+16] = qs[j] >> 4;  w = d * (q - 8)
+    Q4_1 20 bytes   d: f16 | m: f16 | qs: u8[16]                    (32 elements)
+                    q as Q4_0;                                  w = d * q + m
+    Q5_0 22 bytes   d: f16 | qh: u32 | qs: u8[16]                   (32 elements)
+                    q[j]    = (qs[j] & 0xF) | ((qh >> j) & 1) << 4
+                    q[j+16] = (qs[j] >> 4)  | ((qh >> (j+16)) & 1) << 4;  w = d * (q - 16)
+    Q5_1 24 bytes   d: f16 | m: f16 | qh: u32 | qs: u8[16]          (32 elements)
+                    q as Q5_0;                                  w = d * q + m
+    Q8_0 34 bytes   d: f16 | qs: i8[32];                        w = d * qs[j]
+    Q8_1 36 bytes   d: f16 | s: f16 | qs: i8[32]  (activations only; s = fp16(d * sum(qs)))
+
+Dequantization is bit-identical to ``gguf.quants.dequantize`` (same float32
+operations in the same order: ``d * q`` then ``+ m``).
+
+Two numerics:
+
+* fp32 (``matvec_*``): reads the quantized bytes directly, each weight is the
+  exact dequantized float32 value, products and sums in float32 with 32
+  independent lane accumulators per row (a fixed summation order).
+* ggml (``matmul_ggml_*``): activations already converted to the weight type's
+  ``act_type`` exactly as ggml's CPU ``from_float`` does (Q8_0 for Q4_0, Q5_0,
+  Q8_0; Q8_1 for Q4_1, Q5_1; the float types convert to themselves), then the
+  dot product of ggml's x86 CPU ``vec_dot`` as compiled for AVX-512/AVX2
+  (integer block sums over 8 lanes of 4 elements, ``fma`` into 8 float lanes,
+  ``hsum_float_8``; F32/F16 with 64 FMA lanes and ``_mm512_reduce_add_ps``,
+  BF16 with ``vdpbf16ps`` pairs).
+
+Every kernel takes ``raw`` as ``uint8[rows, row_bytes]``; fp16 values are decoded
+through the 65536-entry table ``F16_TO_F32``. Plain NumPy references of every
+kernel are at the end of this module (``*_ref``).
+"""
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGMLQuantizationType
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+from .ggml_types import TypeKernels
+
+QT = GGMLQuantizationType
+
+# fp16 bit pattern -> float32 value (exact), passed to every kernel that reads fp16
+F16_TO_F32: np.ndarray = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+_F32_0 = np.float32(0.0)
+_F32_127 = np.float32(127.0)
+
+# ---------------------------------------------------------------------------------------
+# scalar building blocks (compiled inline into the kernels of this module)
+# ---------------------------------------------------------------------------------------
+
+
+@intrinsic
+def _fma32(typingctx, a, b, c):
+    """float32 fused multiply-add a * b + c with a single rounding (llvm.fma.f32)."""
+    sig = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, signature, args):
+        f = ir.FloatType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f, [f, f, f]),
+                                            "llvm.fma.f32")
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, a):
+    """Bit pattern of a float32 as uint32."""
+    sig = types.uint32(types.float32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return sig, codegen
+
+
+@intrinsic
+def _bits_f32(typingctx, a):
+    """uint32 bit pattern -> float32."""
+    sig = types.float32(types.uint32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def _f32_to_f16_bits(f):
+    """float32 -> IEEE half bits, round to nearest even (as F16C ``vcvtps2ph`` and NumPy)."""
+    b = np.uint32(_f32_bits(np.float32(f)))
+    sign = np.uint32((b >> 16) & 0x8000)
+    e = np.int32((b >> 23) & 0xFF)
+    m = np.uint32(b & 0x7FFFFF)
+    if e == 0xFF:  # inf / nan (nan made quiet)
+        if m == 0:
+            return np.uint16(sign | 0x7C00)
+        return np.uint16(sign | 0x7E00 | (m >> 13))
+    if e >= 143:  # |f| >= 2^16: overflow to inf
+        return np.uint16(sign | 0x7C00)
+    if e >= 113:  # normal half
+        h = np.uint32(((e - 112) << 10) | (m >> 13))
+        rest = m & 0x1FFF
+        if rest > 0x1000 or (rest == 0x1000 and (h & 1) == 1):
+            h += 1  # a carry into the exponent is the correct rounding (up to inf)
+        return np.uint16(sign | h)
+    if e < 102:  # below half of the smallest subnormal: signed zero
+        return np.uint16(sign)
+    # subnormal half: value = sig * 2^(e - 150), unit 2^-24
+    sig = m | 0x800000
+    shift = np.uint32(126 - e)  # 14 .. 24
+    h = sig >> shift
+    rest = sig & ((np.uint32(1) << shift) - 1)
+    half = np.uint32(1) << (shift - 1)
+    if rest > half or (rest == half and (h & 1) == 1):
+        h += 1
+    return np.uint16(sign | h)
+
+
+@njit(cache=True, inline="always")
+def _f32_to_bf16_bits(f):
+    """float32 -> bfloat16 bits as ggml_compute_fp32_to_bf16 (nearest even, nan made quiet)."""
+    b = np.uint32(_f32_bits(np.float32(f)))
+    if (b & 0x7FFFFFFF) > 0x7F800000:
+        return np.uint16((b >> 16) | 64)
+    return np.uint16((b + (0x7FFF + ((b >> 16) & 1))) >> 16)
+
+
+@njit(cache=True, inline="always")
+def _i8(u):
+    """uint8 byte -> signed value (int32)."""
+    v = np.int32(u)
+    return v - ((v & 0x80) << 1)
+
+
+@njit(cache=True, inline="always")
+def _u16(w, o):
+    """Little-endian uint16 at byte offset o of a uint8 row."""
+    return np.int32(w[o]) | (np.int32(w[o + 1]) << 8)
+
+
+@njit(cache=True, inline="always")
+def _u32(w, o):
+    """Little-endian uint32 at byte offset o of a uint8 row."""
+    return (np.uint32(w[o]) | (np.uint32(w[o + 1]) << 8)
+            | (np.uint32(w[o + 2]) << 16) | (np.uint32(w[o + 3]) << 24))
+
+
+@njit(cache=True, inline="always")
+def _hsum8(a):
+    """ggml hsum_float_8 order: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))."""
+    r0 = a[4] + a[0]
+    r1 = a[5] + a[1]
+    r2 = a[6] + a[2]
+    r3 = a[7] + a[3]
+    return (r0 + r2) + (r1 + r3)
+
+
+@njit(cache=True, inline="always")
+def _reduce16(a, o):
+    """_mm512_reduce_add_ps order (GCC) over a[o:o+16]."""
+    t0 = a[o + 8] + a[o + 0]
+    t1 = a[o + 9] + a[o + 1]
+    t2 = a[o + 10] + a[o + 2]
+    t3 = a[o + 11] + a[o + 3]
+    t4 = a[o + 12] + a[o + 4]
+    t5 = a[o + 13] + a[o + 5]
+    t6 = a[o + 14] + a[o + 6]
+    t7 = a[o + 15] + a[o + 7]
+    u0 = t4 + t0
+    u1 = t5 + t1
+    u2 = t6 + t2
+    u3 = t7 + t3
+    return (u0 + u2) + (u1 + u3)
+
+
+@njit(cache=True, inline="always")
+def _lanes_sum32(acc):
+    """Sum of 32 float32 lane accumulators, pairwise (fixed order)."""
+    for w in (16, 8, 4, 2, 1):
+        for k in range(w):
+            acc[k] = acc[k] + acc[k + w]
+    return acc[0]
+
+
+# ---------------------------------------------------------------------------------------
+# activation converters (ggml CPU from_float, SIMD versions)
+# ---------------------------------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _quantize_act_q8(x, out, with_sum):
+    """x: float32[m, n] -> Q8_0 (with_sum False) or Q8_1 (True) blocks in out: uint8[m, bytes]."""
+    m, n = x.shape
+    nb = n // 32
+    bsz = 36 if with_sum else 34
+    oq = 4 if with_sum else 2
+    for i in prange(m):
+        for b in range(nb):
+            amax = _F32_0
+            for k in range(32):
+                a = abs(x[i, b * 32 + k])
+                if a > amax:
+                    amax = a
+            d = amax / _F32_127
+            inv = _F32_127 / amax if amax != _F32_0 else _F32_0
+            o = b * bsz
+            hd = _f32_to_f16_bits(d)
+            out[i, o] = np.uint8(hd & 0xFF)
+            out[i, o + 1] = np.uint8(hd >> 8)
+            isum = 0
+            for k in range(32):
+                q = np.int32(np.rint(np.float32(x[i, b * 32 + k] * inv)))
+                q = min(max(q, -128), 127)
+                isum += q
+                out[i, o + oq + k] = np.uint8(q & 0xFF)
+            if with_sum:
+                hs = _f32_to_f16_bits(np.float32(d * np.float32(isum)))
+                out[i, o + 2] = np.uint8(hs & 0xFF)
+                out[i, o + 3] = np.uint8(hs >> 8)
+
+
+@njit(cache=True, parallel=True)
+def _convert_act_f16(x, out):
+    """x: float32[m, n] -> fp16 bits uint16[m, n] (round to nearest even)."""
+    m, n = x.shape
+    for i in prange(m):
+        for j in range(n):
+            out[i, j] = _f32_to_f16_bits(x[i, j])
+
+
+@njit(cache=True, parallel=True)
+def _convert_act_bf16(x, out):
+    """x: float32[m, n] -> bf16 bits uint16[m, n] (ggml rounding)."""
+    m, n = x.shape
+    for i in prange(m):
+        for j in range(n):
+            out[i, j] = _f32_to_bf16_bits(x[i, j])
+
+
+def _as_2d_f32(x: np.ndarray) -> np.ndarray:
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim == 1:
+        x = x[None, :]
+    if x.ndim != 2:
+        raise ValueError(f"activations must be float32[m, n], got shape {x.shape}")
+    return x
+
+
+def quantize_act_q8_0(x: np.ndarray) -> np.ndarray:
+    """float32[m, n] -> Q8_0 blocks uint8[m, n//32*34], bytes as ggml's CPU quantize_row_q8_0."""
+    x = _as_2d_f32(x)
+    if x.shape[1] % 32:
+        raise ValueError(f"Q8_0 activations need n % 32 == 0, got n={x.shape[1]}")
+    out = np.empty((x.shape[0], x.shape[1] // 32 * 34), dtype=np.uint8)
+    _quantize_act_q8(x, out, False)
+    return out
+
+
+def quantize_act_q8_1(x: np.ndarray) -> np.ndarray:
+    """float32[m, n] -> Q8_1 blocks uint8[m, n//32*36], bytes as ggml's CPU quantize_row_q8_1."""
+    x = _as_2d_f32(x)
+    if x.shape[1] % 32:
+        raise ValueError(f"Q8_1 activations need n % 32 == 0, got n={x.shape[1]}")
+    out = np.empty((x.shape[0], x.shape[1] // 32 * 36), dtype=np.uint8)
+    _quantize_act_q8(x, out, True)
+    return out
+
+
+def convert_act_f16(x: np.ndarray) -> np.ndarray:
+    """float32[m, n] -> fp16 bytes uint8[m, 2n] (ggml_cpu_fp32_to_fp16: nearest even)."""
+    x = _as_2d_f32(x)
+    out = np.empty(x.shape, dtype=np.uint16)
+    _convert_act_f16(x, out)
+    return out.view(np.uint8)
+
+
+def convert_act_bf16(x: np.ndarray) -> np.ndarray:
+    """float32[m, n] -> bf16 bytes uint8[m, 2n] (ggml_cpu_fp32_to_bf16)."""
+    x = _as_2d_f32(x)
+    out = np.empty(x.shape, dtype=np.uint16)
+    _convert_act_bf16(x, out)
+    return out.view(np.uint8)
+
+
+def convert_act_f32(x: np.ndarray) -> np.ndarray:
+    """float32[m, n] -> float32[m, n] (F32 weights take activations as they are)."""
+    return _as_2d_f32(x)
+
+
+# ---------------------------------------------------------------------------------------
+# F32 / F16 / BF16
+# ---------------------------------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _dequantize_f16(h, out, f16):
+    """h: uint16[rows, n] fp16 bits -> out float32[rows, n]."""
+    rows, n = h.shape
+    for r in prange(rows):
+        for j in range(n):
+            out[r, j] = f16[h[r, j]]
+
+
+@njit(cache=True, parallel=True)
+def _dequantize_bf16(h, out):
+    """h: uint16[rows, n] bf16 bits -> out float32[rows, n]."""
+    rows, n = h.shape
+    for r in prange(rows):
+        for j in range(n):
+            out[r, j] = _bits_f32(np.uint32(h[r, j]) << 16)
+
+
+@njit(cache=True, parallel=True)
+def _matvec_f32(w, x, out):
+    """w: float32[rows, n], x: float32[n] -> out float32[rows]."""
+    rows, n = w.shape
+    n32 = n // 32 * 32
+    for r in prange(rows):
+        wr = w[r]
+        acc = np.zeros(32, np.float32)
+        for j0 in range(0, n32, 32):
+            wb = wr[j0:j0 + 32]
+            xb = x[j0:j0 + 32]
+            for k in range(32):
+                acc[k] += wb[k] * xb[k]
+        for j in range(n32, n):
+            acc[j - n32] += wr[j] * x[j]
+        out[r] = _lanes_sum32(acc)
+
+
+@njit(cache=True, parallel=True)
+def _matvec_f16(h, x, out, f16):
+    """h: uint16[rows, n] fp16 bits, x: float32[n] -> out float32[rows]."""
+    rows, n = h.shape
+    n32 = n // 32 * 32
+    for r in prange(rows):
+        hr = h[r]
+        acc = np.zeros(32, np.float32)
+        for j0 in range(0, n32, 32):
+            hb = hr[j0:j0 + 32]
+            xb = x[j0:j0 + 32]
+            for k in range(32):
+                acc[k] += f16[hb[k]] * xb[k]
+        for j in range(n32, n):
+            acc[j - n32] += f16[hr[j]] * x[j]
+        out[r] = _lanes_sum32(acc)
+
+
+@njit(cache=True, parallel=True)
+def _matvec_bf16(h, x, out):
+    """h: uint16[rows, n] bf16 bits, x: float32[n] -> out float32[rows]."""
+    rows, n = h.shape
+    n32 = n // 32 * 32
+    for r in prange(rows):
+        hr = h[r]
+        acc = np.zeros(32, np.float32)
+        for j0 in range(0, n32, 32):
+            hb = hr[j0:j0 + 32]
+            xb = x[j0:j0 + 32]
+            for k in range(32):
+                acc[k] += _bits_f32(np.uint32(hb[k]) << 16) * xb[k]
+        for j in range(n32, n):
+            acc[j - n32] += _bits_f32(np.uint32(hr[j]) << 16) * x[j]
+        out[r] = _lanes_sum32(acc)
+
+
+@njit(cache=True, parallel=True)
+def _matmul_ggml_f32(w, xa, out):
+    """ggml_vec_dot_f32 (AVX-512): 4x16 FMA lanes, reduce, tail. w: float32[rows, n], xa: float32[m, n]."""
+    rows, n = w.shape
+    m = xa.shape[0]
+    npart = n & ~63
+    for r in prange(rows):
+        acc = np.empty(64, np.float32)
+        for i in range(m):
+            acc[:] = 0
+            for j0 in range(0, npart, 64):
+                for k in range(64):
+                    acc[k] = _fma32(w[r, j0 + k], xa[i, j0 + k], acc[k])
+            for k in range(16):
+                acc[k] = acc[k] + acc[32 + k]
+                acc[16 + k] = acc[16 + k] + acc[48 + k]
+            for k in range(16):
+                acc[k] = acc[k] + acc[16 + k]
+            s = _reduce16(acc, 0)
+            # tail: whole 16-element chunks as mul then add, the rest fused
+            j = npart
+            while j + 16 <= n:
+                for k in range(16):
+                    s = s + np.float32(w[r, j + k] * xa[i, j + k])
+                j += 16
+            for jj in range(j, n):
+                s = _fma32(w[r, jj], xa[i, jj], s)
+            out[i, r] = s
+
+
+@njit(cache=True, parallel=True)
+def _matmul_ggml_f16(h, ha, out, f16):
+    """ggml_vec_dot_f16 (AVX-512, no FP16 arithmetic): 4x16 FMA lanes, double tail.
+
+    h: uint16[rows, n], ha: uint16[m, n] fp16 bits."""
+    rows, n = h.shape
+    m = ha.shape[0]
+    npart = n & ~63
+    for r in prange(rows):
+        acc = np.empty(64, np.float32)
+        for i in range(m):
+            acc[:] = 0
+            for j0 in range(0, npart, 64):
+                for k in range(64):
+                    acc[k] = _fma32(f16[h[r, j0 + k]], f16[ha[i, j0 + k]], acc[k])
+            for k in range(16):
+                acc[k] = acc[k] + acc[32 + k]
+                acc[16 + k] = acc[16 + k] + acc[48 + k]
+            for k in range(16):
+                acc[k] = acc[k] + acc[16 + k]
+            s = np.float64(_reduce16(acc, 0))
+            for j in range(npart, n):
+                s += np.float64(f16[h[r, j]] * f16[ha[i, j]])
+            out[i, r] = np.float32(s)
+
+
+@njit(cache=True, parallel=True)
+def _matmul_ggml_bf16(h, ha, out):
+    """ggml_vec_dot_bf16 (AVX512-BF16): two 16-lane vdpbf16ps accumulators, double tail.
+
+    h: uint16[rows, n], ha: uint16[m, n] bf16 bits."""
+    rows, n = h.shape
+    m = ha.shape[0]
+    npart = n & ~63
+    for r in prange(rows):
+        acc = np.empty(32, np.float32)
+        for i in range(m):
+            acc[:] = 0
+            for j0 in range(0, npart, 64):
+                for c in range(2):
+                    for k in range(16):
+                        j = j0 + 32 * c + 2 * k
+                        p1 = (_bits_f32(np.uint32(h[r, j + 1]) << 16)
+                              * _bits_f32(np.uint32(ha[i, j + 1]) << 16))
+                        p0 = (_bits_f32(np.uint32(h[r, j]) << 16)
+                              * _bits_f32(np.uint32(ha[i, j]) << 16))
+                        acc[16 * c + k] = (acc[16 * c + k] + p1) + p0
+            s = np.float64(_reduce16(acc, 0))
+            s += np.float64(_reduce16(acc, 16))
+            for j in range(npart, n):
+                s += np.float64(_bits_f32(np.uint32(h[r, j]) << 16)
+                                * _bits_f32(np.uint32(ha[i, j]) << 16))
+            out[i, r] = np.float32(s)
+
+
+def _u16_view(raw: np.ndarray) -> np.ndarray:
+    return raw.view(np.uint16)
+
+
+def dequantize_f32(raw: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, 4n] -> out float32[rows, n]."""
+    out[...] = raw.view(np.float32)
+
+
+def dequantize_f16(raw: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, 2n] -> out float32[rows, n]."""
+    _dequantize_f16(_u16_view(raw), out, F16_TO_F32)
+
+
+def dequantize_bf16(raw: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, 2n] -> out float32[rows, n]."""
+    _dequantize_bf16(_u16_view(raw), out)
+
+
+def matvec_f32(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, 4n], x: float32[n] -> out float32[rows]."""
+    _matvec_f32(raw.view(np.float32), x, out)
+
+
+def matvec_f16(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, 2n], x: float32[n] -> out float32[rows]."""
+    _matvec_f16(_u16_view(raw), x, out, F16_TO_F32)
+
+
+def matvec_bf16(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, 2n], x: float32[n] -> out float32[rows]."""
+    _matvec_bf16(_u16_view(raw), x, out)
+
+
+def matmul_ggml_f32(raw: np.ndarray, xa: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, 4n], xa: float32[m, n] -> out float32[m, rows]."""
+    _matmul_ggml_f32(raw.view(np.float32), xa, out)
+
+
+def matmul_ggml_f16(raw: np.ndarray, xa: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, 2n], xa: uint8[m, 2n] fp16 bytes -> out float32[m, rows]."""
+    _matmul_ggml_f16(_u16_view(raw), _u16_view(xa), out, F16_TO_F32)
+
+
+def matmul_ggml_bf16(raw: np.ndarray, xa: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, 2n], xa: uint8[m, 2n] bf16 bytes -> out float32[m, rows]."""
+    _matmul_ggml_bf16(_u16_view(raw), _u16_view(xa), out)
+
+
+# ---------------------------------------------------------------------------------------
+# Q4_0   d: f16 | qs: u8[16]        w = d * (q - 8)
+# ---------------------------------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _dequantize_q4_0(raw, out, f16):
+    rows = raw.shape[0]
+    nb = out.shape[1] // 32
+    for r in prange(rows):
+        w = raw[r]
+        for b in range(nb):
+            o = b * 18
+            d = f16[_u16(w, o)]
+            for j in range(16):
+                v = np.int32(w[o + 2 + j])
+                out[r, b * 32 + j] = d * np.float32((v & 0xF) - 8)
+                out[r, b * 32 + 16 + j] = d * np.float32((v >> 4) - 8)
+
+
+@njit(cache=True, parallel=True)
+def _matvec_q4_0(raw, x, out, f16):
+    rows = raw.shape[0]
+    nb = x.shape[0] // 32
+    for r in prange(rows):
+        w = raw[r]
+        acc = np.zeros(32, np.float32)
+        for b in range(nb):
+            o = b * 18
+            d = f16[_u16(w, o)]
+            xo = b * 32
+            for j in range(16):
+                v = np.int32(w[o + 2 + j])
+                acc[j] += (d * np.float32((v & 0xF) - 8)) * x[xo + j]
+                acc[16 + j] += (d * np.float32((v >> 4) - 8)) * x[xo + 16 + j]
+        out[r] = _lanes_sum32(acc)
+
+
+def dequantize_q4_0(raw: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*18] -> out float32[rows, n]."""
+    _dequantize_q4_0(raw, out, F16_TO_F32)
+
+
+def matvec_q4_0(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*18], x: float32[n] -> out float32[rows] (fp32 numerics)."""
+    _matvec_q4_0(raw, x, out, F16_TO_F32)
+
+
+def matmul_ggml_q4_0(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*18], xq: Q8_0 uint8[m, n//32*34] -> out float32[m, rows]."""
+    _matmul_ggml_blocks(raw, xq, out, _KIND_Q4_0)
+
+
+# ---------------------------------------------------------------------------------------
+# Q4_1   d: f16 | m: f16 | qs: u8[16]        w = d * q + m
+# ---------------------------------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _dequantize_q4_1(raw, out, f16):
+    rows = raw.shape[0]
+    nb = out.shape[1] // 32
+    for r in prange(rows):
+        w = raw[r]
+        for b in range(nb):
+            o = b * 20
+            d = f16[_u16(w, o)]
+            mn = f16[_u16(w, o + 2)]
+            for j in range(16):
+                v = np.int32(w[o + 4 + j])
+                out[r, b * 32 + j] = d * np.float32(v & 0xF) + mn
+                out[r, b * 32 + 16 + j] = d * np.float32(v >> 4) + mn
+
+
+@njit(cache=True, parallel=True)
+def _matvec_q4_1(raw, x, out, f16):
+    rows = raw.shape[0]
+    nb = x.shape[0] // 32
+    for r in prange(rows):
+        w = raw[r]
+        acc = np.zeros(32, np.float32)
+        for b in range(nb):
+            o = b * 20
+            d = f16[_u16(w, o)]
+            mn = f16[_u16(w, o + 2)]
+            xo = b * 32
+            for j in range(16):
+                v = np.int32(w[o + 4 + j])
+                acc[j] += (d * np.float32(v & 0xF) + mn) * x[xo + j]
+                acc[16 + j] += (d * np.float32(v >> 4) + mn) * x[xo + 16 + j]
+        out[r] = _lanes_sum32(acc)
+
+
+def dequantize_q4_1(raw: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*20] -> out float32[rows, n]."""
+    _dequantize_q4_1(raw, out, F16_TO_F32)
+
+
+def matvec_q4_1(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*20], x: float32[n] -> out float32[rows] (fp32 numerics)."""
+    _matvec_q4_1(raw, x, out, F16_TO_F32)
+
+
+def matmul_ggml_q4_1(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*20], xq: Q8_1 uint8[m, n//32*36] -> out float32[m, rows]."""
+    _matmul_ggml_blocks(raw, xq, out, _KIND_Q4_1)
+
+
+# ---------------------------------------------------------------------------------------
+# Q5_0   d: f16 | qh: u32 | qs: u8[16]        w = d * (q - 16)
+# ---------------------------------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _dequantize_q5_0(raw, out, f16):
+    rows = raw.shape[0]
+    nb = out.shape[1] // 32
+    for r in prange(rows):
+        w = raw[r]
+        for b in range(nb):
+            o = b * 22
+            d = f16[_u16(w, o)]
+            qh = _u32(w, o + 2)
+            for j in range(16):
+                v = np.int32(w[o + 6 + j])
+                lo = (v & 0xF) | (np.int32((qh >> j) & 1) << 4)
+                hi = (v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4)
+                out[r, b * 32 + j] = d * np.float32(lo - 16)
+                out[r, b * 32 + 16 + j] = d * np.float32(hi - 16)
+
+
+@njit(cache=True, parallel=True)
+def _matvec_q5_0(raw, x, out, f16):
+    rows = raw.shape[0]
+    nb = x.shape[0] // 32
+    for r in prange(rows):
+        w = raw[r]
+        acc = np.zeros(32, np.float32)
+        for b in range(nb):
+            o = b * 22
+            d = f16[_u16(w, o)]
+            qh = _u32(w, o + 2)
+            xo = b * 32
+            for j in range(16):
+                v = np.int32(w[o + 6 + j])
+                lo = (v & 0xF) | (np.int32((qh >> j) & 1) << 4)
+                hi = (v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4)
+                acc[j] += (d * np.float32(lo - 16)) * x[xo + j]
+                acc[16 + j] += (d * np.float32(hi - 16)) * x[xo + 16 + j]
+        out[r] = _lanes_sum32(acc)
+
+
+def dequantize_q5_0(raw: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*22] -> out float32[rows, n]."""
+    _dequantize_q5_0(raw, out, F16_TO_F32)
+
+
+def matvec_q5_0(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*22], x: float32[n] -> out float32[rows] (fp32 numerics)."""
+    _matvec_q5_0(raw, x, out, F16_TO_F32)
+
+
+def matmul_ggml_q5_0(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*22], xq: Q8_0 uint8[m, n//32*34] -> out float32[m, rows]."""
+    _matmul_ggml_blocks(raw, xq, out, _KIND_Q5_0)
+
+
+# ---------------------------------------------------------------------------------------
+# Q5_1   d: f16 | m: f16 | qh: u32 | qs: u8[16]        w = d * q + m
+# ---------------------------------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _dequantize_q5_1(raw, out, f16):
+    rows = raw.shape[0]
+    nb = out.shape[1] // 32
+    for r in prange(rows):
+        w = raw[r]
+        for b in range(nb):
+            o = b * 24
+            d = f16[_u16(w, o)]
+            mn = f16[_u16(w, o + 2)]
+            qh = _u32(w, o + 4)
+            for j in range(16):
+                v = np.int32(w[o + 8 + j])
+                lo = (v & 0xF) | (np.int32((qh >> j) & 1) << 4)
+                hi = (v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4)
+                out[r, b * 32 + j] = d * np.float32(lo) + mn
+                out[r, b * 32 + 16 + j] = d * np.float32(hi) + mn
+
+
+@njit(cache=True, parallel=True)
+def _matvec_q5_1(raw, x, out, f16):
+    rows = raw.shape[0]
+    nb = x.shape[0] // 32
+    for r in prange(rows):
+        w = raw[r]
+        acc = np.zeros(32, np.float32)
+        for b in range(nb):
+            o = b * 24
+            d = f16[_u16(w, o)]
+            mn = f16[_u16(w, o + 2)]
+            qh = _u32(w, o + 4)
+            xo = b * 32
+            for j in range(16):
+                v = np.int32(w[o + 8 + j])
+                lo = (v & 0xF) | (np.int32((qh >> j) & 1) << 4)
+                hi = (v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4)
+                acc[j] += (d * np.float32(lo) + mn) * x[xo + j]
+                acc[16 + j] += (d * np.float32(hi) + mn) * x[xo + 16 + j]
+        out[r] = _lanes_sum32(acc)
+
+
+def dequantize_q5_1(raw: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*24] -> out float32[rows, n]."""
+    _dequantize_q5_1(raw, out, F16_TO_F32)
+
+
+def matvec_q5_1(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*24], x: float32[n] -> out float32[rows] (fp32 numerics)."""
+    _matvec_q5_1(raw, x, out, F16_TO_F32)
+
+
+def matmul_ggml_q5_1(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*24], xq: Q8_1 uint8[m, n//32*36] -> out float32[m, rows]."""
+    _matmul_ggml_blocks(raw, xq, out, _KIND_Q5_1)
+
+
+# ---------------------------------------------------------------------------------------
+# Q8_0   d: f16 | qs: i8[32]        w = d * q
+# ---------------------------------------------------------------------------------------
+
+
+@njit(cache=True, parallel=True)
+def _dequantize_q8_0(raw, out, f16):
+    rows = raw.shape[0]
+    nb = out.shape[1] // 32
+    for r in prange(rows):
+        w = raw[r]
+        for b in range(nb):
+            o = b * 34
+            d = f16[_u16(w, o)]
+            for k in range(32):
+                out[r, b * 32 + k] = np.float32(_i8(w[o + 2 + k])) * d
+
+
+@njit(cache=True, parallel=True)
+def _matvec_q8_0(raw, x, out, f16):
+    rows = raw.shape[0]
+    nb = x.shape[0] // 32
+    for r in prange(rows):
+        w = raw[r]
+        acc = np.zeros(32, np.float32)
+        for b in range(nb):
+            o = b * 34
+            d = f16[_u16(w, o)]
+            xo = b * 32
+            for k in range(32):
+                acc[k] += (np.float32(_i8(w[o + 2 + k])) * d) * x[xo + k]
+        out[r] = _lanes_sum32(acc)
+
+
+def dequantize_q8_0(raw: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*34] -> out float32[rows, n]."""
+    _dequantize_q8_0(raw, out, F16_TO_F32)
+
+
+def matvec_q8_0(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*34], x: float32[n] -> out float32[rows] (fp32 numerics)."""
+    _matvec_q8_0(raw, x, out, F16_TO_F32)
+
+
+def matmul_ggml_q8_0(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
+    """raw: uint8[rows, n//32*34], xq: Q8_0 uint8[m, n//32*34] -> out float32[m, rows]."""
+    _matmul_ggml_blocks(raw, xq, out, _KIND_Q8_0)
+
+
+# ---------------------------------------------------------------------------------------
+# ggml numerics for the block types: one kernel, the weight row decoded once to int8
+# ---------------------------------------------------------------------------------------
+
+_KIND_Q4_0, _KIND_Q4_1, _KIND_Q5_0, _KIND_Q5_1, _KIND_Q8_0 = 0, 1, 2, 3, 4
+# prange work items of the ggml kernels: contiguous row ranges sharing one scratch allocation
+_ROW_CHUNKS = 64
+
+
+@njit(cache=True, inline="always")
+def _decode_row_ints(w, kind, qw, dw, mw, f16):
+    """One weight row -> integer quants qw: int8[nb*32] (as the SIMD code sees them:
+    q-8 / q-16 for Q4_0 / Q5_0, raw 0..15 / 0..31 for Q4_1 / Q5_1), d: dw[nb], m: mw[nb]."""
+    nb = dw.shape[0]
+    for b in range(nb):
+        q = qw[b * 32:b * 32 + 32]
+        if kind == _KIND_Q8_0:
+            o = b * 34
+            dw[b] = f16[_u16(w, o)]
+            for k in range(32):
+                q[k] = _i8(w[o + 2 + k])
+        elif kind == _KIND_Q4_0 or kind == _KIND_Q4_1:
+            off = 8 if kind == _KIND_Q4_0 else 0
+            o = b * 18 if kind == _KIND_Q4_0 else b * 20
+            dw[b] = f16[_u16(w, o)]
+            if kind == _KIND_Q4_1:
+                mw[b] = f16[_u16(w, o + 2)]
+                o += 2
+            for j in range(16):
+                v = np.int32(w[o + 2 + j])
+                q[j] = (v & 0xF) - off
+                q[16 + j] = (v >> 4) - off
+        else:
+            off = 16 if kind == _KIND_Q5_0 else 0
+            o = b * 22 if kind == _KIND_Q5_0 else b * 24
+            dw[b] = f16[_u16(w, o)]
+            if kind == _KIND_Q5_1:
+                mw[b] = f16[_u16(w, o + 2)]
+                o += 2
+            qh = _u32(w, o + 2)
+            for j in range(16):
+                v = np.int32(w[o + 6 + j])
+                q[j] = ((v & 0xF) | (np.int32((qh >> j) & 1) << 4)) - off
+                q[16 + j] = ((v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4)) - off
+
+
+@njit(cache=True, inline="always")
+def _ggml_blocks_row(w, r, kind, with_min, aq, ad, asum, out, f16, qw, dw, mw, isum, acc):
+    """One weight row of _matmul_ggml_blocks_kernel against all activation rows."""
+    m = aq.shape[0]
+    nb = ad.shape[1]
+    _decode_row_ints(w, kind, qw, dw, mw, f16)
+    for i in range(m):
+        a = aq[i]
+        for j in range(nb * 8):
+            k = 4 * j
+            isum[j] = (np.int32(qw[k]) * np.int32(a[k]) + np.int32(qw[k + 1]) * np.int32(a[k + 1])
+                       + np.int32(qw[k + 2]) * np.int32(a[k + 2])
+                       + np.int32(qw[k + 3]) * np.int32(a[k + 3]))
+        acc[:] = 0
+        summs = _F32_0
+        for b in range(nb):
+            d = dw[b] * ad[i, b]
+            if with_min:
+                summs = _fma32(mw[b], asum[i, b], summs)
+            for lane in range(8):
+                acc[lane] = _fma32(d, np.float32(isum[8 * b + lane]), acc[lane])
+        if with_min:
+            out[i, r] = _hsum8(acc) + summs
+        else:
+            out[i, r] = _hsum8(acc)
+
+
+@njit(cache=True, parallel=True)
+def _matmul_ggml_blocks_kernel(raw, aq, ad, asum, out, f16, kind):
+    """ggml vec_dot of Q4_0/Q5_0/Q8_0 x Q8_0 and Q4_1/Q5_1 x Q8_1 (AVX2 code paths).
+
+    raw: uint8[rows, row_bytes]; aq: int8[m, n] activation quants; ad: float32[m, nb] their d;
+    asum: float32[m, nb] their s (Q8_1 only); out: float32[m, rows].
+    Per block: 8 int32 lanes of 4 products, acc[lane] = fma(d_w * d_a, lane, acc[lane]);
+    result hsum_float_8(acc), plus sum_b fma(m_w, s_a) for the types with a minimum."""
+    rows = raw.shape[0]
+    m = aq.shape[0]
+    nb = ad.shape[1]
+    with_min = kind == _KIND_Q4_1 or kind == _KIND_Q5_1
+    nchunk = min(rows, _ROW_CHUNKS)
+    for c in prange(nchunk):
+        # scratch per chunk of rows, not per row
+        qw = np.empty(nb * 32, np.int8)
+        dw = np.empty(nb, np.float32)
+        mw = np.zeros(nb, np.float32)
+        isum = np.empty(nb * 8, np.int32)
+        acc = np.empty(8, np.float32)
+        for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
+            _ggml_blocks_row(raw[r], r, kind, with_min, aq, ad, asum, out, f16, qw, dw, mw, isum, acc)
+
+
+def _split_act_blocks(xq: np.ndarray, with_sum: bool):
+    """Q8_0 / Q8_1 activation bytes uint8[m, nb*bsz] -> (int8[m, nb*32], d float32[m, nb], s float32[m, nb])."""
+    bsz = 36 if with_sum else 34
+    m = xq.shape[0]
+    blk = xq.reshape(m, -1, bsz)
+    nb = blk.shape[1]
+    head = 4 if with_sum else 2
+    aq = np.ascontiguousarray(blk[:, :, head:]).view(np.int8).reshape(m, nb * 32)
+    ad = np.ascontiguousarray(blk[:, :, 0:2]).view(np.float16).reshape(m, nb).astype(np.float32)
+    if with_sum:
+        asum = np.ascontiguousarray(blk[:, :, 2:4]).view(np.float16).reshape(m, nb).astype(np.float32)
+    else:
+        asum = ad
+    return aq, ad, asum
+
+
+def _matmul_ggml_blocks(raw: np.ndarray, xq: np.ndarray, out: np.ndarray, kind: int) -> None:
+    with_sum = kind in (_KIND_Q4_1, _KIND_Q5_1)
+    aq, ad, asum = _split_act_blocks(xq, with_sum)
+    _matmul_ggml_blocks_kernel(raw, aq, ad, asum, out, F16_TO_F32, kind)
+
+
+# ---------------------------------------------------------------------------------------
+# kernel table
+# ---------------------------------------------------------------------------------------
+
+KERNELS: dict[QT, TypeKernels] = {
+    QT.F32: TypeKernels(dequantize_f32, matvec_f32, QT.F32, matmul_ggml_f32),
+    QT.F16: TypeKernels(dequantize_f16, matvec_f16, QT.F16, matmul_ggml_f16),
+    QT.BF16: TypeKernels(dequantize_bf16, matvec_bf16, QT.BF16, matmul_ggml_bf16),
+    QT.Q4_0: TypeKernels(dequantize_q4_0, matvec_q4_0, QT.Q8_0, matmul_ggml_q4_0),
+    QT.Q4_1: TypeKernels(dequantize_q4_1, matvec_q4_1, QT.Q8_1, matmul_ggml_q4_1),
+    QT.Q5_0: TypeKernels(dequantize_q5_0, matvec_q5_0, QT.Q8_0, matmul_ggml_q5_0),
+    QT.Q5_1: TypeKernels(dequantize_q5_1, matvec_q5_1, QT.Q8_1, matmul_ggml_q5_1),
+    QT.Q8_0: TypeKernels(dequantize_q8_0, matvec_q8_0, QT.Q8_0, matmul_ggml_q8_0),
+}
+
+# activation converters by act_type: float32[m, n] -> uint8[m, act_row_bytes] (float32 for F32)
+ACT_CONVERTERS = {
+    QT.F32: convert_act_f32,
+    QT.F16: convert_act_f16,
+    QT.BF16: convert_act_bf16,
+    QT.Q8_0: quantize_act_q8_0,
+    QT.Q8_1: quantize_act_q8_1,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# plain NumPy references (test oracles beside the kernels)
+# ---------------------------------------------------------------------------------------
+
+_BLOCK_BYTES = {QT.Q4_0: 18, QT.Q4_1: 20, QT.Q5_0: 22, QT.Q5_1: 24, QT.Q8_0: 34}
+
+
+def _ref_f16(b: np.ndarray) -> np.ndarray:
+    """uint8[..., 2] little-endian fp16 bytes -> float32[...]."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _ref_ints(qtype: QT, raw: np.ndarray):
+    """Block fields of a legacy type: (q int32[rows, nb, 32] unsigned quants, d, m float32[rows, nb])."""
+    rows = raw.shape[0]
+    blk = np.asarray(raw, dtype=np.uint8).reshape(rows, -1, _BLOCK_BYTES[qtype])
+    d = _ref_f16(blk[..., 0:2])
+    m = _ref_f16(blk[..., 2:4]) if qtype in (QT.Q4_1, QT.Q5_1) else None
+    if qtype == QT.Q8_0:
+        return blk[..., 2:].view(np.int8).astype(np.int32), d, m
+    head = {QT.Q4_0: 2, QT.Q4_1: 4, QT.Q5_0: 6, QT.Q5_1: 8}[qtype]
+    qs = blk[..., head:head + 16].astype(np.int32)
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1)
+    if qtype in (QT.Q5_0, QT.Q5_1):
+        qh = np.ascontiguousarray(blk[..., head - 4:head]).view(np.uint32)[..., 0]
+        q |= ((qh[..., None] >> np.arange(32, dtype=np.uint32)) & 1).astype(np.int32) << 4
+    return q, d, m
+
+
+def dequantize_reference(qtype: QT, raw: np.ndarray) -> np.ndarray:
+    """uint8[rows, row_bytes] -> float32[rows, n], the same float32 operations as the kernels."""
+    qtype = QT(qtype)
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    if qtype == QT.F32:
+        return raw.view(np.float32).copy()
+    if qtype == QT.F16:
+        return raw.view(np.float16).astype(np.float32)
+    if qtype == QT.BF16:
+        return (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    q, d, m = _ref_ints(qtype, raw)
+    off = {QT.Q4_0: 8, QT.Q5_0: 16}.get(qtype, 0)
+    w = d[..., None] * (q - off).astype(np.float32)
+    if m is not None:
+        w = w + m[..., None]
+    return w.reshape(raw.shape[0], -1)
+
+
+def matvec_reference(qtype: QT, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """float64[rows]: dequantized weights @ x in float64."""
+    return dequantize_reference(qtype, raw).astype(np.float64) @ np.asarray(x, np.float64)
+
+
+def _ref_f32_to_f16_bytes(v: np.ndarray) -> np.ndarray:
+    return np.asarray(v, np.float32).astype(np.float16).view(np.uint8).reshape(*np.shape(v), 2)
+
+
+def quantize_act_reference(act_type: QT, x: np.ndarray) -> np.ndarray:
+    """float32[m, n] -> activation bytes as ggml's CPU from_float (Q8_0, Q8_1, F16, BF16)."""
+    act_type = QT(act_type)
+    x = _as_2d_f32(x)
+    m, n = x.shape
+    if act_type == QT.F32:
+        return x.copy()
+    if act_type == QT.F16:
+        return x.astype(np.float16).view(np.uint8)
+    if act_type == QT.BF16:
+        u = x.view(np.uint32).astype(np.uint64)
+        nan = (u & 0x7FFFFFFF) > 0x7F800000
+        b = np.where(nan, (u >> 16) | 64, (u + (0x7FFF + ((u >> 16) & 1))) >> 16)
+        return b.astype(np.uint16).view(np.uint8)
+    xb = x.reshape(m, n // 32, 32)
+    amax = np.abs(xb).max(axis=-1)
+    d = amax / np.float32(127)
+    with np.errstate(divide="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.clip(np.rint(xb * inv[..., None]), -128, 127).astype(np.int32)
+    parts = [_ref_f32_to_f16_bytes(d)]
+    if act_type == QT.Q8_1:
+        parts.append(_ref_f32_to_f16_bytes(d * q.sum(axis=-1).astype(np.float32)))
+    elif act_type != QT.Q8_0:
+        raise ValueError(f"no activation reference for {act_type.name}")
+    parts.append(q.astype(np.int8).view(np.uint8))
+    return np.concatenate(parts, axis=-1).reshape(m, -1)
+
+
+def _ref_fma32(a, b, c):
+    """float32 a*b+c through float64: a*b is exact there; the sum is rounded twice
+    (to float64, then float32), which differs from one fused rounding only in rare ties."""
+    return (np.float64(a) * np.float64(b) + np.float64(c)).astype(np.float32)
+
+
+def matmul_ggml_reference(qtype: QT, raw: np.ndarray, xq: np.ndarray) -> np.ndarray:
+    """float32[m, rows]: ggml CPU numerics in NumPy (block types: the same 8-lane integer sums,
+    fused multiply-adds and hsum order as the kernels; float types: float64 dot products,
+    the exact-summation limit of ggml's float32 lanes)."""
+    qtype = QT(qtype)
+    raw = np.ascontiguousarray(raw, dtype=np.uint8)
+    rows = raw.shape[0]
+    if qtype in (QT.F32, QT.F16, QT.BF16):
+        w = dequantize_reference(qtype, raw).astype(np.float64)
+        if qtype == QT.F32:
+            a = np.asarray(xq, np.float32).astype(np.float64)
+        else:
+            a = dequantize_reference(qtype, np.asarray(xq, np.uint8)).astype(np.float64)
+        return (a @ w.T).astype(np.float32)
+    q, d, mw = _ref_ints(qtype, raw)
+    off = {QT.Q4_0: 8, QT.Q5_0: 16}.get(qtype, 0)
+    q = (q - off).astype(np.int64)                                  # [rows, nb, 32]
+    with_sum = qtype in (QT.Q4_1, QT.Q5_1)
+    aq, ad, asum = _split_act_blocks(np.ascontiguousarray(xq, dtype=np.uint8), with_sum)
+    m = aq.shape[0]
+    nb = q.shape[1]
+    a = aq.astype(np.int64).reshape(m, nb, 32)
+    # lane sums [m, rows, nb, 8]
+    isum = np.einsum("rbk,ibk->irbk", q, a).reshape(m, rows, nb, 8, 4).sum(axis=-1)
+    acc = np.zeros((m, rows, 8), np.float32)
+    summs = np.zeros((m, rows), np.float32)
+    for b in range(nb):
+        dd = (d[None, :, b] * ad[:, None, b]).astype(np.float32)   # [m, rows]
+        acc = _ref_fma32(dd[..., None], isum[:, :, b, :].astype(np.float32), acc)
+        if with_sum:
+            summs = _ref_fma32(mw[None, :, b], asum[:, None, b], summs)
+    r0 = acc[..., 4] + acc[..., 0]
+    r1 = acc[..., 5] + acc[..., 1]
+    r2 = acc[..., 6] + acc[..., 2]
+    r3 = acc[..., 7] + acc[..., 3]
+    out = (r0 + r2) + (r1 + r3)
+    return out + summs if with_sum else out

@@ -1,0 +1,159 @@
+"""The kernel dispatcher over every supported weight type, and its input checks."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+from loaders import quants as Q
+from loaders.ggml_types import SUPPORTED_TYPES, block_size, row_bytes
+from tools import ggml_oracle
+
+QT = gguf.GGMLQuantizationType
+U = 2.0 ** -24  # float32 unit roundoff
+K_TYPES = {QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K}
+ALL = sorted(SUPPORTED_TYPES, key=lambda t: t.name)
+
+needs_oracle = pytest.mark.skipif(not ggml_oracle.available(),
+                                  reason=f"libggml oracle unavailable: {ggml_oracle.unavailable_reason()}")
+
+
+def require(qtype):
+    if qtype not in Q.available_types():
+        reason = "loaders.quants_k is not present" if qtype in K_TYPES else "no kernels"
+        pytest.skip(f"{qtype.name}: {reason}")
+
+
+def weights(qtype, rows, n, seed=0):
+    """Valid weights of qtype: ggml's own quantizer when available, else gguf-py's."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, n)).astype(np.float32)
+    if ggml_oracle.available():
+        return ggml_oracle.quantize(qtype, w)
+    if qtype in K_TYPES:
+        pytest.skip("K-quant weights need the libggml quantizer")
+    return np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(rows, -1)
+
+
+def n_for(qtype, nblocks=3):
+    return max(block_size(qtype), 32) * nblocks * (1 if block_size(qtype) == 256 else 4)
+
+
+def worst_case(n, w, X):
+    """|err| of any float32 summation order of n products against exact: gamma_(n+1) * sum|w*x|."""
+    k = n + 1
+    return k * U / (1 - k * U) * (np.abs(X.astype(np.float64)) @ np.abs(w.astype(np.float64)).T)
+
+
+@pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
+def test_dispatch_every_supported_type(qtype):
+    require(qtype)
+    n, rows, m = n_for(qtype), 37, 3
+    raw = weights(qtype, rows, n)
+    X = np.random.default_rng(1).standard_normal((m, n)).astype(np.float32)
+
+    w = Q.dequantize(raw, qtype, n)
+    assert w.shape == (rows, n) and w.dtype == np.float32
+    want = gguf.quants.dequantize(raw, qtype).reshape(rows, n)
+    assert np.array_equal(w.view(np.uint32), want.view(np.uint32))  # exact, bit patterns included
+
+    idx = np.array([5, 0, 36, 5])
+    assert np.array_equal(Q.dequantize_rows(raw, qtype, n, idx).view(np.uint32), w[idx].view(np.uint32))
+
+    ref = X.astype(np.float64) @ w.astype(np.float64).T
+    # fp32 numerics: float32 products and sums in some fixed order, never worse than the
+    # recursive-summation bound gamma_(n+1) * sum|w*x| (kernels use lanes, BLAS its own blocking)
+    bound = worst_case(n, w, X)
+    mv = Q.matvec(raw, qtype, n, X[0])
+    assert mv.shape == (rows,) and np.all(np.abs(mv - ref[0]) <= bound[0])
+    mm = Q.matmul(raw, qtype, n, X)
+    assert mm.shape == (m, rows) and np.all(np.abs(mm - ref) <= bound)
+    mm1 = Q.matmul(raw, qtype, n, X[:1])
+    assert np.array_equal(mm1[0], mv)  # m == 1 goes through matvec
+
+    if ggml_oracle.available():
+        g = Q.matmul(raw, qtype, n, X, numerics="ggml")
+        want = ggml_oracle.matmul(qtype, raw, X)
+        scale = np.abs(X.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+        # acceptance bar for ggml numerics: within 3e-7 of sum|w*x| (the scale of a dot
+        # product's rounding errors; |result| itself can be tiny through cancellation)
+        assert np.all(np.abs(g - want) <= 3e-7 * scale)
+        gv = Q.matvec(raw, qtype, n, X[0], numerics="ggml")
+        assert np.array_equal(gv, g[0])
+
+
+@needs_oracle
+@pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
+def test_quantize_activations_bytes(qtype):
+    require(qtype)
+    act = Q.kernels(qtype).act_type
+    assert int(act) == ggml_oracle.vec_dot_type(qtype)  # act_type is ggml's vec_dot_type
+    n = n_for(qtype)
+    X = (np.random.default_rng(2).standard_normal((2, n)) * 3).astype(np.float32)
+    xq = Q.quantize_activations(X, act)
+    for i in range(2):
+        got = np.ascontiguousarray(xq[i]).view(np.uint8)
+        assert np.array_equal(got, ggml_oracle.from_float(act, X[i]))  # byte equality
+
+
+def test_fp32_matmul_tiles(monkeypatch):
+    """Row tiles of the fp32 matmul cover all rows, including a short last tile."""
+    monkeypatch.setattr(Q, "MATMUL_TILE_ROWS", 16)
+    n, rows = 64, 53
+    raw = weights(QT.Q8_0, rows, n)
+    X = np.random.default_rng(3).standard_normal((4, n)).astype(np.float32)
+    w = Q.dequantize(raw, QT.Q8_0, n)
+    got = Q.matmul(raw, QT.Q8_0, n, X)
+    assert np.all(np.abs(got - X.astype(np.float64) @ w.T.astype(np.float64)) <= worst_case(n, w, X))
+
+
+def test_typed_float_inputs():
+    rng = np.random.default_rng(4)
+    w32 = rng.standard_normal((6, 40)).astype(np.float32)
+    x = rng.standard_normal(40).astype(np.float32)
+    for qtype, arr in [(QT.F32, w32), (QT.F16, w32.astype(np.float16)),
+                       (QT.F16, w32.astype(np.float16).view(np.uint16)),
+                       (QT.BF16, (w32.view(np.uint32) >> 16).astype(np.uint16))]:
+        via_bytes = Q.matvec(arr.view(np.uint8), qtype, 40, x)
+        assert np.array_equal(Q.matvec(arr, qtype, 40, x), via_bytes)
+        assert np.array_equal(Q.dequantize(arr.ravel(), qtype, 40), Q.dequantize(arr, qtype, 40))
+    # a read-only memory-map-like view is accepted as is
+    ro = w32.view(np.uint8)
+    ro.flags.writeable = False
+    assert np.array_equal(Q.dequantize(ro, QT.F32, 40), w32)
+
+
+def test_out_argument_is_filled():
+    raw = weights(QT.Q8_0, 9, 64)
+    x = np.ones(64, np.float32)
+    out = np.zeros(9, np.float32)
+    res = Q.matvec(raw, QT.Q8_0, 64, x, out=out)
+    assert res is out and np.array_equal(out, Q.matvec(raw, QT.Q8_0, 64, x))
+    out2 = np.zeros((2, 9), np.float32)
+    res2 = Q.matmul(raw, QT.Q8_0, 64, np.ones((2, 64), np.float32), out=out2)
+    assert res2 is out2 and np.array_equal(out2[0], out)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda raw: Q.dequantize(raw, QT.Q8_0, 48), "multiple of"),
+    (lambda raw: Q.dequantize(raw[:, :-1], QT.Q8_0, 64), "bytes"),
+    (lambda raw: Q.dequantize(raw.ravel()[:-3], QT.Q8_0, 64), "whole rows"),
+    (lambda raw: Q.dequantize(raw.view(np.float32), QT.Q8_0, 64), "expected uint8"),
+    (lambda raw: Q.dequantize(raw[None], QT.Q8_0, 64), "1-D or 2-D"),
+    (lambda raw: Q.matvec(raw, QT.Q8_0, 64, np.ones(63, np.float32)), "x must be"),
+    (lambda raw: Q.matmul(raw, QT.Q8_0, 64, np.ones((2, 32), np.float32)), "X must be"),
+    (lambda raw: Q.matvec(raw, QT.Q8_0, 64, np.ones(64, np.float32), numerics="fast"), "numerics"),
+    (lambda raw: Q.matvec(raw, QT.Q8_0, 64, np.ones(64, np.float32), out=np.zeros(3, np.float32)), "out must"),
+    (lambda raw: Q.dequantize(raw, QT.IQ2_XS, 256), "no kernels|multiple of"),
+    (lambda raw: Q.quantize_activations(np.ones((2, 64), np.float32), QT.IQ2_XS), "no activation"),
+])
+def test_clear_errors(call, match):
+    raw = np.zeros((4, row_bytes(QT.Q8_0, 64)), np.uint8)
+    with pytest.raises(ValueError, match=match):
+        call(raw)
+
+
+def test_dequantize_rows_bounds():
+    raw = np.zeros((4, row_bytes(QT.Q8_0, 64)), np.uint8)
+    with pytest.raises(IndexError):
+        Q.dequantize_rows(raw, QT.Q8_0, 64, [4])

@@ -1,0 +1,318 @@
+"""K-quant kernels (loaders.quants_k) against gguf-py, float64 NumPy and ggml itself.
+
+- dequantize: bit-identical to ``gguf.quants.dequantize`` on random blocks
+  (hypothesis), on ggml-quantized weights and on real blocks of the gemma file;
+- matvec (fp32 numerics): against dequantize-then-float64, with a rounding
+  error bound;
+- matmul_ggml (ggml numerics): against ``tools.ggml_oracle`` (libggml's CPU
+  ``vec_dot``) within 3e-7 relative, and bit-identical where libggml runs its
+  AVX2 kernels;
+- Q8_K activations: byte-identical to libggml's ``from_float``.
+"""
+import os
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf.quants import dequantize as gguf_dequantize
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loaders import quants_k as K
+from tools import ggml_oracle as O
+
+K_TYPES = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
+# byte offsets of the fp16 super-block scales inside one block: d, and dmin where the type has one
+SCALE_OFFSETS = {QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+U32 = 2.0 ** -24  # float32 unit roundoff
+GEMMA = "/tmp/models/gemma-3-270m-q4_k_m.gguf"
+GEMMA_TENSORS = [("blk.0.attn_output.weight", QT.Q4_K), ("blk.0.ffn_down.weight", QT.Q6_K)]
+
+needs_oracle = pytest.mark.skipif(not O.available(), reason=f"ggml oracle: {O.unavailable_reason()}")
+ids = [t.name for t in K_TYPES]
+
+
+# ------------------------------------------------------------------ helpers
+
+def finite_f16_bits(rng: np.random.Generator, shape) -> np.ndarray:
+    """Random finite fp16 bit patterns (all exponents, subnormals and signed zeros included)."""
+    bits = rng.integers(0, 1 << 16, size=shape, dtype=np.uint16)
+    inf_nan = (bits & 0x7C00) == 0x7C00
+    bits[inf_nan] ^= 0x4000  # exponent 31 -> 15: finite
+    return bits
+
+
+def random_blocks(qtype: QT, rows: int, nb: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8[rows, nb * block_bytes]: random bytes with random finite fp16 d (and dmin)."""
+    bb = K.BLOCK_BYTES[qtype]
+    raw = rng.integers(0, 256, size=(rows, nb * bb), dtype=np.uint8)
+    blk = raw.reshape(rows, nb, bb)
+    for off in SCALE_OFFSETS[qtype]:
+        blk[:, :, off:off + 2] = finite_f16_bits(rng, (rows, nb)).view(np.uint8).reshape(rows, nb, 2)
+    return raw
+
+
+def term_parts(qtype: QT, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(d * scale * q, -dmin * min) per element as float64[rows, n] (zeros for types without dmin).
+
+    Built with gguf's dequantization after zeroing dmin, resp. d; each part is
+    within one float32 rounding of the exact term the kernels sum.
+    """
+    offs = SCALE_OFFSETS[qtype]
+    bb = K.BLOCK_BYTES[qtype]
+    if len(offs) == 1:
+        return gguf_dequantize(raw, qtype).astype(np.float64), np.zeros(1)
+    no_min = raw.copy()
+    no_min.reshape(raw.shape[0], -1, bb)[:, :, offs[1]:offs[1] + 2] = 0
+    no_scale = raw.copy()
+    no_scale.reshape(raw.shape[0], -1, bb)[:, :, offs[0]:offs[0] + 2] = 0
+    return (gguf_dequantize(no_min, qtype).astype(np.float64),
+            gguf_dequantize(no_scale, qtype).astype(np.float64))
+
+
+def term_magnitude(qtype: QT, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """float64[m, rows]: sum over elements of (|d*scale*q| + |dmin*min|) * |x|.
+
+    The size of the terms a dot product adds up; float rounding errors scale
+    with it, while the result itself can cancel to ~0.
+    """
+    s, mn = term_parts(qtype, raw)
+    xa = np.abs(np.atleast_2d(x).astype(np.float64))
+    return xa @ (np.abs(s) + np.abs(mn)).T
+
+
+def check_dequantize(qtype: QT, raw: np.ndarray) -> None:
+    ref = gguf_dequantize(raw, qtype)
+    out = np.full(ref.shape, np.nan, np.float32)
+    K.KERNELS[qtype].dequantize(raw, out)
+    # exact: same float32 operations in the same order as gguf-py
+    np.testing.assert_array_equal(out.view(np.uint32), ref.view(np.uint32))
+
+
+def check_matvec(qtype: QT, raw: np.ndarray, x: np.ndarray) -> None:
+    rows, n = raw.shape[0], x.size
+    out = np.full(rows, np.nan, np.float32)
+    K.KERNELS[qtype].matvec(raw, x, out)
+    ref = K.matvec_reference(qtype, raw, x)
+    mag = term_magnitude(qtype, raw, x)[0]
+    # Float32 roundings a term passes through: scale path 2 products + n/32
+    # additions into its lane + 31 across lanes + 1; min path <= 31 in the
+    # sub-block sum of x + 2 products + n/16 additions + 1; gguf's rounding of w
+    # in the float64 reference adds 1. Error bound gamma_k * sum|terms| with
+    # k = n/16 + 36 (about 6e-6 relative at n = 1024).
+    tol = (n // 16 + 36) * U32 * mag
+    assert np.all(np.isfinite(out))
+    err = np.abs(out - ref)
+    assert np.all(err <= tol), f"max err/tol {np.max(err / np.maximum(tol, 1e-300)):.3g}"
+
+
+def check_matmul_ggml(qtype: QT, raw: np.ndarray, X: np.ndarray, exact: bool) -> None:
+    m, n = X.shape
+    xq = K.quantize_act_q8_k(X)
+    out = np.full((m, raw.shape[0]), np.nan, np.float32)
+    K.KERNELS[qtype].matmul_ggml(raw, xq, out)
+    ora = O.matmul(qtype, raw, X)
+    # relative to the magnitude of the terms ggml sums (weights times the
+    # dequantized Q8_K activations): results that cancel to ~0 have no
+    # meaningful relative error of their own
+    mag = term_magnitude(qtype, raw, K.dequantize_act_q8_k(xq))
+    err = np.abs(out.astype(np.float64) - ora)
+    assert np.all(err <= 3e-7 * mag), f"max err/mag {np.max(err / np.maximum(mag, 1e-300)):.3g}"
+    if exact:
+        # the kernels replicate ggml's AVX2 float operations (lanes, FMAs, final
+        # horizontal sum) one for one, so the results are the same bits
+        np.testing.assert_array_equal(out.view(np.uint32), ora.view(np.uint32))
+    # plain NumPy twin (float64 from dequantized operands): ggml rounds the
+    # per-block scale product, the lane conversion, nb FMAs into a lane and 4
+    # levels of final sums; the twin's operands carry gguf's rounding of w and
+    # of d * q: k = nb + 12 roundings at most
+    ref = K.matmul_ggml_reference(qtype, raw, xq)
+    nb = n // 256
+    np.testing.assert_array_less(np.abs(out - ref), (nb + 12) * U32 * mag + 1e-300)
+
+
+@pytest.fixture(scope="module")
+def ggml_avx2() -> bool:
+    """True when libggml's CPU backend runs the AVX2 kernels the ggml mode replicates."""
+    return bool(O.available() and O.cpu_features().get("avx2", False))
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    if not os.path.exists(GEMMA):
+        pytest.skip(f"{GEMMA} not present")
+    from loaders.gguf_file import GGUFFile
+    f = GGUFFile(GEMMA)
+    yield f
+    f.close()
+
+
+# ------------------------------------------------------------------ dequantize
+
+@settings(max_examples=40, deadline=None)
+@given(qtype=st.sampled_from(K_TYPES), rows=st.integers(1, 3), nb=st.integers(1, 3), data=st.data())
+def test_dequantize_random_blocks_bit_exact(qtype, rows, nb, data):
+    bb = K.BLOCK_BYTES[qtype]
+    raw = np.frombuffer(data.draw(st.binary(min_size=rows * nb * bb, max_size=rows * nb * bb)),
+                        dtype=np.uint8).reshape(rows, nb * bb).copy()
+    f16 = st.floats(width=16, allow_nan=False, allow_infinity=False)
+    for off in SCALE_OFFSETS[qtype]:
+        vals = np.array(data.draw(st.lists(f16, min_size=rows * nb, max_size=rows * nb)), dtype=np.float16)
+        raw.reshape(rows, nb, bb)[:, :, off:off + 2] = vals.view(np.uint8).reshape(rows, nb, 2)
+    check_dequantize(qtype, raw)
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
+def test_dequantize_many_random_blocks_bit_exact(qtype):
+    check_dequantize(qtype, random_blocks(qtype, 37, 5, np.random.default_rng(int(qtype))))
+
+
+@pytest.mark.parametrize("name, qtype", GEMMA_TENSORS, ids=["Q4_K", "Q6_K"])
+def test_dequantize_gemma_tensor_bit_exact(gemma, name, qtype):
+    t = gemma.tensor(name)
+    assert t.qtype == qtype
+    check_dequantize(qtype, t.raw)  # the whole tensor, read-only memory-mapped bytes
+
+
+def test_dequantize_detects_a_flipped_scale_bit():
+    # the exact comparison sees a single changed scale bit
+    raw = random_blocks(QT.Q4_K, 2, 2, np.random.default_rng(7))
+    raw.reshape(2, 2, 144)[:, :, 0:2] = np.array([0x00, 0x3C], np.uint8)  # d = 1
+    ref = gguf_dequantize(raw, QT.Q4_K)
+    raw[0, 4] ^= 1
+    out = np.empty_like(ref)
+    K.dequantize_q4_k(raw, out)
+    assert not np.array_equal(out, ref)
+
+
+# ------------------------------------------------------------------ matvec (fp32)
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
+def test_matvec_random_blocks(qtype):
+    rng = np.random.default_rng(100 + int(qtype))
+    raw = random_blocks(qtype, 33, 4, rng)
+    check_matvec(qtype, raw, rng.standard_normal(1024).astype(np.float32))
+
+
+@needs_oracle
+@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
+def test_matvec_and_dequantize_ggml_quantized_weights(qtype):
+    rng = np.random.default_rng(200 + int(qtype))
+    W = rng.standard_normal((19, 1536)).astype(np.float32) * np.float32(0.05)
+    raw = O.quantize(qtype, W)
+    check_dequantize(qtype, raw)
+    check_matvec(qtype, raw, rng.standard_normal(1536).astype(np.float32))
+
+
+@pytest.mark.parametrize("name, qtype", GEMMA_TENSORS, ids=["Q4_K", "Q6_K"])
+def test_matvec_gemma_tensor(gemma, name, qtype):
+    t = gemma.tensor(name)
+    x = np.random.default_rng(3).standard_normal(t.n_per_row).astype(np.float32)
+    check_matvec(qtype, t.raw, x)
+
+
+def test_matvec_bound_catches_a_wrong_scale():
+    # the tolerance is tight enough to see one sub-block with a changed 6-bit scale
+    rng = np.random.default_rng(11)
+    raw = random_blocks(QT.Q4_K, 4, 4, rng)
+    raw.reshape(4, 4, 144)[:, :, 0:4] = np.array([0x00, 0x3C, 0x00, 0x38], np.uint8)  # d = 1, dmin = 0.5
+    x = rng.standard_normal(1024).astype(np.float32)
+    bad = raw.copy()
+    bad[:, 4] ^= 0x20  # flip one bit of sub-block 0's scale in block 0
+    out = np.empty(4, np.float32)
+    K.matvec_q4_k(bad, x, out)
+    ref = K.matvec_reference(QT.Q4_K, raw, x)
+    tol = (1024 // 16 + 36) * U32 * term_magnitude(QT.Q4_K, raw, x)[0]
+    assert np.any(np.abs(out - ref) > tol)
+
+
+# ------------------------------------------------------------------ Q8_K activations
+
+def tie_rows() -> np.ndarray:
+    """Rows with exact rounding ties, magnitude ties and an all-zero block."""
+    x = np.zeros((3, 512), np.float32)
+    x[0, :256] = (np.arange(256) % 200 - 100) + 0.5     # k + 0.5 ...
+    x[0, 3] = 127.0                                      # ... with max 127 (first of the tie with
+    x[0, 7] = -127.0                                     # -127): iscale = -1, p = -(k + 0.5) exactly
+    x[0, 256:] = np.linspace(-1, 1, 256)
+    x[1, :256] = np.linspace(-3, 3, 256)
+    x[1, 10] = -5.0
+    x[1, 20] = 5.0                                       # equal magnitudes: the first one sets the sign
+    x[2, 256:] = np.float32(1e-3) * np.arange(256)       # first block all zero
+    return x
+
+
+def test_q8_k_activation_kernel_matches_numpy_twin():
+    rng = np.random.default_rng(6)
+    X = np.concatenate([tie_rows(), rng.standard_normal((5, 512)).astype(np.float32)])
+    got = K.quantize_act_q8_k(X)
+    np.testing.assert_array_equal(got, K.quantize_act_q8_k_reference(X))
+    # round trip: within half a quantization step d / 2 of the input, plus the
+    # float32 roundings of iscale * x, d = 1 / iscale and d * q, each at most
+    # u * max|x| = u * 127 * d
+    d = K.split_q8_k(got)[0]
+    step = np.repeat(np.abs(d), 256, axis=1)
+    err = np.abs(K.dequantize_act_q8_k(got).astype(np.float64) - X)
+    assert np.all(err <= 0.5 * step + 4 * U32 * 127 * step)
+
+
+@needs_oracle
+def test_q8_k_activation_bytes_match_ggml():
+    rng = np.random.default_rng(5)
+    X = np.concatenate([tie_rows(),
+                        rng.standard_normal((4, 512)).astype(np.float32),
+                        (rng.standard_normal((2, 512)) * 1e4).astype(np.float32)])
+    got = K.quantize_act_q8_k(X)
+    want = np.stack([O.from_float(QT.Q8_K, row) for row in X])
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(K.quantize_act_q8_k_reference(X), want)
+
+
+@needs_oracle
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), nb=st.integers(1, 2))
+def test_q8_k_activation_bytes_match_ggml_hypothesis(data, nb):
+    vals = data.draw(st.lists(st.floats(min_value=-1e6, max_value=1e6, width=32, allow_subnormal=False),
+                              min_size=256 * nb, max_size=256 * nb))
+    x = np.array(vals, np.float32)[None, :]
+    x[np.abs(x) < 1e-20] = 0  # keeps -127 / max finite, as it is for any real activation
+    want = O.from_float(QT.Q8_K, x[0])[None, :]
+    np.testing.assert_array_equal(K.quantize_act_q8_k(x), want)
+    np.testing.assert_array_equal(K.quantize_act_q8_k_reference(x), want)
+
+
+# ------------------------------------------------------------------ matmul_ggml (ggml numerics)
+
+@needs_oracle
+@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
+def test_matmul_ggml_random_blocks(qtype, ggml_avx2):
+    rng = np.random.default_rng(300 + int(qtype))
+    raw = random_blocks(qtype, 24, 3, rng)
+    X = np.concatenate([rng.standard_normal((2, 768)).astype(np.float32), tie_rows()[:1, :256].repeat(3, 1)])
+    check_matmul_ggml(qtype, raw, X, exact=ggml_avx2)
+
+
+@needs_oracle
+@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
+def test_matmul_ggml_ggml_quantized_weights(qtype, ggml_avx2):
+    rng = np.random.default_rng(400 + int(qtype))
+    raw = O.quantize(qtype, rng.standard_normal((21, 1024)).astype(np.float32))
+    X = rng.standard_normal((3, 1024)).astype(np.float32)
+    check_matmul_ggml(qtype, raw, X, exact=ggml_avx2)
+
+
+@needs_oracle
+@pytest.mark.parametrize("name, qtype", GEMMA_TENSORS, ids=["Q4_K", "Q6_K"])
+def test_matmul_ggml_gemma_rows(gemma, name, qtype, ggml_avx2):
+    t = gemma.tensor(name)
+    X = np.random.default_rng(9).standard_normal((2, t.n_per_row)).astype(np.float32)
+    check_matmul_ggml(qtype, np.ascontiguousarray(t.raw[:48]), X, exact=ggml_avx2)
+
+
+def test_kernel_table():
+    assert set(K.KERNELS) == set(K_TYPES)
+    for qtype, kern in K.KERNELS.items():
+        assert kern.act_type == QT.Q8_K
+        assert kern.dequantize.__name__ == f"dequantize_{qtype.name.lower()}"
+        assert kern.matvec.__name__ == f"matvec_{qtype.name.lower()}"
+        assert kern.matmul_ggml.__name__ == f"matmul_ggml_{qtype.name.lower()}"

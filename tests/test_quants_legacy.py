@@ -1,0 +1,322 @@
+"""Float and legacy block kernels (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0).
+
+Oracles: ``gguf.quants.dequantize`` (dequantization, exact), float64 NumPy
+(fp32 numerics, error bound), libggml through ``tools.ggml_oracle`` (ggml
+numerics and activation bytes), and the NumPy references in the module.
+"""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loaders import quants_legacy as L
+from loaders.ggml_types import row_bytes
+from tools import ggml_oracle
+
+QT = gguf.GGMLQuantizationType
+TYPES = list(L.KERNELS)
+BLOCK_TYPES = [QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0]
+U = 2.0 ** -24  # float32 unit roundoff
+
+needs_oracle = pytest.mark.skipif(not ggml_oracle.available(),
+                                  reason=f"libggml oracle unavailable: {ggml_oracle.unavailable_reason()}")
+
+
+# ----------------------------------------------------------------------------- data
+
+
+def random_raw(qtype: QT, rows: int, n: int, rng: np.random.Generator, scale_exp=(-14, 2)) -> np.ndarray:
+    """Valid random weights: random quant bytes, random finite fp16 scales (d, m)."""
+    rb = row_bytes(qtype, n)
+    if qtype == QT.F32:
+        return (rng.standard_normal((rows, n)) * 2.0 ** rng.integers(-8, 8, (rows, n))).astype(np.float32).view(np.uint8)
+    if qtype == QT.F16:
+        return (rng.standard_normal((rows, n)) * 2.0 ** rng.integers(-10, 6, (rows, n))).astype(np.float16).view(np.uint8)
+    if qtype == QT.BF16:
+        v = (rng.standard_normal((rows, n)) * 2.0 ** rng.integers(-20, 20, (rows, n))).astype(np.float32)
+        return (v.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    raw = rng.integers(0, 256, (rows, rb), dtype=np.uint8)
+    blk = raw.reshape(rows, n // 32, -1)
+    nfp16 = 2 if qtype in (QT.Q4_1, QT.Q5_1) else 1
+    for f in range(nfp16):
+        sign = rng.choice([-1.0, 1.0], size=blk.shape[:2])
+        val = sign * rng.uniform(1, 2, blk.shape[:2]) * 2.0 ** rng.integers(*scale_exp, size=blk.shape[:2])
+        blk[:, :, 2 * f:2 * f + 2] = val.astype(np.float16).view(np.uint8).reshape(*blk.shape[:2], 2)
+    return raw
+
+
+def bits_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    a = np.ascontiguousarray(a, np.float32)
+    b = np.ascontiguousarray(b, np.float32)
+    return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def run_dequantize(qtype, raw, n):
+    out = np.full((raw.shape[0], n), np.nan, np.float32)
+    L.KERNELS[qtype].dequantize(raw, out)
+    return out
+
+
+def run_matvec(qtype, raw, x):
+    out = np.full(raw.shape[0], np.nan, np.float32)
+    L.KERNELS[qtype].matvec(raw, x, out)
+    return out
+
+
+def run_matmul_ggml(qtype, raw, X):
+    k = L.KERNELS[qtype]
+    xq = L.ACT_CONVERTERS[k.act_type](X)
+    out = np.full((X.shape[0], raw.shape[0]), np.nan, np.float32)
+    k.matmul_ggml(raw, xq, out)
+    return out, xq
+
+
+def emulated_exactly() -> dict:
+    """Which weight types' ggml paths this libggml build runs exactly as the kernels emulate."""
+    f = ggml_oracle.cpu_features()
+    out = {t: f.get("avx2", False) and f.get("fma", False) for t in BLOCK_TYPES}
+    out[QT.F32] = out[QT.F16] = f.get("avx512", False)
+    out[QT.BF16] = f.get("avx512_bf16", False)
+    return out
+
+
+# ----------------------------------------------------------------------------- dequantize
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 5), nblocks=st.integers(1, 6))
+def test_dequantize_bit_identical_to_gguf(qtype, seed, rows, nblocks):
+    n = 32 * nblocks
+    raw = random_raw(qtype, rows, n, np.random.default_rng(seed))
+    got = run_dequantize(qtype, raw, n)
+    want = gguf.quants.dequantize(raw, qtype).reshape(rows, n)
+    # exact: the kernels do the same float32 operations in the same order as gguf-py
+    assert bits_equal(got, want)
+    assert bits_equal(L.dequantize_reference(qtype, raw), want)
+
+
+def test_dequantize_extreme_scales():
+    """Largest/smallest fp16 scales, subnormal scales, zero and negative zero."""
+    rng = np.random.default_rng(7)
+    specials = np.array([65504.0, -65504.0, 6.1e-5, 6e-8, -6e-8, 0.0, -0.0, 1.0], np.float16).view(np.uint8)
+    for qtype in BLOCK_TYPES:
+        raw = rng.integers(0, 256, (8, row_bytes(qtype, 64)), dtype=np.uint8)
+        blk = raw.reshape(8, 2, -1)
+        blk[:, 0, 0:2] = specials.reshape(8, 2)
+        blk[:, 1, 0:2] = specials.reshape(8, 2)[::-1]
+        if qtype in (QT.Q4_1, QT.Q5_1):
+            blk[:, :, 2:4] = blk[:, ::-1, 0:2]
+        with np.errstate(over="ignore", invalid="ignore"):
+            want = gguf.quants.dequantize(raw, qtype)
+        assert bits_equal(run_dequantize(qtype, raw, 64), want), qtype.name  # exact, as above
+
+
+@pytest.fixture(scope="module")
+def gemma_file(gemma_path):
+    from loaders.gguf_file import GGUFFile
+    return GGUFFile(gemma_path)
+
+
+@pytest.mark.parametrize("name", ["token_embd.weight", "blk.0.attn_v.weight", "blk.0.attn_q.weight",
+                                  "blk.3.ffn_gate.weight", "blk.0.attn_norm.weight", "output_norm.weight"])
+def test_dequantize_real_gemma_blocks(gemma_file, name):
+    t = gemma_file.tensor(name)
+    rng = np.random.default_rng(0)
+    rows = np.sort(rng.choice(t.n_rows, size=min(64, t.n_rows), replace=False))
+    raw = np.ascontiguousarray(t.raw[rows])
+    got = run_dequantize(t.qtype, raw, t.n_per_row)
+    assert bits_equal(got, gguf.quants.dequantize(raw, t.qtype))  # exact
+
+
+# ----------------------------------------------------------------------------- fp32 numerics
+
+
+def fp32_bound(n: int, w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """Worst-case error of the fp32 kernels against exact arithmetic on the dequantized weights:
+    one rounding per product, n/32 sequential additions per lane, 5 pairwise levels over 32 lanes
+    -> |err| <= gamma_(n/32 + 6) * sum|w*x|, gamma_k = k*u/(1-k*u); 1% slack for the float64 reference."""
+    k = n // 32 + 6 + (1 if n % 32 else 0)
+    return 1.01 * k * U / (1 - k * U) * (np.abs(w.astype(np.float64)) @ np.abs(x.astype(np.float64)))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 9), nblocks=st.integers(1, 40))
+def test_matvec_fp32_vs_float64(qtype, seed, rows, nblocks):
+    rng = np.random.default_rng(seed)
+    n = 32 * nblocks
+    raw = random_raw(qtype, rows, n, rng)
+    x = (rng.standard_normal(n) * 2.0 ** rng.integers(-4, 4)).astype(np.float32)
+    w = L.dequantize_reference(qtype, raw)
+    got = run_matvec(qtype, raw, x)
+    ref = L.matvec_reference(qtype, raw, x)
+    assert np.all(np.abs(got - ref) <= fp32_bound(n, w, x))
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
+def test_matvec_float_types_odd_length(qtype):
+    rng = np.random.default_rng(3)
+    n = 77  # float types take any row length; the tail goes to the first lanes
+    raw = random_raw(qtype, 5, n, rng)
+    x = rng.standard_normal(n).astype(np.float32)
+    got = run_matvec(qtype, raw, x)
+    w = L.dequantize_reference(qtype, raw)
+    assert np.all(np.abs(got - L.matvec_reference(qtype, raw, x)) <= fp32_bound(n, w, x))
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+def test_f16_conversion_matches_numpy_all_ranges():
+    """The in-kernel float32 -> fp16 rounding (used for Q8 scales and F16 activations) against
+    NumPy's, over random bit patterns of every exponent plus the rounding boundaries."""
+    rng = np.random.default_rng(11)
+    bits = rng.integers(0, 2 ** 32, 200_000, dtype=np.uint64).astype(np.uint32)
+    edges = []
+    for e in range(95, 150):  # subnormal-half, normal-half and overflow exponents
+        for mant in (0, 1, 0xFFF, 0x1000, 0x1001, 0x2000, 0x3000, 0x7FE000, 0x7FF000, 0x7FFFFF):
+            edges.append((e << 23) | mant)
+    bits = np.concatenate([bits, np.array(edges, np.uint32), np.array(edges, np.uint32) | 0x80000000])
+    x = bits.view(np.float32)
+    x = x[~np.isnan(x)].reshape(1, -1)
+    got = L.convert_act_f16(x).view(np.uint16)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float16).view(np.uint16)
+    assert np.array_equal(got, want)
+
+
+@needs_oracle
+@pytest.mark.parametrize("act_type", [QT.Q8_0, QT.Q8_1, QT.F16, QT.BF16], ids=lambda t: t.name)
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), m=st.integers(1, 3), nblocks=st.integers(1, 12),
+       zero_block=st.booleans())
+def test_activation_bytes_equal_ggml(act_type, seed, m, nblocks, zero_block):
+    rng = np.random.default_rng(seed)
+    n = 32 * nblocks
+    x = (rng.standard_normal((m, n)) * 2.0 ** rng.integers(-12, 12, (m, 1))).astype(np.float32)
+    if zero_block:
+        x[:, :32] = 0.0
+    got = L.ACT_CONVERTERS[act_type](x)
+    for i in range(m):
+        assert np.array_equal(got[i], ggml_oracle.from_float(act_type, x[i]))  # byte equality
+    assert np.array_equal(got, L.quantize_act_reference(act_type, x))
+
+
+def test_q8_rounds_half_to_even():
+    """ggml's SIMD quantizer rounds x*127/amax to nearest even (the scalar _ref rounds away)."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, 0] = 127.0
+    x[0, 1] = 0.5
+    x[0, 2] = 1.5
+    x[0, 3] = -2.5
+    q = L.quantize_act_q8_0(x)[0, 2:].view(np.int8)
+    assert q[:4].tolist() == [127, 0, 2, -2]
+
+
+def test_q8_multiplier_is_127_over_amax():
+    """ggml's SIMD quantizer multiplies by 127/amax, not 1/d: values chosen where the two differ."""
+    x = np.zeros((1, 32), np.float32)
+    x[0, :3] = [2.7708886, 0.03272703, 0.054545052]
+    assert L.quantize_act_q8_0(x)[0, 2:5].view(np.int8).tolist() == [127, 1, 2]
+    assert L.quantize_act_q8_1(x)[0, 4:7].view(np.int8).tolist() == [127, 1, 2]
+
+
+# ----------------------------------------------------------------------------- ggml numerics
+
+
+def ggml_scale(w: np.ndarray, X: np.ndarray) -> np.ndarray:
+    """sum_j |w_j x_j| per output [m, rows]: the magnitude that float rounding errors of a dot
+    product scale with (|result| can be arbitrarily small through cancellation)."""
+    return np.abs(X.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+
+
+@needs_oracle
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@settings(max_examples=8, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 6), m=st.integers(1, 3),
+       n64=st.integers(1, 12))
+def test_matmul_ggml_vs_libggml(qtype, seed, rows, m, n64):
+    rng = np.random.default_rng(seed)
+    n = 64 * n64
+    raw = random_raw(qtype, rows, n, rng)
+    X = rng.standard_normal((m, n)).astype(np.float32)
+    got, _ = run_matmul_ggml(qtype, raw, X)
+    want = ggml_oracle.matmul(qtype, raw, X)
+    scale = ggml_scale(L.dequantize_reference(qtype, raw), X)
+    # acceptance bar: 3e-7 of sum|w*x|; the kernels replay ggml's operation order, so on a libggml
+    # built for the emulated x86 paths (AVX2/FMA, AVX-512, AVX512-BF16) they must agree exactly
+    assert np.all(np.abs(got - want) <= 3e-7 * scale)
+    if emulated_exactly()[qtype]:
+        assert bits_equal(got, want)
+
+
+@needs_oracle
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
+@pytest.mark.parametrize("n", [64, 96, 100, 130, 200], ids=str)
+def test_matmul_ggml_float_tails(qtype, n):
+    """Row lengths that are not multiples of 64 take ggml's tail loops."""
+    rng = np.random.default_rng(n)
+    raw = random_raw(qtype, 4, n, rng)
+    X = rng.standard_normal((2, n)).astype(np.float32)
+    got, _ = run_matmul_ggml(qtype, raw, X)
+    want = ggml_oracle.matmul(qtype, raw, X)
+    scale = ggml_scale(L.dequantize_reference(qtype, raw), X)
+    assert np.all(np.abs(got - want) <= 3e-7 * scale)  # as in test_matmul_ggml_vs_libggml
+    if emulated_exactly()[qtype]:
+        assert bits_equal(got, want)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matmul_ggml_vs_numpy_reference(qtype):
+    rng = np.random.default_rng(5)
+    n = 320
+    raw = random_raw(qtype, 7, n, rng)
+    X = rng.standard_normal((3, n)).astype(np.float32)
+    got, xq = run_matmul_ggml(qtype, raw, X)
+    want = L.matmul_ggml_reference(qtype, raw, xq)
+    w = L.dequantize_reference(qtype, raw)
+    xa = X if qtype == QT.F32 else (L.dequantize_reference(qtype, xq) if qtype in (QT.F16, QT.BF16) else X)
+    if qtype in BLOCK_TYPES:
+        # same lane sums and fma order; the reference's fma rounds twice (float64 then float32),
+        # which can move a lane by one float32 ulp in rare ties
+        assert np.all(np.abs(got - want) <= 8 * U * ggml_scale(w, X))
+    else:
+        # reference is the exact (float64) dot of the converted operands; ggml's float32 lanes:
+        # n/64 fused adds per lane, 2 register adds, 4 levels of reduce_add -> gamma_(n/64+7)
+        k = n // 64 + 7 + n % 64
+        assert np.all(np.abs(got - want) <= 1.01 * k * U * ggml_scale(w, xa))
+
+
+def test_real_gemma_q5_0_matvec_both_numerics(gemma_file):
+    t = gemma_file.tensor("blk.0.attn_q.weight")  # Q5_0, 1024 rows of 640
+    raw = np.ascontiguousarray(t.raw[:128])
+    n = t.n_per_row
+    x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
+    w = L.dequantize_reference(t.qtype, raw)
+    got = run_matvec(t.qtype, raw, x)
+    assert np.all(np.abs(got - L.matvec_reference(t.qtype, raw, x)) <= fp32_bound(n, w, x))
+    if ggml_oracle.available():
+        g, _ = run_matmul_ggml(t.qtype, raw, x[None])
+        want = ggml_oracle.matmul(t.qtype, raw, x[None])
+        assert np.all(np.abs(g - want) <= 3e-7 * ggml_scale(w, x[None]))  # as above
+
+
+@needs_oracle
+def test_oracle_binding_sane():
+    """The ctypes binding itself: ggml's quantizer equals gguf-py's (both are ggml's reference
+    quantizers), traits report ggml's vec_dot types, and an F32 vec_dot is a dot product."""
+    rng = np.random.default_rng(9)
+    w = rng.standard_normal((3, 128)).astype(np.float32)
+    for qtype in (QT.F16, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0):
+        ours = ggml_oracle.quantize(qtype, w)
+        assert np.array_equal(ours, np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(3, -1))
+    assert [ggml_oracle.vec_dot_type(t) for t in (QT.F32, QT.F16, QT.BF16, QT.Q4_1, QT.Q8_0, QT.Q4_K)] == \
+        [QT.F32, QT.F16, QT.BF16, QT.Q8_1, QT.Q8_0, QT.Q8_K]
+    x = rng.standard_normal(128).astype(np.float32)
+    got = ggml_oracle.vec_dot(QT.F32, w[0].view(np.uint8), x)
+    ref = float(w[0].astype(np.float64) @ x.astype(np.float64))
+    assert abs(got - ref) <= 140 * U * float(np.abs(w[0]) @ np.abs(x))  # gamma_(n+12) bound, n = 128
