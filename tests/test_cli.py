@@ -62,7 +62,6 @@ def test_help_compiles_nothing():
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["/nonexistent/model.gguf", "-p", "x"], "/nonexistent/model.gguf: no such file"),
     (["--top-p", "2", "-p", "x"], "--top-p must be in [0.0, 1.0]"),
     (["-n", "abc", "-p", "x"], "--n-predict must be an integer"),
     (["--numerics", "fast", "-p", "x"], "invalid choice: 'fast'"),
@@ -77,6 +76,8 @@ def test_flag_errors(capsys, argv, needle):
 
 
 def test_file_errors(capsys, tmp_path, tiny):
+    code, _, err = _run(["/nonexistent/model.gguf", "-p", "x"], capsys)
+    _one_line_error(code, err, "/nonexistent/model.gguf: no such file")
     notgguf = tmp_path / "x.gguf"
     notgguf.write_text("hello")
     code, _, err = _run([str(notgguf), "-p", "x"], capsys)
