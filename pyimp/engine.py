@@ -22,6 +22,7 @@ from . import attention, ops
 from .kvcache import KVCache
 from .model import ModelWeights
 from .sampling import Sampler, SamplingParams
+from .sparse_policy import SparseOptions, SparseState
 
 NUMERICS = ("fp32", "ggml")
 # token texts that end a generation even when the file names no eot token (as llama.cpp does)
@@ -38,6 +39,7 @@ class EngineOptions:
     n_threads: int = 0             # 0 = all cores numba sees
     numerics: str = "fp32"
     kv_type: str = "f16"
+    sparse: SparseOptions = field(default_factory=SparseOptions)
 
     def validate(self) -> None:
         if self.numerics not in NUMERICS:
@@ -89,6 +91,8 @@ class Engine:
         self.n_ctx = opts.n_ctx or self.cfg.n_ctx_train
         self.cache = KVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim, self.n_ctx,
                              block_len=opts.block_len, kv_type=opts.kv_type)
+        # importance_ / anchor_ and the block-sparse decode path (None: plain dense attention)
+        self.sparse = SparseState(opts.sparse, self.cfg, self.cache) if opts.sparse.active else None
         self._tokenizer = None
         self._vocab = None
         self._eog: set | None = None
@@ -115,11 +119,12 @@ class Engine:
         return ops.rope_cache(pos, cfg.rope_dim, cfg.layer_rope_base(il), cfg.layer_rope_scale(il),
                               self.weights.rope_freqs)
 
-    def forward(self, tokens: np.ndarray, all_logits: bool = False) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, all_logits: bool = False, prompt_end: int | None = None) -> np.ndarray:
         """Run ``tokens`` (appended after the cached ones) through the model.
 
         Returns float32[T, n_vocab] logits when ``all_logits`` else float32[1, n_vocab]
-        for the last token. The cache grows by T tokens.
+        for the last token. The cache grows by T tokens. ``prompt_end``: absolute end of
+        the prompt this chunk belongs to (sets the importance observation window).
         """
         cfg, W, A = self.cfg, self.weights, self.weights.arch
         num = self.options.numerics
@@ -164,10 +169,16 @@ class Engine:
             window = cfg.sliding_window if cfg.is_swa(il) else 0
             att = np.empty((T, Hq, D), dtype=np.float32)
             kc, vc = self.cache.k_cache_fp16_[il], self.cache.v_cache_fp16_[il]
-            if T == 1:
+            sp = self.sparse
+            if T == 1 and sp is not None:
+                sp.decode_attention(il, q[0], pos0 + 1, kq_scale, window, att[0])
+            elif T == 1:
                 attention.attention_decode(q[0], kc, vc, block_table, pos0 + 1, kq_scale, window, att[0])
             else:
-                attention.attention_prefill(q, kc, vc, block_table, pos0, kq_scale, window, att)
+                imp = None if sp is None else sp.importance_[il]
+                obs = 0 if sp is None else sp.obs_start(pos0 + T if prompt_end is None else prompt_end)
+                attention.attention_prefill(q, kc, vc, block_table, pos0, kq_scale, window, att,
+                                            importance=imp, obs_start=obs)
             # output projection
             o = lw.attn_output(att.reshape(T, Hq * D), num)
             if lw.attn_output_bias is not None:
@@ -188,6 +199,12 @@ class Engine:
             x = x + f
         self.cache.commit(T)
         self.tokens.extend(int(t) for t in tokens)
+        if self.sparse is not None:
+            n = pos0 + T
+            if T == 1:
+                self.sparse.after_decode(n)
+            elif prompt_end is None or n >= prompt_end:
+                self.sparse.after_prefill(n)
         # output norm and head
         x = ops.rms_norm(x, W.output_norm, eps)
         logits = W.output(x, num)
@@ -220,8 +237,9 @@ class Engine:
         bs = self.options.batch_size
         outs = []
         t0 = time.perf_counter()
+        end = len(self.tokens) + arr.size
         for s in range(0, arr.size, bs):
-            outs.append(self.forward(arr[s:s + bs], all_logits=all_logits))
+            outs.append(self.forward(arr[s:s + bs], all_logits=all_logits, prompt_end=end))
             if progress is not None:
                 progress(min(s + bs, arr.size), arr.size)
         dt = time.perf_counter() - t0
@@ -234,9 +252,11 @@ class Engine:
         return np.concatenate(outs, axis=0) if all_logits else outs[-1]
 
     def reset(self) -> None:
-        """Empty the KV cache."""
+        """Empty the KV cache (and the importance matrix and anchors)."""
         self.cache.reset()
         self.tokens = []
+        if self.sparse is not None:
+            self.sparse.reset()
 
     def warmup(self) -> float:
         """Compile (or load from cache) every kernel of prefill and decode; returns seconds."""
@@ -247,6 +267,8 @@ class Engine:
         bos = max(self.cfg.bos_id, 0)
         self.forward(np.array([bos, bos], dtype=np.int64))
         self.forward(np.array([bos], dtype=np.int64))
+        if self.sparse is not None:
+            self.sparse.warmup()
         self.reset()
         self.timings.compile_s = time.perf_counter() - t0
         return self.timings.compile_s
@@ -305,8 +327,23 @@ class Engine:
         return self._eog
 
 def load(path: str | os.PathLike | None = None, **options) -> Engine:
-    """Load a GGUF model (``None`` = the embedded default model) into an :class:`Engine`."""
+    """Load a GGUF model (``None`` = the embedded default model) into an :class:`Engine`.
+
+    Options are the fields of :class:`EngineOptions` (n_ctx, block_len, batch_size,
+    n_threads, numerics, kv_type) and of :class:`SparseOptions` (sparse=True, anchor,
+    anchor_num, retrieval, topk, init_blocks, local_blocks, importance_window,
+    token_step, layer_step, dense_layers, decay, report).
+    """
     if path is None:
         from .default_model import default_model_path
         path = default_model_path()
+    sparse_fields = set(SparseOptions.__dataclass_fields__) - {"enabled"}
+    sp = {k: options.pop(k) for k in list(options) if k in sparse_fields}
+    if "sparse" in options and not isinstance(options["sparse"], SparseOptions):
+        sp["enabled"] = bool(options.pop("sparse"))
+    if sp:
+        options["sparse"] = SparseOptions(**sp)
+    unknown = set(options) - set(EngineOptions.__dataclass_fields__)
+    if unknown:
+        raise TypeError(f"unknown option {sorted(unknown)[0]!r}")
     return Engine(path, EngineOptions(**options))
