@@ -44,6 +44,25 @@ def _float_in(lo: float, hi: float, name: str):
     return conv
 
 
+def _window(s: str) -> int:
+    if s == "all":
+        return 0
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"--importance-window must be a positive integer or 'all', got {s!r}")
+    return v
+
+
+def _int_list(s: str) -> tuple:
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--dense-layers must be comma-separated integers, got {s!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="pyimp-run", description="Generate text with a GGUF model (llama, gemma3).")
     p.add_argument("model", nargs="?", help="GGUF model file (default: embedded Gemma 3 270M Q4_K_M)")
@@ -70,6 +89,29 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32: exact weights, fp32 activations; ggml: activations quantized as ggml's CPU does")
     p.add_argument("--kv-type", choices=("f16", "f32"), default="f16", help="KV cache element type")
     p.add_argument("--no-bos", action="store_true", help="do not add the BOS token")
+    sp = p.add_argument_group("importance-guided sparse attention")
+    sp.add_argument("--sparse", action="store_true", help="block-sparse decode attention on global layers")
+    sp.add_argument("--anchor", choices=("fixed", "dynamic", "quest", "block_mean", "block_max", "cuboid_mean"),
+                    default="quest", help="anchor type used to score blocks")
+    sp.add_argument("--anchor-num", type=_int_at_least(0, "--anchor-num"), default=0,
+                    help="anchors per block (0 = the type's minimum)")
+    sp.add_argument("--retrieval", choices=("layer", "kvhead", "qhead"), default="kvhead",
+                    help="selection granularity")
+    sp.add_argument("--topk", type=_int_at_least(0, "--topk"), default=8, help="blocks picked by score")
+    sp.add_argument("--init-blocks", type=_int_at_least(0, "--init-blocks"), default=1,
+                    help="attention-sink blocks always attended")
+    sp.add_argument("--local-blocks", type=_int_at_least(0, "--local-blocks"), default=2,
+                    help="most recent full blocks always attended")
+    sp.add_argument("--importance-window", type=_window, default=128,
+                    help="prompt rows that add importance at prefill (an integer or 'all')")
+    sp.add_argument("--token-step", type=_int_at_least(1, "--token-step"), default=1,
+                    help="reuse a block selection for this many decode steps")
+    sp.add_argument("--layer-step", type=_int_at_least(1, "--layer-step"), default=1,
+                    help="reuse a lead layer's selection for this many sparse layers")
+    sp.add_argument("--dense-layers", type=_int_list, default=(), help="comma-separated layers kept dense")
+    sp.add_argument("--report", action="store_true",
+                    help="print attention recall, attended fraction and buffer sizes (also in --json)")
+    sp.add_argument("--heatmap", metavar="PATH", help="write a PNG of importance_ and block selections")
     p.add_argument("--stats", action="store_true", help="print timings at the end")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return p
@@ -117,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
     from .engine import Engine, EngineOptions
     from .kvcache import ContextFullError
     from .sampling import SamplingParams
+    from .sparse_policy import SparseOptions
 
     if args.file is not None:
         try:
@@ -129,9 +172,15 @@ def run(args: argparse.Namespace) -> int:
         prompt = args.prompt if args.prompt is not None else ""
     try:
         path = args.model or default_model_path()
+        sparse = SparseOptions(enabled=args.sparse, anchor=args.anchor, anchor_num=args.anchor_num,
+                               retrieval=args.retrieval, topk=args.topk, init_blocks=args.init_blocks,
+                               local_blocks=args.local_blocks, importance_window=args.importance_window,
+                               token_step=args.token_step, layer_step=args.layer_step,
+                               dense_layers=args.dense_layers, report=args.report,
+                               track=args.heatmap is not None)
         engine = Engine(path, EngineOptions(n_ctx=args.ctx_size, block_len=args.block_len,
                                             batch_size=args.batch_size, n_threads=args.threads,
-                                            numerics=args.numerics, kv_type=args.kv_type))
+                                            numerics=args.numerics, kv_type=args.kv_type, sparse=sparse))
     except (GGUFError, DefaultModelError, ValueError) as e:
         print(f"pyimp-run: error: {e}", file=sys.stderr)
         return EXIT_ERROR
@@ -168,12 +217,33 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_ERROR
     tail = decoder.flush()
     timings = engine.timings.as_dict()
+    report = engine.sparse.report() if args.report else None
+    if args.heatmap:
+        try:
+            engine.sparse.heatmap(args.heatmap, len(engine.tokens))
+        except (RuntimeError, OSError) as e:
+            print(f"pyimp-run: error: cannot write heatmap {args.heatmap}: {e}", file=sys.stderr)
+            return EXIT_ERROR
     if args.json:
-        json.dump({"prompt_tokens": ids, "tokens": tokens, "text": engine.detokenize(tokens),
-                   "logprobs": logprobs, "timings": timings}, out, ensure_ascii=False)
+        obj = {"prompt_tokens": ids, "tokens": tokens, "text": engine.detokenize(tokens),
+               "logprobs": logprobs, "timings": timings}
+        if report is not None:
+            obj["report"] = report
+        json.dump(obj, out, ensure_ascii=False)
         out.write("\n")
     else:
         out.write(tail + "\n")
+        if report is not None:
+            r = report
+            rec = "n/a" if r["mean_recall"] is None else f"{r['mean_recall']:.4f}"
+            frac = "n/a" if r["mean_attended_fraction"] is None else f"{r['mean_attended_fraction']:.3f}"
+            b = r["bytes"]
+            print(f"sparse layers {r['sparse_layers']} | mean recall {rec} | attended fraction {frac} | "
+                  f"KV {b['kv'] / 2**20:.1f} MiB, importance {b['importance'] / 2**20:.2f} MiB, "
+                  f"anchors {b['anchors'] / 2**20:.2f} MiB", file=out)
+            for il, v in r["layers"].items():
+                if "recall_per_head" in v:
+                    print(f"  layer {il}: recall per head {v['recall_per_head']}", file=out)
         if args.stats:
             t = timings
             print(f"load {t['load_s']:.2f} s | compile {t['compile_s']:.2f} s | prefill "

@@ -25,8 +25,6 @@ from .sampling import Sampler, SamplingParams
 from .sparse_policy import SparseOptions, SparseState
 
 NUMERICS = ("fp32", "ggml")
-# token texts that end a generation even when the file names no eot token (as llama.cpp does)
-_EOG_TEXTS = frozenset({"<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|end|>", "<|endoftext|>", "<EOT>"})
 
 
 @dataclass
@@ -87,6 +85,7 @@ class Engine:
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
         self.cfg: ModelConfig = read_config(self.file)
+        opts.sparse.validate(self.cfg.n_layer)
         self.weights = ModelWeights(self.file, self.cfg)
         self.n_ctx = opts.n_ctx or self.cfg.n_ctx_train
         self.cache = KVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim, self.n_ctx,
@@ -95,7 +94,6 @@ class Engine:
         self.sparse = SparseState(opts.sparse, self.cfg, self.cache) if opts.sparse.active else None
         self._tokenizer = None
         self._vocab = None
-        self._eog: set | None = None
         self.tokens: list[int] = []          # what the cache holds, in order
         self.timings = Timings(load_s=time.perf_counter() - t0)
 
@@ -104,7 +102,8 @@ class Engine:
     def tokenizer(self):
         if self._tokenizer is None:
             from loaders.tokenizer import Tokenizer
-            self._tokenizer = Tokenizer.from_vocab(self.vocab)
+            self._tokenizer = Tokenizer.from_vocab(self.vocab, model_name=self.cfg.name,
+                                                   architecture=self.cfg.arch)
         return self._tokenizer
 
     def tokenize(self, text: str, add_bos: bool = True, special: bool = False) -> list[int]:
@@ -291,6 +290,7 @@ class Engine:
             max_tokens = self.n_ctx - len(ids)
         logits = self.eval(ids, all_logits=False, progress=progress)[-1]
         eog = self.eog_ids()
+        decoder = self.tokenizer.incremental_decoder() if stop else None
         text = ""
         n = 0
         while max_tokens < 0 or n < max_tokens:
@@ -301,7 +301,7 @@ class Engine:
             if tok in eog:
                 return
             if stop:
-                text += self.tokenizer.decode([tok])
+                text += decoder.feed(tok)
                 if any(s in text for s in stop):
                     return
             if len(self.tokens) >= self.n_ctx or n == max_tokens:
@@ -315,16 +315,8 @@ class Engine:
         return self._vocab
 
     def eog_ids(self) -> set:
-        """End-of-generation token ids: eos/eot/eom plus the end-of-turn texts llama.cpp recognises."""
-        if self._eog is None:
-            sp = self.vocab.special
-            ids = {sp.get(n, -1) for n in ("eos", "eot", "eom")} | {self.cfg.eos_id}
-            for i, text in enumerate(self.vocab.tokens):
-                if text in _EOG_TEXTS:
-                    ids.add(i)
-            ids.discard(-1)
-            self._eog = ids
-        return self._eog
+        """End-of-generation token ids, as llama.cpp's vocabulary marks them."""
+        return set(self.tokenizer.eog_ids) | ({self.cfg.eos_id} - {-1})
 
 def load(path: str | os.PathLike | None = None, **options) -> Engine:
     """Load a GGUF model (``None`` = the embedded default model) into an :class:`Engine`.

@@ -140,7 +140,7 @@ def test_unsupported_tensor_type_missing_tensor_and_shape(tiny_llama, tmp_path):
     _expect(tiny_llama, "expected [32, 99]", lambda p: f.tensor("blk.0.attn_q.weight", (32, 99)))
     p = tmp_path / "iq.gguf"
     w = _writer(p)
-    w.add_tensor("w", np.zeros((2, 18), np.uint8), raw_shape=(2, 32), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+    w.add_tensor("w", np.zeros((2, 18), np.uint8), raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
     _finish(w)
     _expect(p, "unsupported type IQ4_NL", lambda q: GGUFFile(q).tensor("w"))
 
