@@ -15,6 +15,9 @@ Two numerics:
 """
 from __future__ import annotations
 
+import contextlib
+
+import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
@@ -45,6 +48,26 @@ _TYPED_OK = {
     QT.F16: (np.float16, np.uint16),
     QT.BF16: (np.uint16,),
 }
+
+
+# Below this much data a parallel kernel runs on the calling thread alone: waking a second
+# thread costs microseconds on an idle machine but a whole scheduler slice (~10 ms) when the
+# other core is busy, while the work itself takes well under a millisecond.
+SERIAL_BYTES = 1 << 22
+
+
+@contextlib.contextmanager
+def threads_for(nbytes: int):
+    """Run the enclosed kernels single-threaded when they touch fewer than SERIAL_BYTES."""
+    if nbytes >= SERIAL_BYTES:
+        yield
+        return
+    prev = numba.get_num_threads()
+    numba.set_num_threads(1)
+    try:
+        yield
+    finally:
+        numba.set_num_threads(prev)
 
 
 def available_types() -> frozenset[QT]:
@@ -149,10 +172,11 @@ def matvec(raw: np.ndarray, qtype: int, n: int, x: np.ndarray, numerics: str = "
     if x.shape != (n,):
         raise ValueError(f"x must be float32[{n}], got shape {x.shape}")
     res = _out(out, (r.shape[0],))
-    if numerics == "fp32":
-        k.matvec(r, x, res)
-    else:
-        k.matmul_ggml(r, quantize_activations(x, k.act_type), res.reshape(1, -1))
+    with threads_for(r.nbytes):
+        if numerics == "fp32":
+            k.matvec(r, x, res)
+        else:
+            k.matmul_ggml(r, quantize_activations(x, k.act_type), res.reshape(1, -1))
     return res
 
 

@@ -15,6 +15,7 @@ from typing import Iterator
 
 import numpy as np
 
+from loaders import quants
 from loaders.config import ModelConfig, read_config
 from loaders.gguf_file import GGUFFile
 
@@ -169,10 +170,13 @@ class Engine:
             att = np.empty((T, Hq, D), dtype=np.float32)
             kc, vc = self.cache.k_cache_fp16_[il], self.cache.v_cache_fp16_[il]
             sp = self.sparse
-            if T == 1 and sp is not None:
-                sp.decode_attention(il, q[0], pos0 + 1, kq_scale, window, att[0])
-            elif T == 1:
-                attention.attention_decode(q[0], kc, vc, block_table, pos0 + 1, kq_scale, window, att[0])
+            if T == 1:
+                with quants.threads_for(4 * Hkv * D * kc.itemsize * min(pos0 + 1, window or pos0 + 1)):
+                    if sp is not None:
+                        sp.decode_attention(il, q[0], pos0 + 1, kq_scale, window, att[0])
+                    else:
+                        attention.attention_decode(q[0], kc, vc, block_table, pos0 + 1, kq_scale,
+                                                   window, att[0])
             else:
                 imp = None if sp is None else sp.importance_[il]
                 obs = 0 if sp is None else sp.obs_start(pos0 + T if prompt_end is None else prompt_end)
