@@ -28,6 +28,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from pyimp.default_model import cache_dir
+
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"
 PYPI_JSON = f"https://pypi.org/pypi/{PACKAGE}/{VERSION}/json"
@@ -39,15 +41,6 @@ STAMP = ".complete"
 
 class FixtureError(RuntimeError):
     """The fixtures cannot be provided; the message says why."""
-
-
-def cache_dir() -> Path:
-    """``$PYIMP_CACHE``, else ``$XDG_CACHE_HOME/pyimp``, else ``~/.cache/pyimp``."""
-    env = os.environ.get("PYIMP_CACHE")
-    if env:
-        return Path(env)
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "pyimp"
 
 
 def _sdist_url() -> tuple[str, str]:
