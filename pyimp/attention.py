@@ -20,10 +20,13 @@ or to the NumPy reference beside it (``backend="numpy"``).
 """
 from __future__ import annotations
 
+import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
+from llvmlite import ir as llvm_ir
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from pyimp.sparse.importance import fp16_lut, importance_update
 
@@ -32,6 +35,31 @@ from pyimp.sparse.importance import fp16_lut, importance_update
 _FM = {"reassoc", "contract", "nsz"}
 
 PREFILL_TILE = 16  # query rows sharing one pass over the keys
+
+# llvm.prefetch is overloaded on the pointer type: opaque pointers from LLVM 15 on
+_PREFETCH_NAME = ("llvm.prefetch.p0" if llvm_binding.llvm_version_info[0] >= 15
+                  else "llvm.prefetch.p0i8")
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Cache-line prefetch hint for ``arr[idx]`` (no effect on results)."""
+    sig = types.void(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        i8p = llvm_ir.IntType(8).as_pointer()
+        i32 = llvm_ir.IntType(32)
+        fnty = llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
+        # read access, high temporal locality, data cache
+        builder.call(fn, [builder.bitcast(ptr, i8p), llvm_ir.Constant(i32, 0),
+                          llvm_ir.Constant(i32, 3), llvm_ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 def _load_f32(src, start, n, dst, lut):
@@ -81,7 +109,8 @@ def default_splits(n_blocks: int, n_heads: int, min_blocks: int = 8) -> int:
 # --------------------------------------------------------------------------
 
 
-def gather_kv(k_cache, v_cache, block_table, n, head_dim):
+def gather_kv(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray, n: int,
+              head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     """Flat float32 K, V ``[Hkv, n, D]`` of positions 0..n-1 from the paged cache."""
     Hkv, NB, BD = k_cache.shape
     D = head_dim
@@ -143,7 +172,7 @@ def attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, window,
 
 @njit(parallel=True, cache=True, fastmath=_FM)
 def _prefill_kernel(q, kc, vc, bt, pos0, scale, window, lut, tile, out, row_m, row_l):
-    """Flash-style prefill: work item = (query-row tile, kv head), online softmax over key blocks."""
+    """Flash-style prefill: work item = (query-row tile, kv head), online softmax over blocks."""
     T, Hq, D = q.shape
     Hkv = kc.shape[0]
     B = kc.shape[2] // D
@@ -295,7 +324,8 @@ def _prefill_mass_kernel(q, kc, bt, pos0, scale, window, lut, row_m, row_l, r0, 
 
 
 @njit(parallel=True, cache=True, fastmath=_FM)
-def _decode_kernel(q, kc, vc, bt, n_ctx, scale, window, lut, nsplit, out, lse, store, probs, bmax):
+def _decode_kernel(q, kc, vc, bt, n_ctx, scale, window, lut, nsplit, out, lse, store, probs, bmax,
+                   pf_step):
     """Decode attention; work item = (kv head, block split), partials merged serially.
 
     With ``store``, probs[h, p] receives P of position p (positions below the
@@ -327,6 +357,12 @@ def _decode_kernel(q, kc, vc, bt, n_ctx, scale, window, lut, nsplit, out, lse, s
         l = np.zeros(G, np.float32)
         o = np.zeros((G, D), np.float32)
         for lb in range(b_beg, b_end):
+            if lb + 1 < b_end:  # physical blocks need not be adjacent: prefetch the next one
+                kn = kc[kvh, bt[lb + 1]]
+                vn = vc[kvh, bt[lb + 1]]
+                for e in range(0, kn.size, pf_step):
+                    _prefetch(kn, e)
+                    _prefetch(vn, e)
             pb = bt[lb]
             base = lb * B
             t0 = max(lo - base, 0)
@@ -426,8 +462,10 @@ def _decode_kernel(q, kc, vc, bt, n_ctx, scale, window, lut, nsplit, out, lse, s
 # --------------------------------------------------------------------------
 
 
-def attention_prefill(q, k_cache, v_cache, block_table, pos0, scale, window, out,
-                      importance=None, obs_start=0, decay=1.0, backend="numba"):
+def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                      block_table: np.ndarray, pos0: int, scale: float, window: int,
+                      out: np.ndarray, importance: np.ndarray | None = None, obs_start: int = 0,
+                      decay: float = 1.0, backend: str = "numba") -> np.ndarray:
     """Causal (optionally sliding-window) attention of a prompt chunk over the cache.
 
     q: float32 [T, Hq, D], row i at absolute position pos0 + i; the chunk's K/V
@@ -462,8 +500,10 @@ def attention_prefill(q, k_cache, v_cache, block_table, pos0, scale, window, out
     return row_m + np.log(row_l)
 
 
-def attention_decode(q, k_cache, v_cache, block_table, n_ctx, scale, window, out,
-                     importance=None, decay=1.0, nsplit=None, backend="numba"):
+def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                     block_table: np.ndarray, n_ctx: int, scale: float, window: int,
+                     out: np.ndarray, importance: np.ndarray | None = None, decay: float = 1.0,
+                     nsplit: int | None = None, backend: str = "numba") -> np.ndarray:
     """Attention of one query (position n_ctx - 1) over the cached positions 0..n_ctx-1.
 
     q: float32 [Hq, D]; out: float32 [Hq, D], written. importance (float16
@@ -490,7 +530,8 @@ def attention_decode(q, k_cache, v_cache, block_table, n_ctx, scale, window, out
         bmax = probs
     lse = np.empty(Hq, np.float32)
     _decode_kernel(q, _kernel_view(k_cache), _kernel_view(v_cache), block_table, int(n_ctx),
-                   float(scale), int(window), fp16_lut(), int(nsplit), out, lse, store, probs, bmax)
+                   float(scale), int(window), fp16_lut(), int(nsplit), out, lse, store, probs, bmax,
+                   64 // k_cache.itemsize)
     if store:
         importance_update(importance, block_table, probs, lo, decay)
     return lse

@@ -153,7 +153,8 @@ def importance_update_ref(importance, block_table, new, pos_lo=0, decay=1.0) -> 
     importance[block_table[rows // B], rows % B, :] = x.astype(np.float16)
 
 
-def importance_update(importance, block_table, new, pos_lo=0, decay=1.0, backend="numba") -> None:
+def importance_update(importance: np.ndarray, block_table: np.ndarray, new: np.ndarray,
+                      pos_lo: int = 0, decay: float = 1.0, backend: str = "numba") -> None:
     """Add attention mass to one layer's importance slice, in place.
 
     importance: float16 [NB][B][Hq]; block_table: int32 [NB_logical];
@@ -209,7 +210,9 @@ def importance_update_blocks_ref(importance, block_table, sel, cnt, probs, n_ctx
             importance[pb, :nt, h] = np.minimum(x, np.float32(FP16_MAX)).astype(np.float16)
 
 
-def importance_update_blocks(importance, block_table, sel, cnt, probs, n_ctx, backend="numba") -> None:
+def importance_update_blocks(importance: np.ndarray, block_table: np.ndarray, sel: np.ndarray,
+                             cnt: np.ndarray, probs: np.ndarray, n_ctx: int,
+                             backend: str = "numba") -> None:
     """Add the mass of a block-sparse step (no decay), in place.
 
     importance: float16 [NB][B][Hq]; sel: int32 [nsets, K] logical block ids
@@ -224,7 +227,8 @@ def importance_update_blocks(importance, block_table, sel, cnt, probs, n_ctx, ba
                                      int(n_ctx), fp16_lut())
 
 
-def decay_importance(importance, block_table, n_ctx, decay, backend="numba") -> None:
+def decay_importance(importance: np.ndarray, block_table: np.ndarray, n_ctx: int, decay: float,
+                     backend: str = "numba") -> None:
     """Scale every valid entry by ``decay`` (``new = decay*old``), in place."""
     Hq = importance.shape[2]
     importance_update(importance, block_table, np.zeros((Hq, n_ctx), np.float32), n_ctx,

@@ -5,13 +5,24 @@ Score (KVCACHE.md section 6), for logical block b and query head h::
     s[b, h] = sum_d max_a(anchor[block_table[b]][a][h][d] * q[h][d])
 
 over the first ``n_slots`` anchor slots (see ``anchors.anchor_slots``). With
-``group_shared`` (every anchor type but DYNAMIC) the G query heads of a kv
-head hold identical anchors, so only the first head's slot is read and scored
-against each of the G query vectors (G times less anchor traffic).
+``shared`` (every anchor type but DYNAMIC) the G query heads of a kv head hold
+identical anchors, so only the group leader's slot (head ``j*G``) is read.
 
-Granularity: LAYER ranks by ``sum_h s``, one set for all heads; KVHEAD by the
-sum over a kv head's G query heads, one set per kv head; QHEAD one set per
-query head. Set ``i`` serves query heads ``[i*Hq/nsets, (i+1)*Hq/nsets)``.
+Granularity: LAYER ranks blocks by ``sum_h s``, one set for all heads; KVHEAD
+by the sum over a kv head's G query heads, one set per kv head; QHEAD one set
+per query head. Set ``i`` serves query heads ``[i*Hq/nsets, (i+1)*Hq/nsets)``.
+
+Set scores ``S[b, i] = sum over the set's heads of s[b, h]`` are computed
+directly from "compressed" queries when anchors are shared and either have
+one slot or two ordered slots (slot 0 >= slot 1 per channel, as QUEST and
+CUBOID_MEAN store them). Then ``max(a0*x, a1*x)`` is ``a0*x`` for ``x >= 0``
+and ``a1*x`` otherwise, so the sum over the heads of kv head j in set i is::
+
+    a0_j . Q+[i, j] + a1_j . Q-[i, j],   Q+- = sum of max(q_h, 0) / min(q_h, 0)
+
+(one-slot: ``a_j . sum_h q_h``): G times less work for LAYER and KVHEAD, the
+same values up to float32 rounding. Other anchors fall back to per-head
+scores summed in float32.
 
 Selection for ``n_ctx`` tokens, ``F = n_ctx // B`` full blocks: blocks
 ``0..init-1`` (sinks), the ``pick`` best-scoring of ``init..F-local-1`` (ties:
@@ -25,14 +36,44 @@ from __future__ import annotations
 
 import enum
 
+import llvmlite.binding as llvm_binding
 import numpy as np
+from llvmlite import ir as llvm_ir
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from pyimp.sparse.anchors import AnchorType, anchor_slots, group_shared
 from pyimp.sparse.importance import fp16_lut
 
+_ORDERED = (AnchorType.QUEST, AnchorType.CUBOID_MEAN)  # slot 0 >= slot 1 per channel
+
 _FM = {"reassoc", "contract", "nsz"}  # no nnan/ninf: -inf anchors keep their meaning
+
+# llvm.prefetch is overloaded on the pointer type: opaque pointers from LLVM 15 on
+_PREFETCH_NAME = ("llvm.prefetch.p0" if llvm_binding.llvm_version_info[0] >= 15
+                  else "llvm.prefetch.p0i8")
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Cache-line prefetch hint for ``arr[idx]`` (no effect on results)."""
+    sig = types.void(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        i8p = llvm_ir.IntType(8).as_pointer()
+        i32 = llvm_ir.IntType(32)
+        fnty = llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
+        # read access, high temporal locality, data cache
+        builder.call(fn, [builder.bitcast(ptr, i8p), llvm_ir.Constant(i32, 0),
+                          llvm_ir.Constant(i32, 3), llvm_ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 class RetrievalType(enum.Enum):
@@ -66,8 +107,12 @@ def _load_f32_ov(src, dst, lut):
     return impl
 
 
+def _anchor_view(anchor):
+    return anchor.view(np.uint16) if anchor.dtype == np.float16 else anchor
+
+
 # --------------------------------------------------------------------------
-# scores
+# per-head scores
 # --------------------------------------------------------------------------
 
 
@@ -81,29 +126,38 @@ def block_scores_ref(q, anchor, block_table, lb_start, lb_end, n_slots, G, share
 
 
 @njit(parallel=True, cache=True, fastmath=_FM)
-def _scores_kernel(q, anc, bt, lb_start, n_slots, G, shared, lut, out):
+def _scores_kernel(q, anc, bt, lb_start, n_slots, G, shared, lut, out, pf_step):
     C, Hq = out.shape
     D = q.shape[1]
+    step = G if shared else 1  # shared: the group leader's slot serves all G heads
+    nlead = Hq // step
     for i in prange(C):
+        if i + 1 < C:  # the next block's rows are scattered lines: prefetch them
+            pn = bt[lb_start + i + 1]
+            for j in range(nlead):
+                for sl in range(n_slots):
+                    row = anc[pn, sl, j * step]
+                    for e in range(0, D, pf_step):
+                        _prefetch(row, e)
         pb = bt[lb_start + i]
-        a = np.empty((n_slots, D), np.float32)
-        a0 = a[0]
+        # decode every needed anchor row of the block first (independent loads overlap)
+        a = np.empty((nlead, n_slots, D), np.float32)
+        for j in range(nlead):
+            for sl in range(n_slots):
+                _load_f32(anc[pb, sl, j * step], a[j, sl], lut)
         # (loops specialized per slot count so each inner loop vectorizes)
         if n_slots == 1:
             for h in range(Hq):
-                if not shared or h % G == 0:  # shared: the group leader's slot serves all G
-                    _load_f32(anc[pb, 0, h], a0, lut)
+                a0 = a[h // step, 0]
                 qh = q[h]
                 acc = np.float32(0.0)
                 for d in range(D):
                     acc += a0[d] * qh[d]
                 out[i, h] = acc
         elif n_slots == 2:
-            a1 = a[1]
             for h in range(Hq):
-                if not shared or h % G == 0:
-                    _load_f32(anc[pb, 0, h], a0, lut)
-                    _load_f32(anc[pb, 1, h], a1, lut)
+                a0 = a[h // step, 0]
+                a1 = a[h // step, 1]
                 qh = q[h]
                 acc = np.float32(0.0)
                 for d in range(D):
@@ -113,23 +167,22 @@ def _scores_kernel(q, anc, bt, lb_start, n_slots, G, shared, lut, out):
                 out[i, h] = acc
         else:
             for h in range(Hq):
-                if not shared or h % G == 0:
-                    for sl in range(n_slots):
-                        _load_f32(anc[pb, sl, h], a[sl], lut)
+                ah = a[h // step]
                 qh = q[h]
                 acc = np.float32(0.0)
                 for d in range(D):
-                    mx = a[0, d] * qh[d]
+                    mx = ah[0, d] * qh[d]
                     for sl in range(1, n_slots):
-                        y = a[sl, d] * qh[d]
+                        y = ah[sl, d] * qh[d]
                         mx = mx if mx > y else y
                     acc += mx
                 out[i, h] = acc
 
 
-def block_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared=True,
-                 backend="numba"):
-    """float32 [lb_end - lb_start, Hq] scores of logical blocks [lb_start, lb_end).
+def block_scores(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, lb_start: int,
+                 lb_end: int, n_slots: int, G: int, shared: bool = True,
+                 backend: str = "numba") -> np.ndarray:
+    """float32 [lb_end - lb_start, Hq] per-head scores of logical blocks [lb_start, lb_end).
 
     q: float32 [Hq, D]; anchor: float16 (or float32) [NB][A][Hq][D];
     G: query heads per kv head; shared: anchors identical within a GQA group.
@@ -138,10 +191,89 @@ def block_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared=Tr
         return block_scores_ref(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared)
     q = np.ascontiguousarray(q, dtype=np.float32)
     out = np.empty((max(lb_end - lb_start, 0), q.shape[0]), np.float32)
-    anc = anchor.view(np.uint16) if anchor.dtype == np.float16 else anchor
+    anc = _anchor_view(anchor)
     _scores_kernel(q, anc, block_table, int(lb_start), int(n_slots), int(G), bool(shared),
-                   fp16_lut(), out)
+                   fp16_lut(), out, 64 // anc.itemsize)
     return out
+
+
+# --------------------------------------------------------------------------
+# set scores (what selection ranks)
+# --------------------------------------------------------------------------
+
+
+@njit(parallel=True, cache=True, fastmath=_FM)
+def _set_scores_kernel(q, anc, bt, lb_start, G, n_slots, lut, out, pf_step):
+    C, nsets = out.shape
+    Hq, D = q.shape
+    Hkv = Hq // G
+    hps = Hq // nsets
+    # compressed queries Q+ / Q- (module docstring), built serially: Hq*D adds
+    qc = np.zeros((nsets, Hkv, n_slots, D), np.float32)
+    for h in range(Hq):
+        dst = qc[h // hps, h // G]
+        qh = q[h]
+        for d in range(D):
+            x = qh[d]
+            if n_slots == 1:
+                dst[0, d] += x
+            elif x >= 0.0:
+                dst[0, d] += x
+            else:
+                dst[1, d] += x
+    for i in prange(C):
+        if i + 1 < C:
+            pn = bt[lb_start + i + 1]
+            for j in range(Hkv):
+                for sl in range(n_slots):
+                    row = anc[pn, sl, j * G]
+                    for e in range(0, D, pf_step):
+                        _prefetch(row, e)
+        pb = bt[lb_start + i]
+        a = np.empty((Hkv, n_slots, D), np.float32)
+        for j in range(Hkv):
+            for sl in range(n_slots):
+                _load_f32(anc[pb, sl, j * G], a[j, sl], lut)
+        for si in range(nsets):
+            acc = np.float32(0.0)
+            # kv heads touched by the set's query heads [si*hps, (si+1)*hps)
+            for j in range((si * hps) // G, ((si + 1) * hps - 1) // G + 1):
+                for sl in range(n_slots):
+                    aj = a[j, sl]
+                    qj = qc[si, j, sl]
+                    for d in range(D):
+                        acc += aj[d] * qj[d]
+            out[i, si] = acc
+
+
+def set_scores_ref(q, anchor, block_table, lb_start, lb_end, nsets, n_slots, G, shared):
+    """NumPy reference of :func:`set_scores`: per-head scores summed over each set (float64)."""
+    s = block_scores_ref(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared)
+    C, Hq = s.shape
+    return s.astype(np.float64).reshape(C, nsets, Hq // nsets).sum(axis=2).astype(np.float32)
+
+
+def set_scores(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, lb_start: int,
+               lb_end: int, nsets: int, n_slots: int, G: int, shared: bool = True,
+               ordered: bool = False, backend: str = "numba") -> np.ndarray:
+    """float32 [lb_end - lb_start, nsets] set scores of logical blocks [lb_start, lb_end).
+
+    ordered: two-slot anchors satisfy slot 0 >= slot 1 per channel (QUEST,
+    CUBOID_MEAN), which enables the compressed-query path with ``shared``.
+    """
+    if backend == "numpy":
+        return set_scores_ref(q, anchor, block_table, lb_start, lb_end, nsets, n_slots, G, shared)
+    C = max(lb_end - lb_start, 0)
+    Hq = q.shape[0]
+    if shared and (n_slots == 1 or (n_slots == 2 and ordered)):
+        out = np.empty((C, nsets), np.float32)
+        anc = _anchor_view(anchor)
+        _set_scores_kernel(np.ascontiguousarray(q, dtype=np.float32), anc, block_table,
+                           int(lb_start), int(G), int(n_slots), fp16_lut(), out,
+                           64 // anc.itemsize)
+        return out
+    s = block_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared)
+    return s.reshape(C, nsets, Hq // nsets).sum(axis=2, dtype=np.float32)
 
 
 # --------------------------------------------------------------------------
@@ -149,18 +281,9 @@ def block_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared=Tr
 # --------------------------------------------------------------------------
 
 
-def _aggregate_ref(scores, nsets):
-    """float32 [C, nsets]: per-set sums over heads, added in head order in float32."""
-    C, Hq = scores.shape
-    hps = Hq // nsets
-    agg = np.zeros((C, nsets), np.float32)
-    for j in range(hps):
-        agg += scores[:, np.arange(nsets) * hps + j]
-    return np.where(np.isnan(agg), np.float32(-np.inf), agg)
-
-
-def select_blocks_ref(scores, nsets, n_ctx, block_len, init, pick, local):
+def select_blocks_ref(scores, n_ctx, block_len, init, pick, local):
     """NumPy reference of :func:`select_blocks` (stable sort)."""
+    nsets = scores.shape[1]
     F = n_ctx // block_len
     n_lb = -(-n_ctx // block_len)
     K = init + pick + local + 1
@@ -170,7 +293,7 @@ def select_blocks_ref(scores, nsets, n_ctx, block_len, init, pick, local):
         sel[:, :n_lb] = np.arange(n_lb)
         cnt[:] = n_lb
         return sel, cnt
-    agg = _aggregate_ref(scores, nsets)  # candidates init..F-local-1
+    agg = np.where(np.isnan(scores), np.float32(-np.inf), scores)
     for si in range(nsets):
         order = np.argsort(-agg[:, si], kind="stable")[:pick]
         chosen = np.concatenate([np.arange(init), init + np.sort(order),
@@ -182,17 +305,12 @@ def select_blocks_ref(scores, nsets, n_ctx, block_len, init, pick, local):
 
 @njit(cache=True)
 def _select_one(scores, si, init, pick, local, F, n_lb, sel, cnt):
-    """Fill sel[si], cnt[si] for set si (heads [si*hps, (si+1)*hps))."""
-    C, Hq = scores.shape
-    hps = Hq // sel.shape[0]
-    agg = np.zeros(C, np.float32)
-    for j in range(hps):
-        h = si * hps + j
-        for i in range(C):
-            agg[i] += scores[i, h]
+    """Fill sel[si], cnt[si] from column si of the set scores."""
+    C = scores.shape[0]
+    agg = np.empty(C, np.float32)
     for i in range(C):
-        if agg[i] != agg[i]:
-            agg[i] = -np.inf
+        x = scores[i, si]
+        agg[i] = x if x == x else -np.inf  # NaN ranks last
     k = 0
     for b in range(init):
         sel[si, k] = b
@@ -231,15 +349,17 @@ def _select_kernel(scores, init, pick, local, F, n_lb, sel, cnt):
         _select_one(scores, si, init, pick, local, F, n_lb, sel, cnt)
 
 
-def select_blocks(scores, nsets, n_ctx, block_len, init, pick, local, backend="numba"):
-    """Pick blocks from candidate scores.
+def select_blocks(scores: np.ndarray, n_ctx: int, block_len: int, init: int, pick: int,
+                  local: int, backend: str = "numba") -> tuple[np.ndarray, np.ndarray]:
+    """Pick blocks per set from set scores.
 
-    scores: float32 [C, Hq], C = F - init - local candidate blocks
+    scores: float32 [C, nsets] for the C = F - init - local candidate blocks
     ``init..F-local-1`` (ignored in the dense case). Returns (sel int32
     [nsets, K], cnt int32 [nsets]) as described in the module docstring.
     """
     if backend == "numpy":
-        return select_blocks_ref(scores, nsets, n_ctx, block_len, init, pick, local)
+        return select_blocks_ref(scores, n_ctx, block_len, init, pick, local)
+    nsets = scores.shape[1]
     F = n_ctx // block_len
     n_lb = -(-n_ctx // block_len)
     K = init + pick + local + 1
@@ -251,18 +371,22 @@ def select_blocks(scores, nsets, n_ctx, block_len, init, pick, local, backend="n
     cnt = np.empty(nsets, np.int32)
     # one set (LAYER) or little work: a parallel region costs more than it saves
     kernel = _select_kernel_par if nsets * scores.shape[0] >= 16384 else _select_kernel
-    kernel(np.ascontiguousarray(scores, dtype=np.float32), int(init), int(pick), int(local), F,
-           n_lb, sel, cnt)
+    kernel(np.asarray(scores, dtype=np.float32), int(init), int(pick), int(local), F, n_lb, sel,
+           cnt)
     return sel, cnt
 
 
-def retrieve_blocks(q, anchor, block_table, n_ctx, block_len, n_kv_heads,
-                    retrieval_type=RetrievalType.LAYER, init_block_num=1, pick_block_num=8,
-                    local_block_num=2, anchor_type=AnchorType.QUEST, backend="numba"):
+def retrieve_blocks(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, n_ctx: int,
+                    block_len: int, n_kv_heads: int,
+                    retrieval_type: RetrievalType = RetrievalType.LAYER, init_block_num: int = 1,
+                    pick_block_num: int = 8, local_block_num: int = 2,
+                    anchor_type: AnchorType = AnchorType.QUEST,
+                    backend: str = "numba") -> tuple[np.ndarray, np.ndarray]:
     """Score the candidate blocks and select (sel int32 [nsets, K], cnt int32 [nsets]).
 
     q: float32 [Hq, D] (post-RoPE, as attention sees it); anchor: float16
-    [NB][A][Hq][D] of the layer; block_table: int32 [NB_logical].
+    [NB][A][Hq][D] of the layer, built with ``anchor_type``; block_table: int32
+    [NB_logical].
     """
     Hq = q.shape[0]
     G = Hq // n_kv_heads
@@ -270,9 +394,9 @@ def retrieve_blocks(q, anchor, block_table, n_ctx, block_len, n_kv_heads,
     F = n_ctx // block_len
     init, pick, local = init_block_num, pick_block_num, local_block_num
     if F <= init + pick + local:
-        scores = np.empty((0, Hq), np.float32)
+        scores = np.empty((0, nsets), np.float32)
     else:
-        scores = block_scores(q, anchor, block_table, init, F - local,
-                              anchor_slots(anchor_type, anchor.shape[1]), G,
-                              group_shared(anchor_type), backend)
-    return select_blocks(scores, nsets, n_ctx, block_len, init, pick, local, backend)
+        scores = set_scores(q, anchor, block_table, init, F - local, nsets,
+                            anchor_slots(anchor_type, anchor.shape[1]), G,
+                            group_shared(anchor_type), anchor_type in _ORDERED, backend)
+    return select_blocks(scores, n_ctx, block_len, init, pick, local, backend)

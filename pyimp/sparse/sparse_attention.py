@@ -4,11 +4,15 @@ Inputs are the dense decode's (see ``pyimp.attention``) plus a selection from
 ``retrieval``: ``sel`` int32 [nsets, K] logical block ids (-1 padded) and
 ``cnt`` int32 [nsets]; query head h uses set ``h // (Hq // nsets)``.
 
-For each selected block the kernel forms the block-local max ``m``, the sum
-``l = sum exp(s - m)`` and the unnormalized output ``o = sum exp(s - m) v``,
-and merges blocks (and thread partials) with the max-stabilized rule::
+A block's partial is its local max ``m``, the sum ``l = sum exp(s - m)`` and
+the unnormalized output ``o = sum exp(s - m) v``; partials merge with the
+max-stabilized rule::
 
     m = max(m1, m2);  l = l1 e^(m1-m) + l2 e^(m2-m);  o = o1 e^(m1-m) + o2 e^(m2-m)
+
+The Numba kernel folds each work item's blocks into a running partial with
+this rule (online softmax) and merges the per-thread partials serially; the
+NumPy reference forms every block's partial and merges them in order.
 
 With every block selected it equals dense attention to float32 rounding, in
 any block order. Masks are the dense ones (causal to n_ctx, sliding window).
@@ -16,14 +20,42 @@ Importance receives this step's probabilities on attended tokens only.
 """
 from __future__ import annotations
 
+import llvmlite.binding as llvm_binding
 import numba
 import numpy as np
+from llvmlite import ir as llvm_ir
 from numba import njit, prange, types
-from numba.extending import overload
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
 
 from pyimp.sparse.importance import fp16_lut, importance_update, importance_update_blocks
 
 _FM = {"reassoc", "contract", "nsz"}  # no nnan/ninf: -inf masks keep their meaning
+
+# llvm.prefetch is overloaded on the pointer type: opaque pointers from LLVM 15 on
+_PREFETCH_NAME = ("llvm.prefetch.p0" if llvm_binding.llvm_version_info[0] >= 15
+                  else "llvm.prefetch.p0i8")
+
+
+@intrinsic
+def _prefetch(typingctx, arr, idx):
+    """Cache-line prefetch hint for ``arr[idx]`` (no effect on results)."""
+    sig = types.void(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        i8p = llvm_ir.IntType(8).as_pointer()
+        i32 = llvm_ir.IntType(32)
+        fnty = llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
+        # read access, high temporal locality, data cache
+        builder.call(fn, [builder.bitcast(ptr, i8p), llvm_ir.Constant(i32, 0),
+                          llvm_ir.Constant(i32, 3), llvm_ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 def _load_f32(src, start, n, dst, lut):
@@ -140,7 +172,7 @@ def sparse_attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, 
 
 @njit(parallel=True, cache=True, fastmath=_FM)
 def _sparse_decode_kernel(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, out, lse,
-                          store, probs):
+                          store, probs, pf_step):
     """Work item = (unit, split of its selected blocks); a unit is the query heads of one
     kv head that share a set (G heads for LAYER/KVHEAD, one head for QHEAD)."""
     Hq, D = q.shape
@@ -177,6 +209,13 @@ def _sparse_decode_kernel(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, ns
         l = np.zeros(nh, np.float32)
         o = np.zeros((nh, D), np.float32)
         for k in range(k_beg, k_end):
+            if k + 1 < k_end:  # selected blocks are scattered: prefetch the next one
+                pn = bt[sel[si, k + 1]]
+                kn = kc[kvh, pn]
+                vn = vc[kvh, pn]
+                for e in range(0, kn.size, pf_step):
+                    _prefetch(kn, e)
+                    _prefetch(vn, e)
             lb = sel[si, k]
             pb = bt[lb]
             base = lb * B
@@ -285,9 +324,12 @@ def _sparse_decode_kernel(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, ns
                         pk[t] = 0.0
 
 
-def sparse_attention_decode(q, k_cache, v_cache, block_table, n_ctx, scale, window, sel, cnt, out,
-                            importance=None, decay=1.0, recall=False, nsplit=None,
-                            backend="numba"):
+def sparse_attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
+                            block_table: np.ndarray, n_ctx: int, scale: float, window: int,
+                            sel: np.ndarray, cnt: np.ndarray, out: np.ndarray,
+                            importance: np.ndarray | None = None, decay: float = 1.0,
+                            recall: bool = False, nsplit: int | None = None,
+                            backend: str = "numba") -> tuple[np.ndarray, np.ndarray | None]:
     """Decode attention of one query (position n_ctx - 1) over the selected blocks.
 
     q: float32 [Hq, D]; k_cache/v_cache: float16 or float32 [Hkv][NB][B*D] /
@@ -316,7 +358,7 @@ def sparse_attention_decode(q, k_cache, v_cache, block_table, n_ctx, scale, wind
         lse = np.empty(Hq, np.float32)
         _sparse_decode_kernel(q, _kernel_view(k_cache), _kernel_view(v_cache), block_table,
                               int(n_ctx), float(scale), int(window), fp16_lut(), sel, cnt,
-                              int(nsplit), out, lse, store, probs)
+                              int(nsplit), out, lse, store, probs, 64 // k_cache.itemsize)
     if store:
         if decay == 1.0:
             importance_update_blocks(importance, block_table, sel, cnt, probs, n_ctx, backend)
@@ -338,10 +380,9 @@ def scatter_probs(probs, sel, cnt, n_ctx):
     """Dense float32 [Hq, n_ctx] mass from per-block probs [Hq, K, B] (0 where unattended)."""
     Hq, Kw, B = probs.shape
     hps = Hq // sel.shape[0]
-    new = np.zeros((Hq, -(-n_ctx // B) * B), np.float32)
+    n_lb = -(-n_ctx // B)
+    new = np.zeros((Hq, n_lb, B), np.float32)
     for h in range(Hq):
-        si = h // hps
-        for k in range(cnt[si]):
-            lb = sel[si, k]
-            new[h, lb * B:(lb + 1) * B] = probs[h, k]
-    return np.ascontiguousarray(new[:, :n_ctx])
+        c = cnt[h // hps]
+        new[h, sel[h // hps, :c]] = probs[h, :c]
+    return np.ascontiguousarray(new.reshape(Hq, n_lb * B)[:, :n_ctx])
