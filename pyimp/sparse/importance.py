@@ -36,6 +36,7 @@ from numba import njit, prange
 
 FP16_MAX = 65504.0  # largest finite float16; importance saturates here
 FP16_STALL = 2048.0  # from here on fp16 spacing is 2: adding <= 1 is lost
+PARALLEL_MIN_WORK = 1 << 16  # entries below which the update kernels run single-threaded
 
 
 @functools.lru_cache(maxsize=1)
@@ -103,34 +104,50 @@ def encode_fp16(x: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------
 
 
-@njit(parallel=True, cache=True)
-def _importance_update_kernel(imp, bt, new, pos_lo, decay, lut):
+@njit(cache=True)
+def _update_block(imp, bt, new, pos_lo, decay, lut, lb, tmp, bits):
+    """Update the B rows of logical block lb (tmp/bits: float32 [Hq] scratch and its bits)."""
     NB, B, Hq = imp.shape
     n_pos = new.shape[1]
-    n_lb = (n_pos + B - 1) // B
-    lb0 = 0 if decay != 1.0 else pos_lo // B
+    pb = bt[lb]
     dec = np.float32(decay)
-    for lb in prange(lb0, n_lb):
-        pb = bt[lb]
+    for t in range(B):
+        p = lb * B + t
+        if p >= n_pos:
+            break
+        if decay == 1.0 and p < pos_lo:
+            continue
+        for h in range(Hq):
+            x = lut[imp[pb, t, h]]
+            if decay != 1.0:
+                x = dec * x
+            if p >= pos_lo:
+                x = x + new[h, p]
+            if x > FP16_MAX:
+                x = np.float32(FP16_MAX)
+            tmp[h] = x
+        for h in range(Hq):
+            imp[pb, t, h] = _f16_bits(bits[h])
+
+
+@njit(parallel=True, cache=True)
+def _importance_update_kernel(imp, bt, new, pos_lo, decay, lut):
+    B, Hq = imp.shape[1], imp.shape[2]
+    n_lb = (new.shape[1] + B - 1) // B
+    lb0 = 0 if decay != 1.0 else pos_lo // B
+    for lb in prange(lb0, n_lb):  # one writer per physical block
         tmp = np.empty(Hq, np.float32)
-        bits = tmp.view(np.uint32)
-        for t in range(B):
-            p = lb * B + t
-            if p >= n_pos:
-                break
-            if decay == 1.0 and p < pos_lo:
-                continue
-            for h in range(Hq):
-                x = lut[imp[pb, t, h]]
-                if decay != 1.0:
-                    x = dec * x
-                if p >= pos_lo:
-                    x = x + new[h, p]
-                if x > FP16_MAX:
-                    x = np.float32(FP16_MAX)
-                tmp[h] = x
-            for h in range(Hq):
-                imp[pb, t, h] = _f16_bits(bits[h])
+        _update_block(imp, bt, new, pos_lo, decay, lut, lb, tmp, tmp.view(np.uint32))
+
+
+@njit(cache=True)
+def _importance_update_serial(imp, bt, new, pos_lo, decay, lut):
+    B, Hq = imp.shape[1], imp.shape[2]
+    n_lb = (new.shape[1] + B - 1) // B
+    lb0 = 0 if decay != 1.0 else pos_lo // B
+    tmp = np.empty(Hq, np.float32)
+    for lb in range(lb0, n_lb):
+        _update_block(imp, bt, new, pos_lo, decay, lut, lb, tmp, tmp.view(np.uint32))
 
 
 def importance_update_ref(importance, block_table, new, pos_lo=0, decay=1.0) -> None:
@@ -165,8 +182,10 @@ def importance_update(importance: np.ndarray, block_table: np.ndarray, new: np.n
     if backend == "numpy":
         importance_update_ref(importance, block_table, new, pos_lo, decay)
         return
-    _importance_update_kernel(importance.view(np.uint16), block_table, new, int(pos_lo),
-                              float(decay), fp16_lut())
+    # small updates (short contexts) cost less than waking the thread pool
+    n_work = new.shape[0] * (new.shape[1] if decay != 1.0 else new.shape[1] - pos_lo)
+    kernel = _importance_update_kernel if n_work >= PARALLEL_MIN_WORK else _importance_update_serial
+    kernel(importance.view(np.uint16), block_table, new, int(pos_lo), float(decay), fp16_lut())
 
 
 # --------------------------------------------------------------------------
@@ -174,26 +193,36 @@ def importance_update(importance: np.ndarray, block_table: np.ndarray, new: np.n
 # --------------------------------------------------------------------------
 
 
+@njit(cache=True)
+def _update_head_blocks(imp, bt, sel, cnt, probs, n_ctx, lut, h, tmp, bits):
+    """Add probs[h] into query head h's column of its set's selected blocks."""
+    B, Hq = imp.shape[1], imp.shape[2]
+    si = h // (Hq // sel.shape[0])
+    for k in range(cnt[si]):
+        lb = sel[si, k]
+        pb = bt[lb]
+        for t in range(B):
+            if lb * B + t >= n_ctx:
+                break
+            x = lut[imp[pb, t, h]] + probs[h, k, t]
+            if x > FP16_MAX:
+                x = np.float32(FP16_MAX)
+            tmp[0] = x
+            imp[pb, t, h] = _f16_bits(bits[0])
+
+
 @njit(parallel=True, cache=True)
 def _importance_update_blocks_kernel(imp, bt, sel, cnt, probs, n_ctx, lut):
-    NB, B, Hq = imp.shape
-    nsets = sel.shape[0]
-    hps = Hq // nsets
-    for h in prange(Hq):
-        si = h // hps
+    for h in prange(imp.shape[2]):  # one writer per query-head column
         tmp = np.empty(1, np.float32)
-        bits = tmp.view(np.uint32)
-        for k in range(cnt[si]):
-            lb = sel[si, k]
-            pb = bt[lb]
-            for t in range(B):
-                if lb * B + t >= n_ctx:
-                    break
-                x = lut[imp[pb, t, h]] + probs[h, k, t]
-                if x > FP16_MAX:
-                    x = np.float32(FP16_MAX)
-                tmp[0] = x
-                imp[pb, t, h] = _f16_bits(bits[0])
+        _update_head_blocks(imp, bt, sel, cnt, probs, n_ctx, lut, h, tmp, tmp.view(np.uint32))
+
+
+@njit(cache=True)
+def _importance_update_blocks_serial(imp, bt, sel, cnt, probs, n_ctx, lut):
+    tmp = np.empty(1, np.float32)
+    for h in range(imp.shape[2]):
+        _update_head_blocks(imp, bt, sel, cnt, probs, n_ctx, lut, h, tmp, tmp.view(np.uint32))
 
 
 def importance_update_blocks_ref(importance, block_table, sel, cnt, probs, n_ctx) -> None:
@@ -223,8 +252,9 @@ def importance_update_blocks(importance: np.ndarray, block_table: np.ndarray, se
     if backend == "numpy":
         importance_update_blocks_ref(importance, block_table, sel, cnt, probs, n_ctx)
         return
-    _importance_update_blocks_kernel(importance.view(np.uint16), block_table, sel, cnt, probs,
-                                     int(n_ctx), fp16_lut())
+    parallel = probs.shape[0] * int(cnt.max(initial=0)) * probs.shape[2] >= PARALLEL_MIN_WORK
+    kernel = _importance_update_blocks_kernel if parallel else _importance_update_blocks_serial
+    kernel(importance.view(np.uint16), block_table, sel, cnt, probs, int(n_ctx), fp16_lut())
 
 
 def decay_importance(importance: np.ndarray, block_table: np.ndarray, n_ctx: int, decay: float,

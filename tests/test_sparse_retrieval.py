@@ -1,0 +1,235 @@
+"""Block retrieval: scores == naive loop; LAYER/KVHEAD/QHEAD selection == a naive implementation."""
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+from pyimp.sparse.anchors import AnchorType, block_spans, compute_anchors
+from pyimp.sparse.retrieval import (RetrievalType, block_scores, n_sets, retrieve_blocks,
+                                    select_blocks, set_scores)
+
+
+def naive_scores(q, anchor, bt, lb_start, lb_end, n_slots):
+    """s[b, h] = sum_d max_a anchor[bt[b]][a][h][d] * q[h][d], float64, every head's own slot."""
+    Hq, D = q.shape
+    out = np.zeros((lb_end - lb_start, Hq))
+    for i, lb in enumerate(range(lb_start, lb_end)):
+        for h in range(Hq):
+            out[i, h] = sum(max(float(anchor[bt[lb], a, h, d]) * float(q[h, d])
+                                for a in range(n_slots)) for d in range(D))
+    return out
+
+
+def head_sets(rtype, Hq, Hkv):
+    """The query heads of each set, straight from the definition."""
+    G = Hq // Hkv
+    return {RetrievalType.LAYER: [list(range(Hq))],
+            RetrievalType.KVHEAD: [list(range(j * G, (j + 1) * G)) for j in range(Hkv)],
+            RetrievalType.QHEAD: [[h] for h in range(Hq)]}[rtype]
+
+
+def naive_set_scores(head_scores, rtype, Hkv):
+    """float64 [C, nsets]: per-head scores summed over each set's heads."""
+    sets = head_sets(rtype, head_scores.shape[1], Hkv)
+    return np.stack([head_scores[:, hs].astype(np.float64).sum(axis=1) for hs in sets], axis=1)
+
+
+def naive_select(set_sc, n_ctx, B, init, pick, local):
+    """Per set: a sorted list of logical blocks, straight from the definition."""
+    F = n_ctx // B
+    n_lb = -(-n_ctx // B)
+    result = []
+    for si in range(set_sc.shape[1]):
+        if F <= init + pick + local:
+            result.append(list(range(n_lb)))
+            continue
+        col = set_sc[:, si]
+        ranked = sorted(range(len(col)), key=lambda i: (-col[i], i))[:pick]
+        chosen = set(range(init)) | {init + i for i in ranked} | set(range(F - local, F))
+        if n_ctx % B:
+            chosen.add(F)
+        result.append(sorted(chosen))
+    return result
+
+
+@st.composite
+def select_case(draw):
+    Hkv = draw(st.integers(1, 3))
+    G = draw(st.integers(1, 3))
+    B = draw(st.sampled_from([1, 2, 4, 16]))
+    n_ctx = draw(st.integers(1, 40 * B))
+    init = draw(st.integers(0, 3))
+    pick = draw(st.integers(0, 8))
+    local = draw(st.integers(0, 3))
+    seed = draw(st.integers(0, 2**31 - 1))
+    ties = draw(st.booleans())
+    return Hkv, G, B, n_ctx, init, pick, local, np.random.default_rng(seed), ties
+
+
+@settings(max_examples=80, deadline=None)
+@given(select_case(), st.sampled_from(list(RetrievalType)))
+def test_selection_matches_naive(case, rtype):
+    Hkv, G, B, n_ctx, init, pick, local, rng, ties = case
+    Hq = Hkv * G
+    F = n_ctx // B
+    C = max(F - init - local, 0)
+    nsets = n_sets(rtype, Hq, Hkv)
+    scores = rng.standard_normal((C, nsets)).astype(np.float32)
+    if ties:
+        scores = np.round(scores).astype(np.float32)  # many equal scores: tie rule = lower block
+    want = naive_select(scores, n_ctx, B, init, pick, local)
+    n_lb = -(-n_ctx // B)
+    for backend in ["numba", "numpy"]:
+        sel, cnt = select_blocks(scores, n_ctx, B, init, pick, local, backend)
+        assert sel.shape == (nsets, init + pick + local + 1) and sel.dtype == np.int32
+        for si in range(nsets):
+            got = sel[si, :cnt[si]].tolist()
+            assert got == want[si]
+            assert (sel[si, cnt[si]:] == -1).all()
+            # always included: sinks, last local full blocks, partial tail
+            must = set(range(min(init, F))) | set(range(max(F - local, 0), F))
+            if n_ctx % B:
+                must.add(F)
+            assert must <= set(got)
+            assert len(got) == min(n_lb, init + pick + local + (1 if n_ctx % B else 0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 3), st.sampled_from([1, 2, 3]), st.sampled_from([1, 4, 8]),
+       st.booleans(), st.integers(0, 2**31 - 1))
+def test_scores_match_naive(Hkv, G, n_slots, D, shared, seed):
+    rng = np.random.default_rng(seed)
+    Hq = Hkv * G
+    NB, nlb = 9, 7
+    bt = rng.permutation(NB)[:nlb].astype(np.int32)
+    anchor = (rng.standard_normal((NB, 3, Hq, D)) * 2).astype(np.float16)
+    if shared:  # group-shared anchors: each kv head's value repeated into its G query heads
+        anchor = np.repeat(anchor[:, :, ::G], G, axis=2)
+    q = rng.standard_normal((Hq, D)).astype(np.float32)
+    want = naive_scores(q, anchor, bt, 1, 6, n_slots)
+    for backend in ["numba", "numpy"]:
+        got = block_scores(q, anchor, bt, 1, 6, n_slots, G, shared, backend)
+        # float32 sum of D <= 8 products of magnitude <~ 30: error < 1e-5
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    for backend in ["numba", "numpy"]:  # float32 anchors too
+        got = block_scores(q, anchor.astype(np.float32), bt, 1, 6, n_slots, G, shared, backend)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+
+
+def test_shared_reads_only_the_group_leader():
+    """With shared=True the non-leader slots are never read (fill them with NaN)."""
+    rng = np.random.default_rng(5)
+    Hkv, G, D = 2, 3, 4
+    anchor = rng.standard_normal((4, 1, Hkv * G, D)).astype(np.float16)
+    for h in range(Hkv * G):
+        if h % G:
+            anchor[:, :, h] = np.nan
+    bt = np.arange(4, dtype=np.int32)
+    q = rng.standard_normal((Hkv * G, D)).astype(np.float32)
+    s = block_scores(q, anchor, bt, 0, 4, 1, G, True)
+    assert np.isfinite(s).all()
+    for nsets in (1, Hkv, Hkv * G):
+        assert np.isfinite(set_scores(q, anchor, bt, 0, 4, nsets, 1, G, True)).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 3), st.integers(1, 4), st.sampled_from([1, 4, 16]),
+       st.sampled_from(list(AnchorType)), st.sampled_from(list(RetrievalType)),
+       st.integers(0, 2**31 - 1))
+def test_set_scores_match_naive(Hkv, G, D, anchor_type, rtype, seed):
+    """Fast (compressed-query) and fallback paths == per-head scores summed per set."""
+    rng = np.random.default_rng(seed)
+    Hq, B, NB, n_ctx = Hkv * G, 4, 12, 4 * 11 + 2
+    bt = rng.permutation(NB).astype(np.int32)
+    kc = (rng.standard_normal((Hkv, NB, B * D)) * 2).astype(np.float16)
+    imp = rng.uniform(0, 2, (NB, B, Hq)).astype(np.float16)
+    anchor = np.zeros((NB, 2, Hq, D), np.float16)
+    compute_anchors(anchor_type, kc, *block_spans(bt, n_ctx, B), anchor, imp)
+    q = rng.standard_normal((Hq, D)).astype(np.float32)
+    slots = 2 if anchor_type in (AnchorType.QUEST, AnchorType.CUBOID_MEAN) else 1
+    shared = anchor_type is not AnchorType.DYNAMIC
+    ordered = slots == 2
+    want = naive_set_scores(naive_scores(q, anchor, bt, 1, 10, slots), rtype, Hkv)
+    nsets = n_sets(rtype, Hq, Hkv)
+    mag = np.abs(q).sum() * np.abs(anchor.astype(np.float32)).max()  # >= |any set score|
+    for backend in ["numba", "numpy"]:
+        got = set_scores(q, anchor, bt, 1, 10, nsets, slots, G, shared, ordered, backend)
+        assert got.shape == (9, nsets) and got.dtype == np.float32
+        # float32 sums of <= Hq*D products in another order: error well below 1e-5 * magnitude
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * mag)
+
+
+@settings(max_examples=30, deadline=None)
+@given(select_case(), st.sampled_from(list(RetrievalType)),
+       st.sampled_from([AnchorType.QUEST, AnchorType.BLOCK_MEAN, AnchorType.DYNAMIC,
+                        AnchorType.CUBOID_MEAN]))
+def test_retrieve_end_to_end(case, rtype, anchor_type):
+    """Anchors -> set scores -> selection: sinks, local and tail present, and the picked blocks
+    are a top-pick of the naive float64 set scores (up to float32 rounding)."""
+    Hkv, G, B, n_ctx, init, pick, local, rng, _ = case
+    Hq, D = Hkv * G, 4
+    n_lb = -(-n_ctx // B)
+    NB = n_lb + 1
+    bt = rng.permutation(NB)[:n_lb].astype(np.int32)
+    kc = rng.standard_normal((Hkv, NB, B * D)).astype(np.float16)
+    imp = rng.uniform(0, 2, (NB, B, Hq)).astype(np.float16)
+    anchor = np.zeros((NB, 2, Hq, D), np.float16)
+    compute_anchors(anchor_type, kc, *block_spans(bt, n_ctx, B), anchor, imp)
+    q = rng.standard_normal((Hq, D)).astype(np.float32)
+    F = n_ctx // B
+    slots = 2 if anchor_type in (AnchorType.QUEST, AnchorType.CUBOID_MEAN) else 1
+    naive = naive_set_scores(naive_scores(q, anchor, bt, init, max(F - local, init), slots),
+                             rtype, Hkv)
+    for backend in ["numba", "numpy"]:
+        sel, cnt = retrieve_blocks(q, anchor, bt, n_ctx, B, Hkv, rtype, init, pick, local,
+                                   anchor_type, backend)
+        for si in range(n_sets(rtype, Hq, Hkv)):
+            got = sel[si, :cnt[si]].tolist()
+            if F <= init + pick + local:
+                assert got == list(range(n_lb))
+                continue
+            must = set(range(init)) | set(range(F - local, F)) | ({F} if n_ctx % B else set())
+            assert must <= set(got) and len(got) == len(must) + pick
+            picked = [b - init for b in got if init <= b < F - local]
+            rest = np.setdiff1d(np.arange(F - local - init), picked)
+            if rest.size and picked:
+                # every picked block scores at least as high as every unpicked one, up to the
+                # float32 rounding of a sum of <= Hq*D terms
+                tol = 1e-5 * (np.abs(naive).max() + 1.0)
+                assert naive[picked, si].min() >= naive[rest, si].max() - tol
+
+
+def test_layer_picks_the_hot_block():
+    """A block whose keys align with q outranks the others; the dense fallback returns all."""
+    rng = np.random.default_rng(0)
+    Hkv, G, B, D, n_ctx = 2, 2, 4, 8, 4 * 20 + 3
+    n_lb = -(-n_ctx // B)
+    bt = rng.permutation(n_lb).astype(np.int32)
+    kc = (rng.standard_normal((Hkv, n_lb, B * D)) * 0.1).astype(np.float16)
+    q = rng.standard_normal((Hkv * G, D)).astype(np.float32)
+    q[1::2] = q[0::2]  # heads of a group share a direction
+    hot = 9
+    for j in range(Hkv):
+        kc[j, bt[hot]] = np.tile(q[j * G] * 3, B).astype(np.float16)
+    anchor = np.zeros((n_lb, 2, Hkv * G, D), np.float16)
+    compute_anchors(AnchorType.QUEST, kc, *block_spans(bt, n_ctx, B), anchor)
+    sel, cnt = retrieve_blocks(q, anchor, bt, n_ctx, B, Hkv, RetrievalType.LAYER, 1, 1, 1,
+                               AnchorType.QUEST)
+    assert sel[0, :cnt[0]].tolist() == [0, hot, 19, 20]
+    sel, cnt = retrieve_blocks(q, anchor, bt, n_ctx, B, Hkv, RetrievalType.LAYER, 8, 8, 4,
+                               AnchorType.QUEST)
+    assert sel[0, :cnt[0]].tolist() == list(range(n_lb))  # F = 20 <= 8 + 8 + 4: dense
+
+
+def test_selection_large_sets_match_naive():
+    """Enough work for the parallel selection path (nsets * candidates >= 16384), with ties."""
+    # (QHEAD: 8 sets x 3992 candidates; LAYER and KVHEAD take the serial path)
+    rng = np.random.default_rng(12)
+    Hkv, G, B = 2, 4, 2
+    n_ctx = 2 * 4000 + 1
+    init, pick, local = 3, 500, 5
+    F = n_ctx // B
+    for rtype in RetrievalType:
+        nsets = n_sets(rtype, Hkv * G, Hkv)
+        scores = np.round(rng.standard_normal((F - init - local, nsets)) * 4).astype(np.float32)
+        want = naive_select(scores, n_ctx, B, init, pick, local)
+        sel, cnt = select_blocks(scores, n_ctx, B, init, pick, local)
+        assert [sel[i, :cnt[i]].tolist() for i in range(nsets)] == want
