@@ -62,6 +62,7 @@ def default_model_path() -> Path:
             os.close(fd)
             try:
                 pkg.assemble(tmp, overwrite=True)  # checks the sha256 itself
+                os.chmod(tmp, 0o644)               # mkstemp creates owner-only files
                 os.replace(tmp, target)
             finally:
                 if os.path.exists(tmp):
