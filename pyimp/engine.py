@@ -114,10 +114,13 @@ class Engine:
         return self.tokenizer.decode(list(tokens))
 
     # -------------------------------------------------------------- forward
-    def _rope_tables(self, il: int, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _rope_tables(self, il: int, pos: np.ndarray, memo: dict) -> tuple[np.ndarray, np.ndarray]:
+        """cos, sin of layer il at positions pos; layers sharing base and scale share one table."""
         cfg = self.cfg
-        return ops.rope_cache(pos, cfg.rope_dim, cfg.layer_rope_base(il), cfg.layer_rope_scale(il),
-                              self.weights.rope_freqs)
+        key = (cfg.layer_rope_base(il), cfg.layer_rope_scale(il))
+        if key not in memo:
+            memo[key] = ops.rope_cache(pos, cfg.rope_dim, key[0], key[1], self.weights.rope_freqs)
+        return memo[key]
 
     def forward(self, tokens: np.ndarray, all_logits: bool = False, prompt_end: int | None = None) -> np.ndarray:
         """Run ``tokens`` (appended after the cached ones) through the model.
@@ -136,6 +139,7 @@ class Engine:
         pos = np.arange(pos0, pos0 + T)
         block_table = self.cache.block_table[0]
         kq_scale = 1.0 if A.q_prescale else 1.0 / math.sqrt(D)
+        rope_memo: dict = {}
 
         x = W.embed(tokens)                                            # [T, E] token embeddings
         for il, lw in enumerate(W.layers):
@@ -159,7 +163,7 @@ class Engine:
                 q = ops.rms_norm(q, lw.attn_q_norm, eps)
                 k = ops.rms_norm(k, lw.attn_k_norm, eps)
             # rotary position embedding
-            cos, sin = self._rope_tables(il, pos)
+            cos, sin = self._rope_tables(il, pos, rope_memo)
             ops.rope(q, cos, sin, A.rope_neox)
             ops.rope(k, cos, sin, A.rope_neox)
             if A.q_prescale:
