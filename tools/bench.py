@@ -25,17 +25,45 @@ def _tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     return [int(t) for t in rng.integers(10, min(n_vocab, 32000), n)]
 
 
-def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numerics: str) -> dict:
+def _fill_cache(eng, ctx: int) -> None:
+    """Decode-speed runs at long context without the prefill: random keys and values for
+    ``ctx`` positions (a decode step's cost does not depend on what the cache holds)."""
+    rng = np.random.default_rng(0)
+    c = eng.cache
+    c.reserve(ctx)
+    nb = -(-ctx // c.block_len)
+    blocks = c.block_table[0][:nb]
+    for buf in (c.k_cache_fp16_, c.v_cache_fp16_):
+        for il in range(buf.shape[0]):
+            buf[il][:, blocks] = rng.standard_normal((buf.shape[1], nb, buf.shape[3]), np.float32)
+    c.commit(ctx)
+    eng.tokens.extend(_tokens(ctx, eng.cfg.n_vocab))
+    if eng.sparse is not None:
+        eng.sparse.after_prefill(ctx)
+
+
+def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numerics: str,
+           sparse_budget: float = 0.0, synthetic_cache: bool = False) -> dict:
     """Runs inside the subprocess; returns timings and peak RSS."""
     t0 = time.perf_counter()
     if engine == "pyimp":
         from pyimp.engine import Engine, EngineOptions
-        eng = Engine(model, EngineOptions(n_ctx=ctx + n_decode + 8, n_threads=threads, numerics=numerics))
+        from pyimp.sparse_policy import SparseOptions
+        sparse = SparseOptions()
+        if sparse_budget > 0:
+            # sinks + topk + locals (+ tail) ~ budget * ctx tokens, block length 32
+            topk = max(1, int(sparse_budget * ctx / 32) - 3)
+            sparse = SparseOptions(enabled=True, anchor="block_mean", topk=topk)
+        eng = Engine(model, EngineOptions(n_ctx=ctx + n_decode + 8, n_threads=threads, numerics=numerics,
+                                          sparse=sparse))
         load = time.perf_counter() - t0
         compile_s = eng.warmup()
         toks = _tokens(ctx + n_decode, eng.cfg.n_vocab)
         t = time.perf_counter()
-        eng.eval(toks[:ctx], all_logits=False)
+        if synthetic_cache:
+            _fill_cache(eng, ctx)
+        else:
+            eng.eval(toks[:ctx], all_logits=False)
         prefill = time.perf_counter() - t
         t = time.perf_counter()
         for tok in toks[ctx:]:
@@ -60,9 +88,10 @@ def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numer
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
-def _spawn(engine, model, ctx, n_decode, threads, numerics) -> dict:
+def _spawn(engine, model, ctx, n_decode, threads, numerics, sparse_budget=0.0, synthetic_cache=False) -> dict:
     cmd = [sys.executable, "-m", "tools.bench", "--worker", engine, "--model", model, "--ctx", str(ctx),
-           "--decode", str(n_decode), "--threads", str(threads), "--numerics", numerics]
+           "--decode", str(n_decode), "--threads", str(threads), "--numerics", numerics,
+           "--sparse-budget", str(sparse_budget)] + (["--synthetic-cache"] if synthetic_cache else [])
     env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                OPENBLAS_NUM_THREADS=str(threads))
     r = subprocess.run(cmd, capture_output=True, text=True, env=env,
@@ -72,34 +101,46 @@ def _spawn(engine, model, ctx, n_decode, threads, numerics) -> dict:
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
-def tinyllama_path() -> str:
+def tinyllama_path(n_ctx: int = 2048) -> str:
+    """The synthetic TinyLlama-1.1B-shaped Q4_0 model (written into the cache once)."""
     from pyimp.default_model import cache_dir
     from tools.write_synthetic_gguf import PRESETS, SynthSpec, write
-    p = cache_dir() / "synthetic-tinyllama-1.1b-q4_0.gguf"
+    suffix = "" if n_ctx == 2048 else f"-ctx{n_ctx}"
+    p = cache_dir() / f"synthetic-tinyllama-1.1b-q4_0{suffix}.gguf"
     if not p.exists():
         tmp = p.with_suffix(".tmp")
-        write(tmp, SynthSpec(weight_type="Q4_0", embd_type="Q4_0", tied_output=False, **PRESETS["tinyllama"]))
+        kw = dict(PRESETS["tinyllama"], n_ctx=n_ctx)
+        write(tmp, SynthSpec(weight_type="Q4_0", embd_type="Q4_0", tied_output=False, **kw))
         os.replace(tmp, p)
     return str(p)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["gemma", "tinyllama"], choices=["gemma", "tinyllama"])
+    ap.add_argument("--models", nargs="+", default=["gemma", "tinyllama"],
+                    choices=["gemma", "tinyllama", "tinyllama-32k"])
     ap.add_argument("--ctx", nargs="+", type=int, default=[128, 1024, 4096])
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--numerics", default="fp32", choices=["fp32", "ggml"])
+    ap.add_argument("--sparse-budget", type=float, default=0.0,
+                    help="also run pyimp with block-sparse decode attending this fraction of the context")
+    ap.add_argument("--synthetic-cache", action="store_true",
+                    help="pyimp only: fill the KV cache with random values instead of a prefill "
+                         "(decode speed at long context; prefill figures are then meaningless)")
     ap.add_argument("--worker", choices=["pyimp", "llama.cpp"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
-        print(json.dumps(worker(a.worker, a.model, a.ctx[0], a.decode, a.threads, a.numerics)))
+        print(json.dumps(worker(a.worker, a.model, a.ctx[0], a.decode, a.threads, a.numerics,
+                                a.sparse_budget, a.synthetic_cache)))
         return 0
     from pyimp.default_model import default_model_path
     paths = {"gemma": str(default_model_path())}
     if "tinyllama" in a.models:
         paths["tinyllama"] = tinyllama_path()
+    if "tinyllama-32k" in a.models:
+        paths["tinyllama-32k"] = tinyllama_path(32768)
     print(f"threads {a.threads}, decode {a.decode} tokens after the prefill, numerics {a.numerics}, "
           f"llama.cpp with flash_attn, both f16 KV")
     hdr = (f"{'model':10} {'ctx':>5} | {'pyimp pf':>9} {'llama pf':>9} {'ratio':>6} | {'pyimp dec':>9} "
@@ -115,7 +156,7 @@ def main(argv=None) -> int:
         for ctx in a.ctx:
             if ctx + a.decode + 8 > cfg.n_ctx_train:
                 continue
-            p = _spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics)
+            p = _spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics, 0.0, a.synthetic_cache)
             q = _spawn("llama.cpp", path, ctx, a.decode, a.threads, a.numerics)
             kv_mb = cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 2 * 2 * (ctx + a.decode + 8) / 2**20
             print(f"{name:10} {ctx:5d} | {p['prefill_tok_s']:9.1f} {q['prefill_tok_s']:9.1f} "
@@ -123,6 +164,13 @@ def main(argv=None) -> int:
                   f"{q['decode_tok_s']:9.2f} {p['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
                   f"{p['peak_rss_mb']:8.0f}M {q['peak_rss_mb']:8.0f}M {gguf_mb + kv_mb + 400:10.0f}M",
                   flush=True)
+            if a.sparse_budget > 0:
+                s = _spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics, a.sparse_budget,
+                           a.synthetic_cache)
+                print(f"{'  sparse':10} {ctx:5d} | {'':9} {'':9} {'':6} | {s['decode_tok_s']:9.2f} "
+                      f"{q['decode_tok_s']:9.2f} {s['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
+                      f"{s['peak_rss_mb']:8.0f}M   (pyimp block-sparse, budget {a.sparse_budget:g})",
+                      flush=True)
     return 0
 
 
