@@ -303,7 +303,7 @@ class Engine:
         n = 0
         while max_tokens < 0 or n < max_tokens:
             tok = sampler.sample(logits, self.tokens)
-            logp = float(ops.log_softmax(logits)[tok])
+            logp = ops.token_logprob(logits, tok)
             n += 1
             yield tok, logp
             if tok in eog:

@@ -150,6 +150,13 @@ def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndar
     return x
 
 
+def token_logprob(logits: np.ndarray, token: int) -> float:
+    """log softmax(logits)[token] for float32[n_vocab] logits (exp in float32, sum in float64)."""
+    m = logits.max()
+    lse = float(m) + float(np.log(np.exp(logits - m).sum(dtype=np.float64)))
+    return float(logits[token]) - lse
+
+
 def log_softmax(logits: np.ndarray) -> np.ndarray:
     """float64 log-probabilities over the last axis."""
     z = logits.astype(np.float64)
