@@ -175,7 +175,8 @@ class Engine:
             kc, vc = self.cache.k_cache_fp16_[il], self.cache.v_cache_fp16_[il]
             sp = self.sparse
             if T == 1:
-                with quants.threads_for(4 * Hkv * D * kc.itemsize * min(pos0 + 1, window or pos0 + 1)):
+                n_read = min(pos0 + 1, window or pos0 + 1)                # keys and values read
+                with quants.threads_for(2 * Hkv * D * kc.itemsize * n_read):
                     if sp is not None:
                         sp.decode_attention(il, q[0], pos0 + 1, kq_scale, window, att[0])
                     else:
