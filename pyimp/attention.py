@@ -28,7 +28,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from pyimp.sparse.importance import fp16_lut, importance_update
+from pyimp.sparse.importance import fp16_lut, importance_update, kernel_view
 
 # Fast-math flags without nnan/ninf: reassociation lets LLVM vectorize the dot
 # products; -inf masks and NaN checks keep their IEEE meaning.
@@ -86,15 +86,6 @@ def _load_f32_ov(src, start, n, dst, lut):
         for i in range(n):
             d[i] = s[i]
     return impl
-
-
-def _kernel_view(cache: np.ndarray) -> np.ndarray:
-    """fp16 caches travel as uint16 bits; float32 caches as they are."""
-    if cache.dtype == np.float16:
-        return cache.view(np.uint16)
-    if cache.dtype == np.float32:
-        return cache
-    raise TypeError(f"KV cache dtype must be float16 or float32, got {cache.dtype}")
 
 
 def default_splits(n_blocks: int, n_heads: int, min_blocks: int = 8) -> int:
@@ -483,7 +474,7 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                                      importance, obs_start, decay)
     q = np.ascontiguousarray(q, dtype=np.float32)
     T, Hq, D = q.shape
-    kc, vc = _kernel_view(k_cache), _kernel_view(v_cache)
+    kc, vc = kernel_view(k_cache), kernel_view(v_cache)
     lut = fp16_lut()
     row_m = np.empty((T, Hq), np.float32)
     row_l = np.empty((T, Hq), np.float32)
@@ -529,7 +520,7 @@ def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         probs = np.empty((0, 0), np.float32)
         bmax = probs
     lse = np.empty(Hq, np.float32)
-    _decode_kernel(q, _kernel_view(k_cache), _kernel_view(v_cache), block_table, int(n_ctx),
+    _decode_kernel(q, kernel_view(k_cache), kernel_view(v_cache), block_table, int(n_ctx),
                    float(scale), int(window), fp16_lut(), int(nsplit), out, lse, store, probs, bmax,
                    64 // k_cache.itemsize)
     if store:

@@ -39,6 +39,15 @@ FP16_STALL = 2048.0  # from here on fp16 spacing is 2: adding <= 1 is lost
 PARALLEL_MIN_WORK = 1 << 16  # entries below which the update kernels run single-threaded
 
 
+def kernel_view(cache: np.ndarray) -> np.ndarray:
+    """A KV cache as kernels take it: fp16 travels as uint16 bits, float32 as it is."""
+    if cache.dtype == np.float16:
+        return cache.view(np.uint16)
+    if cache.dtype == np.float32:
+        return cache
+    raise TypeError(f"KV cache dtype must be float16 or float32, got {cache.dtype}")
+
+
 @functools.lru_cache(maxsize=1)
 def fp16_lut() -> np.ndarray:
     """float32[65536]: value of every fp16 bit pattern (read-only)."""

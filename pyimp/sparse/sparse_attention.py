@@ -28,7 +28,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from pyimp.sparse.importance import fp16_lut, importance_update, importance_update_blocks
+from pyimp.sparse.importance import (fp16_lut, importance_update, importance_update_blocks,
+                                     kernel_view)
 
 _FM = {"reassoc", "contract", "nsz"}  # no nnan/ninf: -inf masks keep their meaning
 
@@ -82,14 +83,6 @@ def _load_f32_ov(src, start, n, dst, lut):
         for i in range(n):
             d[i] = s[i]
     return impl
-
-
-def _kernel_view(cache):
-    if cache.dtype == np.float16:
-        return cache.view(np.uint16)
-    if cache.dtype == np.float32:
-        return cache
-    raise TypeError(f"KV cache dtype must be float16 or float32, got {cache.dtype}")
 
 
 # --------------------------------------------------------------------------
@@ -356,7 +349,7 @@ def sparse_attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndar
             target = 4 * numba.get_num_threads()
             nsplit = max(1, min(-(-target // units), int(cnt.max()) // 4))
         lse = np.empty(Hq, np.float32)
-        _sparse_decode_kernel(q, _kernel_view(k_cache), _kernel_view(v_cache), block_table,
+        _sparse_decode_kernel(q, kernel_view(k_cache), kernel_view(v_cache), block_table,
                               int(n_ctx), float(scale), int(window), fp16_lut(), sel, cnt,
                               int(nsplit), out, lse, store, probs, 64 // k_cache.itemsize)
     if store:
