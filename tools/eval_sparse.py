@@ -39,6 +39,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from pyimp.ops import log_softmax
+
 ANCHORS = ("fixed", "dynamic", "quest", "block_mean", "block_max", "cuboid_mean")
 BUDGETS = (1 / 16, 1 / 8, 1 / 4)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
@@ -102,13 +104,6 @@ def budget_label(budget: float | None) -> str:
 
 
 # ------------------------------------------------------------------ measures
-def log_softmax64(logits: np.ndarray) -> np.ndarray:
-    """float64 log-probabilities of float32[..., V] logits."""
-    z = np.asarray(logits, np.float64)
-    z = z - z.max(axis=-1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
-
-
 def kl_divergence(p_logp: np.ndarray, q_logp: np.ndarray) -> np.ndarray:
     """KL(p || q) in nats per row, from float64 log-probabilities [..., V]."""
     return np.sum(np.exp(p_logp) * (p_logp - q_logp), axis=-1)
@@ -267,7 +262,7 @@ class DecodeRow:
 def _summarize(config: SparseConfig, dense_logp: np.ndarray, logits: np.ndarray, report: dict,
                ctx: int, block_len: int, seconds: float, oracle: list | None = None) -> DecodeRow:
     steps = len(logits)
-    logp = log_softmax64(logits)
+    logp = log_softmax(logits)
     kl = np.maximum(kl_divergence(dense_logp, logp), 0.0)   # clip float64 rounding below 0
     top1 = float(np.mean(np.argmax(dense_logp, -1) == np.argmax(logp, -1)))
     n_at = ctx + 1 + np.arange(steps)                        # tokens cached at each decode step
@@ -322,7 +317,7 @@ def decode_quality(path, ids: Sequence[int], ctx: int, steps: int, configs: Sequ
         eng = runner.engine
     log(f"dense prefill of {ctx} tokens: {time.perf_counter() - t0:.1f} s")
     t0 = time.perf_counter()
-    dense_logp = log_softmax64(_decode(eng, fed))
+    dense_logp = log_softmax(_decode(eng, fed))
     log(f"dense decode of {steps} tokens: {time.perf_counter() - t0:.1f} s")
     rows = []
     for c in configs:
