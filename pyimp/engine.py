@@ -122,12 +122,14 @@ class Engine:
             memo[key] = ops.rope_cache(pos, cfg.rope_dim, key[0], key[1], self.weights.rope_freqs)
         return memo[key]
 
-    def forward(self, tokens: np.ndarray, all_logits: bool = False, prompt_end: int | None = None) -> np.ndarray:
+    def forward(self, tokens: np.ndarray, all_logits: bool = False, prompt_end: int | None = None,
+                logits: bool = True) -> np.ndarray | None:
         """Run ``tokens`` (appended after the cached ones) through the model.
 
         Returns float32[T, n_vocab] logits when ``all_logits`` else float32[1, n_vocab]
-        for the last token. The cache grows by T tokens. ``prompt_end``: absolute end of
-        the prompt this chunk belongs to (sets the importance observation window).
+        for the last token, or None when ``logits`` is False (the output head is skipped).
+        The cache grows by T tokens. ``prompt_end``: absolute end of the prompt this chunk
+        belongs to (sets the importance observation window).
         """
         cfg, W, A = self.cfg, self.weights, self.weights.arch
         num = self.options.numerics
@@ -213,6 +215,8 @@ class Engine:
                 self.sparse.after_decode(n)
             elif prompt_end is None or n >= prompt_end:
                 self.sparse.after_prefill(n)
+        if not logits:
+            return None
         # output norm and head
         x = ops.rms_norm(x, W.output_norm, eps)
         logits = W.output(x, num)
@@ -247,7 +251,12 @@ class Engine:
         t0 = time.perf_counter()
         end = len(self.tokens) + arr.size
         for s in range(0, arr.size, bs):
-            outs.append(self.forward(arr[s:s + bs], all_logits=all_logits, prompt_end=end))
+            last = s + bs >= arr.size
+            # chunks before the last only fill the cache unless every row's logits are wanted
+            out = self.forward(arr[s:s + bs], all_logits=all_logits, prompt_end=end,
+                               logits=all_logits or last)
+            if out is not None:
+                outs.append(out)
             if progress is not None:
                 progress(min(s + bs, arr.size), arr.size)
         dt = time.perf_counter() - t0
