@@ -9,6 +9,11 @@ if ROOT not in sys.path:
 import pytest
 
 
+def in_ci() -> bool:
+    """CI=true: what a test needs must be there; a skip would hide a missing comparison."""
+    return os.environ.get("CI", "").lower() == "true"
+
+
 @pytest.fixture(scope="session")
 def gemma_path() -> str:
     """The embedded default model (Gemma 3 270M Q4_K_M), written to the cache once."""
@@ -17,3 +22,23 @@ def gemma_path() -> str:
         return str(default_model_path())
     except DefaultModelError as e:
         pytest.skip(f"default model unavailable: {e}")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Under CI a peer that cannot run fails the whole run once, with its reason, before any
+    # test starts (instead of the comparisons being skipped, or a crash killing pytest).
+    if in_ci() and any("peer" in getattr(item, "fixturenames", ()) for item in items):
+        from tools import llamacpp_peer
+        ok, why = llamacpp_peer.probe()
+        if not ok:
+            pytest.exit(f"CI=true and the llama.cpp peer cannot run: {why}", returncode=1)
+
+
+@pytest.fixture(scope="session")
+def peer():
+    """The llama.cpp peer (tools.llamacpp_peer), probed once in a subprocess; skip when it cannot run."""
+    from tools import llamacpp_peer
+    ok, why = llamacpp_peer.probe()
+    if not ok:
+        pytest.skip(f"llama.cpp peer unavailable: {why}")
+    return llamacpp_peer

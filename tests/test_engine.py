@@ -9,7 +9,7 @@ from pyimp.ops import log_softmax
 from tools import llamacpp_peer
 from tools.write_synthetic_gguf import SynthSpec, write
 
-needs_peer = pytest.mark.skipif(not llamacpp_peer.available(), reason="llama-cpp-python is not installed")
+needs_peer = pytest.mark.usefixtures("peer")   # probed once in a subprocess (conftest.py)
 
 WEIGHT_TYPES = ["F32", "F16", "Q8_0", "Q4_0", "Q4_K"]
 N_PROMPT = 40

@@ -111,6 +111,13 @@ def _load() -> tuple[_Lib | None, str]:
         return None, f"llama_cpp not importable: {e}"
     if directory is None:
         return None, "llama_cpp (llama-cpp-python) is not installed or ships no libggml-base/libggml-cpu"
+    if os.environ.get("PYIMP_PEER_PROBE") != "child":
+        # a libggml built for instructions this CPU lacks would kill this process on first use:
+        # load it here only once a subprocess has run it (the probe itself runs in that child)
+        from tools import llamacpp_peer
+        ok, why = llamacpp_peer.probe()
+        if not ok:
+            return None, why
     try:
         mode = getattr(ctypes, "RTLD_GLOBAL", 0)
         base = ctypes.CDLL(_find(directory, "libggml-base"), mode=mode)

@@ -2,7 +2,11 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+import signal
+import subprocess
+import sys
 
 import numpy as np
 
@@ -11,12 +15,90 @@ GGML_TYPE_F16 = 1
 _KV = {"f32": GGML_TYPE_F32, "f16": GGML_TYPE_F16}
 
 
-def available() -> bool:
+PROBE_TIMEOUT_S = 300
+
+
+def _probe_child() -> None:
+    """Exercise the peer the way the tests do, in this (child) process; exit 0 when it all ran.
+
+    Tiny synthetic llama models of each weight type the tests use, evaluated with prompt
+    batches and single-token steps, f32 and f16 caches, flash attention off and on; then
+    the libggml bindings of tools.ggml_oracle (quantize and vec_dot) when they load.
+    """
+    import tempfile
+
+    from tools.write_synthetic_gguf import SynthSpec, write
+
+    with tempfile.TemporaryDirectory() as d:
+        for wtype in ("F32", "F16", "Q8_0", "Q4_0", "Q4_K", "Q6_K"):
+            path = write(os.path.join(d, f"{wtype}.gguf"),
+                         SynthSpec(arch="llama", n_layer=1, n_embd=256, n_head=4, n_head_kv=2,
+                                   n_ff=512, vocab_size=300, weight_type=wtype))
+            for kv_type, fa in (("f32", False), ("f16", True)):
+                m = open_model(path, n_ctx=64, n_batch=16, kv_type=kv_type, flash_attn=fa)
+                with _quiet():
+                    m.eval(list(range(1, 40)))
+                    m.eval([5])
+                if not np.isfinite(np.asarray(m.scores[:40])).all():
+                    raise SystemExit(f"non-finite logits from llama.cpp ({wtype}, {kv_type} cache)")
+                m.close()
+    from tools import ggml_oracle
+    if ggml_oracle.available():
+        from gguf import GGMLQuantizationType as QT
+        x = np.linspace(-1, 1, 256, dtype=np.float32)
+        for qt in (QT.Q8_0, QT.Q4_0, QT.Q4_K):
+            ggml_oracle.vec_dot(int(qt), ggml_oracle.quantize(int(qt), x[None])[0], x)
+
+
+@functools.lru_cache(maxsize=None)
+def probe() -> tuple[bool, str]:
+    """(True, build info) when llama.cpp runs here, else (False, why); checked once, in a subprocess.
+
+    A peer built for instructions this CPU cannot execute (e.g. ``-march=native`` on a VM
+    that advertises AMX) kills its process with SIGILL; the subprocess keeps that from
+    taking the caller (a pytest run) down with it.
+    """
     try:
         import llama_cpp  # noqa: F401
-        return True
     except ImportError:
-        return False
+        return False, "llama-cpp-python is not installed (python -m tools.build_peer)"
+    return run_probe([sys.executable, "-m", "tools.llamacpp_peer", "--probe"])
+
+
+def run_probe(cmd: list[str], timeout: float = PROBE_TIMEOUT_S) -> tuple[bool, str]:
+    """Run ``cmd`` from the repository root as the probe child; (ok, its output or why it failed)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
+    env = dict(os.environ, PYIMP_PEER_PROBE="child", PYTHONPATH=path)
+    try:
+        r = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return False, f"llama.cpp did not finish a tiny evaluation in {timeout:g} s"
+    if r.returncode == 0:
+        return True, r.stdout.strip()
+    if r.returncode < 0:
+        try:
+            sig = signal.Signals(-r.returncode).name
+        except ValueError:
+            sig = f"signal {-r.returncode}"
+        why = f"llama.cpp crashed with {sig}"
+        if sig == "SIGILL":
+            why += (" (built for instructions this CPU cannot run; rebuild it portably: "
+                    "python -m tools.build_peer --force)")
+        return False, why
+    tail = (r.stderr.strip() or r.stdout.strip()).splitlines()[-1:] or ["no output"]
+    return False, f"llama.cpp probe failed (exit {r.returncode}): {tail[0]}"
+
+
+def available() -> bool:
+    """True when llama-cpp-python is installed and runs on this CPU (see :func:`probe`)."""
+    return probe()[0]
+
+
+def system_info() -> str:
+    """llama.cpp's build features (``AVX2 = 1 | AVX512 = 1 | ...``)."""
+    import llama_cpp
+    return llama_cpp.llama_print_system_info().decode(errors="replace").strip()
 
 
 @contextlib.contextmanager
@@ -54,15 +136,28 @@ def logits(path: str, tokens, n_batch: int = 512, kv_type: str = "f32", n_ctx: i
     return out
 
 
-def greedy(path: str, tokens, n: int, n_batch: int = 512, kv_type: str = "f16") -> list[int]:
-    """``n`` greedy continuation tokens of ``tokens``."""
+def greedy(path: str, tokens, n: int, n_batch: int = 512, kv_type: str = "f16",
+           with_logits: bool = False):
+    """``n`` greedy continuation tokens of ``tokens``; with ``with_logits`` also the
+    float32[n, n_vocab] logits each token was chosen from."""
     m = open_model(path, n_ctx=len(tokens) + n + 8, n_batch=n_batch, kv_type=kv_type, logits_all=True)
-    out = []
+    out, rows = [], []
     with _quiet():
         m.eval([int(t) for t in tokens])
         for _ in range(n):
-            t = int(np.argmax(m.scores[m.n_tokens - 1]))
+            row = np.array(m.scores[m.n_tokens - 1], dtype=np.float32)
+            t = int(np.argmax(row))
             out.append(t)
+            rows.append(row)
             m.eval([t])
     m.close()
-    return out
+    return (out, np.stack(rows)) if with_logits else out
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--probe"]:
+        _probe_child()
+        print(system_info())
+        sys.exit(0)
+    print("usage: python -m tools.llamacpp_peer --probe", file=sys.stderr)
+    sys.exit(2)

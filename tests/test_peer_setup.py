@@ -1,0 +1,52 @@
+"""The comparison peer's portable build flags and the crash-isolating probe."""
+from __future__ import annotations
+
+import sys
+
+from tools import build_peer, llamacpp_peer
+
+SPR_FLAGS = ("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2 avx512f avx512dq avx512bw "
+             "avx512vl avx512vbmi avx512_vnni avx512_bf16 avx_vnni amx_tile amx_int8 amx_bf16")
+
+
+def test_cpuinfo_flags_parsed():
+    info = "processor\t: 0\nflags\t\t: fpu avx2 amx_tile\nbogomips\t: 1\nprocessor\t: 1\nflags\t\t: x\n"
+    assert build_peer.cpu_flags(info) == {"fpu", "avx2", "amx_tile"}   # the first processor's
+
+
+def test_cmake_args_follow_the_cpu_and_never_enable_amx():
+    args = build_peer.cmake_args(set(SPR_FLAGS.split()), machine="x86_64").split()
+    assert args[0] == "-DGGML_NATIVE=OFF"
+    on = {a[2:-3] for a in args if a.endswith("=ON")}
+    assert on == {"GGML_SSE42", "GGML_AVX", "GGML_AVX2", "GGML_BMI2", "GGML_FMA", "GGML_F16C",
+                  "GGML_AVX_VNNI", "GGML_AVX512", "GGML_AVX512_VBMI", "GGML_AVX512_VNNI",
+                  "GGML_AVX512_BF16"}
+    # advertised AMX is not enabled AMX: it stays off even when /proc/cpuinfo lists it
+    for amx in ("GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"):
+        assert f"-D{amx}=OFF" in args
+
+
+def test_cmake_args_avx2_only_machine():
+    args = build_peer.cmake_args({"sse4_2", "avx", "avx2", "fma", "f16c", "bmi2"}, machine="x86_64")
+    assert "-DGGML_AVX2=ON" in args and "-DGGML_AVX512=OFF" in args and "-DGGML_AVX512_VNNI=OFF" in args
+
+
+def test_cmake_args_other_architectures_are_just_portable():
+    assert build_peer.cmake_args(set(), machine="aarch64") == "-DGGML_NATIVE=OFF"
+
+
+def test_probe_reports_a_crashing_peer_instead_of_dying():
+    # the probe child dies of SIGILL exactly as a peer built for the wrong CPU does
+    crash = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"]
+    ok, why = llamacpp_peer.run_probe(crash)
+    assert not ok
+    assert "SIGILL" in why and "tools.build_peer" in why
+
+
+def test_probe_reports_failure_and_timeout():
+    ok, why = llamacpp_peer.run_probe([sys.executable, "-c", "raise SystemExit('no model')"])
+    assert not ok and "no model" in why
+    ok, why = llamacpp_peer.run_probe([sys.executable, "-c", "import time; time.sleep(5)"], timeout=0.5)
+    assert not ok and "did not finish" in why
+    ok, out = llamacpp_peer.run_probe([sys.executable, "-c", "print('AVX2 = 1')"])
+    assert ok and out == "AVX2 = 1"

@@ -1,0 +1,127 @@
+"""Build llama-cpp-python, the comparison peer, for the CPU this machine really has.
+
+    python -m tools.build_peer                    # build and install if needed, print the flags
+    python -m tools.build_peer --print-cmake-args # only print the CMAKE_ARGS it would use
+
+Why not a plain ``pip install llama-cpp-python``: that builds llama.cpp with
+``-march=native``. On a VM whose CPU advertises AMX (Sapphire Rapids under a
+hypervisor that does not enable AMX state) the native build executes AMX
+instructions and the first comparison dies with "Illegal instruction". And pip
+caches the wheel it built, keyed by the source file only, so a later build with
+other flags would silently reuse the native one.
+
+So this script builds with ``GGML_NATIVE=OFF`` and turns on exactly the SIMD
+extensions listed in ``/proc/cpuinfo`` (SSE4.2, AVX, AVX2, BMI2, FMA, F16C,
+AVX-VNNI, AVX-512 F/VBMI/VNNI/BF16), never AMX, with pip's cache off. The flags
+it used are stamped next to the installed package; a second run with the same
+flags and version does nothing.
+
+The ggml numerics mode (``numerics="ggml"``) is bit-exact, kernel by kernel,
+with the build this script makes on an AVX-512 machine (see README, Numerics).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = "llama-cpp-python"
+VERSION = "0.3.36"
+
+# /proc/cpuinfo flag -> ggml CMake option (ggml/CMakeLists.txt of the vendored llama.cpp)
+X86_FLAGS = [
+    ("sse4_2", "GGML_SSE42"),
+    ("avx", "GGML_AVX"),
+    ("avx2", "GGML_AVX2"),
+    ("bmi2", "GGML_BMI2"),
+    ("fma", "GGML_FMA"),
+    ("f16c", "GGML_F16C"),
+    ("avx_vnni", "GGML_AVX_VNNI"),
+    ("avx512f", "GGML_AVX512"),
+    ("avx512vbmi", "GGML_AVX512_VBMI"),
+    ("avx512_vnni", "GGML_AVX512_VNNI"),
+    ("avx512_bf16", "GGML_AVX512_BF16"),
+]
+# advertised is not the same as enabled by the hypervisor: never build these in
+ALWAYS_OFF = ["GGML_AMX_TILE", "GGML_AMX_INT8", "GGML_AMX_BF16"]
+STAMP = ".pyimp-build.json"
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The feature flags of the first processor in /proc/cpuinfo (empty when unreadable)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return set(value.split())
+    return set()
+
+
+def cmake_args(flags: set[str] | None = None, machine: str | None = None) -> str:
+    """CMAKE_ARGS for a portable build that uses the SIMD extensions in ``flags``."""
+    machine = (machine or platform.machine()).lower()
+    args = ["-DGGML_NATIVE=OFF"]
+    if machine in ("x86_64", "amd64"):
+        flags = cpu_flags() if flags is None else flags
+        args += [f"-D{opt}={'ON' if f in flags else 'OFF'}" for f, opt in X86_FLAGS]
+        args += [f"-D{opt}=OFF" for opt in ALWAYS_OFF]
+    return " ".join(args)
+
+
+def installed_stamp() -> dict | None:
+    """The stamp of the installed peer (None when absent or not built by this script)."""
+    code = ("import json, pathlib, llama_cpp; p = pathlib.Path(llama_cpp.__file__).parent / "
+            f"{STAMP!r}; print(p.read_text() if p.exists() else 'null')")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if r.returncode != 0:
+        return None
+    try:
+        return json.loads(r.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return None
+
+
+def build(args: str) -> None:
+    env = dict(os.environ, CMAKE_ARGS=args, FORCE_CMAKE="1")
+    cmd = [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--force-reinstall",
+           "--no-deps", "--no-binary", PACKAGE, f"{PACKAGE}=={VERSION}"]
+    print(f"building {PACKAGE} {VERSION} with CMAKE_ARGS={args!r} (a few minutes)", file=sys.stderr)
+    subprocess.run(cmd, env=env, check=True)
+    # its runtime dependencies (numpy, typing-extensions, diskcache, jinja2) from the cache as usual
+    subprocess.run([sys.executable, "-m", "pip", "install", f"{PACKAGE}=={VERSION}"], check=True)
+    code = ("import json, pathlib, sys, llama_cpp; p = pathlib.Path(llama_cpp.__file__).parent / "
+            f"{STAMP!r}; p.write_text(sys.argv[1])")
+    stamp = json.dumps({"version": VERSION, "cmake_args": args})
+    subprocess.run([sys.executable, "-c", code, stamp], check=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tools.build_peer", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--print-cmake-args", action="store_true", help="print CMAKE_ARGS and exit")
+    ap.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    a = ap.parse_args(argv)
+    args = cmake_args()
+    if a.print_cmake_args:
+        print(args)
+        return 0
+    if not a.force and installed_stamp() == {"version": VERSION, "cmake_args": args}:
+        print(f"{PACKAGE} {VERSION} is already built with CMAKE_ARGS={args!r}", file=sys.stderr)
+        return 0
+    try:
+        build(args)
+    except subprocess.CalledProcessError as e:
+        print(f"build_peer: building {PACKAGE} {VERSION} failed (exit {e.returncode})", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
