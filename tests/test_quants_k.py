@@ -4,13 +4,16 @@
   (hypothesis), on ggml-quantized weights and on real blocks of the gemma file;
 - matvec (fp32 numerics): against dequantize-then-float64, with a rounding
   error bound;
-- matmul_ggml (ggml numerics): against ``tools.ggml_oracle`` (libggml's CPU
-  ``vec_dot``) within 3e-7 relative, and bit-identical where libggml runs its
-  AVX2 kernels;
+- matmul_ggml (ggml numerics): against the module's float64 NumPy twin (always),
+  against ``tools.ggml_oracle`` (libggml's CPU ``vec_dot``) within 3e-7
+  relative, and, as a test of its own, bit-identical where libggml runs its
+  AVX2 kernels (skipped, with the reason, where it does not);
 - Q8_K activations: byte-identical to libggml's ``from_float``.
-"""
-import os
 
+The real-model tests read the default model (Gemma 3 270M Q4_K_M, the
+``gemma_path`` fixture). It holds Q4_K and Q6_K tensors only: for Q2_K, Q3_K and
+Q5_K those tests skip and say so; random and ggml-quantized blocks cover them.
+"""
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -25,8 +28,9 @@ K_TYPES = [QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K]
 # byte offsets of the fp16 super-block scales inside one block: d, and dmin where the type has one
 SCALE_OFFSETS = {QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
 U32 = 2.0 ** -24  # float32 unit roundoff
-GEMMA = "/tmp/models/gemma-3-270m-q4_k_m.gguf"
-GEMMA_TENSORS = [("blk.0.attn_output.weight", QT.Q4_K), ("blk.0.ffn_down.weight", QT.Q6_K)]
+# tensors of the default model read by the real-model tests (the model's first
+# Q4_K and Q6_K matrices); the model has no Q2_K, Q3_K or Q5_K tensor
+GEMMA_TENSORS = {QT.Q4_K: "blk.0.attn_output.weight", QT.Q6_K: "blk.0.ffn_down.weight"}
 
 needs_oracle = pytest.mark.skipif(not O.available(), reason=f"ggml oracle: {O.unavailable_reason()}")
 ids = [t.name for t in K_TYPES]
@@ -106,11 +110,29 @@ def check_matvec(qtype: QT, raw: np.ndarray, x: np.ndarray) -> None:
     assert np.all(err <= tol), f"max err/tol {np.max(err / np.maximum(tol, 1e-300)):.3g}"
 
 
-def check_matmul_ggml(qtype: QT, raw: np.ndarray, X: np.ndarray, exact: bool) -> None:
-    m, n = X.shape
+def run_matmul_ggml(qtype: QT, raw: np.ndarray, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(float32[m, rows] result of the ggml-numerics kernel, its Q8_K activations)."""
     xq = K.quantize_act_q8_k(X)
-    out = np.full((m, raw.shape[0]), np.nan, np.float32)
+    out = np.full((X.shape[0], raw.shape[0]), np.nan, np.float32)
     K.KERNELS[qtype].matmul_ggml(raw, xq, out)
+    return out, xq
+
+
+def check_matmul_ggml_vs_twin(qtype: QT, raw: np.ndarray, X: np.ndarray) -> None:
+    out, xq = run_matmul_ggml(qtype, raw, X)
+    assert np.all(np.isfinite(out))
+    mag = term_magnitude(qtype, raw, K.dequantize_act_q8_k(xq))
+    # plain NumPy twin (float64 from dequantized operands): ggml rounds the
+    # per-block scale product, the lane conversion, nb FMAs into a lane and 4
+    # levels of final sums; the twin's operands carry gguf's rounding of w and
+    # of d * q: k = nb + 12 roundings at most
+    ref = K.matmul_ggml_reference(qtype, raw, xq)
+    nb = X.shape[1] // 256
+    np.testing.assert_array_less(np.abs(out - ref), (nb + 12) * U32 * mag + 1e-300)
+
+
+def check_matmul_ggml_vs_libggml(qtype: QT, raw: np.ndarray, X: np.ndarray) -> None:
+    out, xq = run_matmul_ggml(qtype, raw, X)
     ora = O.matmul(qtype, raw, X)
     # relative to the magnitude of the terms ggml sums (weights times the
     # dequantized Q8_K activations): results that cancel to ~0 have no
@@ -118,33 +140,47 @@ def check_matmul_ggml(qtype: QT, raw: np.ndarray, X: np.ndarray, exact: bool) ->
     mag = term_magnitude(qtype, raw, K.dequantize_act_q8_k(xq))
     err = np.abs(out.astype(np.float64) - ora)
     assert np.all(err <= 3e-7 * mag), f"max err/mag {np.max(err / np.maximum(mag, 1e-300)):.3g}"
-    if exact:
-        # the kernels replicate ggml's AVX2 float operations (lanes, FMAs, final
-        # horizontal sum) one for one, so the results are the same bits
-        np.testing.assert_array_equal(out.view(np.uint32), ora.view(np.uint32))
-    # plain NumPy twin (float64 from dequantized operands): ggml rounds the
-    # per-block scale product, the lane conversion, nb FMAs into a lane and 4
-    # levels of final sums; the twin's operands carry gguf's rounding of w and
-    # of d * q: k = nb + 12 roundings at most
-    ref = K.matmul_ggml_reference(qtype, raw, xq)
-    nb = n // 256
-    np.testing.assert_array_less(np.abs(out - ref), (nb + 12) * U32 * mag + 1e-300)
+
+
+def check_matmul_ggml_bit_exact(qtype: QT, raw: np.ndarray, X: np.ndarray) -> None:
+    out, _ = run_matmul_ggml(qtype, raw, X)
+    ora = O.matmul(qtype, raw, X)
+    # the kernels replicate ggml's AVX2 float operations (lanes, FMAs, final
+    # horizontal sum) one for one, so the results are the same bits
+    np.testing.assert_array_equal(out.view(np.uint32), ora.view(np.uint32))
+
+
+@pytest.fixture
+def ggml_avx2() -> None:
+    """Skips (with the reason) unless libggml's CPU backend runs the AVX2 kernels the
+    ggml mode replicates bit for bit."""
+    if not O.available():
+        pytest.skip(f"bit-exact comparison needs the ggml oracle: {O.unavailable_reason()}")
+    feats = O.cpu_features()
+    if not feats.get("avx2", False):
+        have = ", ".join(k for k, v in feats.items() if v) or "none"
+        pytest.skip(f"bit-exact comparison needs libggml-cpu built with AVX2 "
+                    f"(its SIMD features: {have}); the 3e-7 bound tests still ran")
 
 
 @pytest.fixture(scope="module")
-def ggml_avx2() -> bool:
-    """True when libggml's CPU backend runs the AVX2 kernels the ggml mode replicates."""
-    return bool(O.available() and O.cpu_features().get("avx2", False))
-
-
-@pytest.fixture(scope="module")
-def gemma():
-    if not os.path.exists(GEMMA):
-        pytest.skip(f"{GEMMA} not present")
+def gemma(gemma_path):
     from loaders.gguf_file import GGUFFile
-    f = GGUFFile(GEMMA)
+    f = GGUFFile(gemma_path)
     yield f
     f.close()
+
+
+def gemma_tensor(gemma, qtype: QT):
+    """The default model's tensor of ``qtype``; skips, saying so, for types it does not hold."""
+    if qtype not in GEMMA_TENSORS:
+        assert not any(t.qtype == qtype for t in gemma.tensors.values()), \
+            f"the default model holds {qtype.name} tensors now: add one to GEMMA_TENSORS"
+        pytest.skip(f"the default model (Gemma 3 270M Q4_K_M) has no {qtype.name} tensor; "
+                    f"{qtype.name} is covered by random and ggml-quantized blocks only")
+    t = gemma.tensor(GEMMA_TENSORS[qtype])
+    assert t.qtype == qtype
+    return t
 
 
 # ------------------------------------------------------------------ dequantize
@@ -167,10 +203,9 @@ def test_dequantize_many_random_blocks_bit_exact(qtype):
     check_dequantize(qtype, random_blocks(qtype, 37, 5, np.random.default_rng(int(qtype))))
 
 
-@pytest.mark.parametrize("name, qtype", GEMMA_TENSORS, ids=["Q4_K", "Q6_K"])
-def test_dequantize_gemma_tensor_bit_exact(gemma, name, qtype):
-    t = gemma.tensor(name)
-    assert t.qtype == qtype
+@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
+def test_dequantize_gemma_tensor_bit_exact(gemma, qtype):
+    t = gemma_tensor(gemma, qtype)
     check_dequantize(qtype, t.raw)  # the whole tensor, read-only memory-mapped bytes
 
 
@@ -204,9 +239,9 @@ def test_matvec_and_dequantize_ggml_quantized_weights(qtype):
     check_matvec(qtype, raw, rng.standard_normal(1536).astype(np.float32))
 
 
-@pytest.mark.parametrize("name, qtype", GEMMA_TENSORS, ids=["Q4_K", "Q6_K"])
-def test_matvec_gemma_tensor(gemma, name, qtype):
-    t = gemma.tensor(name)
+@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
+def test_matvec_gemma_tensor(gemma, qtype):
+    t = gemma_tensor(gemma, qtype)
     x = np.random.default_rng(3).standard_normal(t.n_per_row).astype(np.float32)
     check_matvec(qtype, t.raw, x)
 
@@ -283,30 +318,47 @@ def test_q8_k_activation_bytes_match_ggml_hypothesis(data, nb):
 
 # ------------------------------------------------------------------ matmul_ggml (ggml numerics)
 
-@needs_oracle
-@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
-def test_matmul_ggml_random_blocks(qtype, ggml_avx2):
+def case_random_blocks(qtype, request):
     rng = np.random.default_rng(300 + int(qtype))
     raw = random_blocks(qtype, 24, 3, rng)
     X = np.concatenate([rng.standard_normal((2, 768)).astype(np.float32), tie_rows()[:1, :256].repeat(3, 1)])
-    check_matmul_ggml(qtype, raw, X, exact=ggml_avx2)
+    return raw, X
 
 
-@needs_oracle
-@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
-def test_matmul_ggml_ggml_quantized_weights(qtype, ggml_avx2):
+def case_ggml_quantized(qtype, request):
+    if not O.available():
+        pytest.skip(f"ggml-quantized weights need the ggml oracle: {O.unavailable_reason()}")
     rng = np.random.default_rng(400 + int(qtype))
     raw = O.quantize(qtype, rng.standard_normal((21, 1024)).astype(np.float32))
-    X = rng.standard_normal((3, 1024)).astype(np.float32)
-    check_matmul_ggml(qtype, raw, X, exact=ggml_avx2)
+    return raw, rng.standard_normal((3, 1024)).astype(np.float32)
+
+
+def case_gemma_rows(qtype, request):
+    t = gemma_tensor(request.getfixturevalue("gemma"), qtype)
+    X = np.random.default_rng(9).standard_normal((2, t.n_per_row)).astype(np.float32)
+    return np.ascontiguousarray(t.raw[:48]), X
+
+
+MATMUL_CASES = [case_random_blocks, case_ggml_quantized, case_gemma_rows]
+matmul_params = pytest.mark.parametrize(
+    "case, qtype", [(c, q) for c in MATMUL_CASES for q in K_TYPES],
+    ids=[f"{c.__name__[5:]}-{q.name}" for c in MATMUL_CASES for q in K_TYPES])
+
+
+@matmul_params
+def test_matmul_ggml_vs_numpy_twin(case, qtype, request):
+    check_matmul_ggml_vs_twin(qtype, *case(qtype, request))
 
 
 @needs_oracle
-@pytest.mark.parametrize("name, qtype", GEMMA_TENSORS, ids=["Q4_K", "Q6_K"])
-def test_matmul_ggml_gemma_rows(gemma, name, qtype, ggml_avx2):
-    t = gemma.tensor(name)
-    X = np.random.default_rng(9).standard_normal((2, t.n_per_row)).astype(np.float32)
-    check_matmul_ggml(qtype, np.ascontiguousarray(t.raw[:48]), X, exact=ggml_avx2)
+@matmul_params
+def test_matmul_ggml_vs_libggml(case, qtype, request):
+    check_matmul_ggml_vs_libggml(qtype, *case(qtype, request))
+
+
+@matmul_params
+def test_matmul_ggml_bit_identical_to_libggml_avx2(case, qtype, request, ggml_avx2):
+    check_matmul_ggml_bit_exact(qtype, *case(qtype, request))
 
 
 def test_kernel_table():
