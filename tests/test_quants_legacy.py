@@ -74,13 +74,22 @@ def run_matmul_ggml(qtype, raw, X):
     return out, xq
 
 
-def emulated_exactly() -> dict:
-    """Which weight types' ggml paths this libggml build runs exactly as the kernels emulate."""
+# the libggml-cpu SIMD features under which ggml runs, per weight type, exactly the float
+# operations the ggml-numerics kernels emulate
+EMULATED_WITH = {**{t: ("avx2", "fma") for t in BLOCK_TYPES},
+                 QT.F32: ("avx512",), QT.F16: ("avx512",), QT.BF16: ("avx512_bf16",)}
+
+
+def require_emulated(qtype: QT) -> None:
+    """Skip, with the reason, unless libggml runs qtype's ggml path as the kernels emulate it."""
+    if not ggml_oracle.available():
+        pytest.skip(f"bit-exact comparison needs the libggml oracle: {ggml_oracle.unavailable_reason()}")
     f = ggml_oracle.cpu_features()
-    out = {t: f.get("avx2", False) and f.get("fma", False) for t in BLOCK_TYPES}
-    out[QT.F32] = out[QT.F16] = f.get("avx512", False)
-    out[QT.BF16] = f.get("avx512_bf16", False)
-    return out
+    missing = [k for k in EMULATED_WITH[qtype] if not f.get(k, False)]
+    if missing:
+        have = ", ".join(k for k, v in f.items() if v) or "none"
+        pytest.skip(f"{qtype.name}: bit-exact comparison needs libggml-cpu built with "
+                    f"{'+'.join(missing)} (its SIMD features: {have}); the 3e-7 bound still ran")
 
 
 # ----------------------------------------------------------------------------- dequantize
@@ -234,40 +243,71 @@ def ggml_scale(w: np.ndarray, X: np.ndarray) -> np.ndarray:
     return np.abs(X.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
 
 
-@needs_oracle
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@settings(max_examples=8, deadline=None)
-@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 6), m=st.integers(1, 3),
-       n64=st.integers(1, 12))
-def test_matmul_ggml_vs_libggml(qtype, seed, rows, m, n64):
+matmul_strategy = dict(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 6), m=st.integers(1, 3),
+                       n64=st.integers(1, 12))
+
+
+def matmul_case(qtype, seed, rows, m, n64):
     rng = np.random.default_rng(seed)
     n = 64 * n64
-    raw = random_raw(qtype, rows, n, rng)
-    X = rng.standard_normal((m, n)).astype(np.float32)
+    return random_raw(qtype, rows, n, rng), rng.standard_normal((m, n)).astype(np.float32)
+
+
+def check_vs_libggml(qtype, raw, X):
     got, _ = run_matmul_ggml(qtype, raw, X)
     want = ggml_oracle.matmul(qtype, raw, X)
     scale = ggml_scale(L.dequantize_reference(qtype, raw), X)
-    # acceptance bar: 3e-7 of sum|w*x|; the kernels replay ggml's operation order, so on a libggml
-    # built for the emulated x86 paths (AVX2/FMA, AVX-512, AVX512-BF16) they must agree exactly
+    # acceptance bar on any libggml build: 3e-7 of sum|w*x|
     assert np.all(np.abs(got - want) <= 3e-7 * scale)
-    if emulated_exactly()[qtype]:
-        assert bits_equal(got, want)
+
+
+def check_bit_exact(qtype, raw, X):
+    got, _ = run_matmul_ggml(qtype, raw, X)
+    # the kernels replay ggml's operation order: on a libggml built for the emulated x86
+    # paths (AVX2/FMA, AVX-512, AVX512-BF16) the results are the same bits
+    assert bits_equal(got, ggml_oracle.matmul(qtype, raw, X))
+
+
+@needs_oracle
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@settings(max_examples=8, deadline=None)
+@given(**matmul_strategy)
+def test_matmul_ggml_vs_libggml(qtype, seed, rows, m, n64):
+    check_vs_libggml(qtype, *matmul_case(qtype, seed, rows, m, n64))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_matmul_ggml_bit_identical_to_libggml(qtype):
+    require_emulated(qtype)
+
+    @settings(max_examples=8, deadline=None)
+    @given(**matmul_strategy)
+    def run(seed, rows, m, n64):
+        check_bit_exact(qtype, *matmul_case(qtype, seed, rows, m, n64))
+    run()
+
+
+FLOAT_TAILS = pytest.mark.parametrize("n", [64, 96, 100, 130, 200], ids=str)
+
+
+def float_tail_case(qtype, n):
+    """Row lengths that are not multiples of 64 take ggml's tail loops."""
+    rng = np.random.default_rng(n)
+    return random_raw(qtype, 4, n, rng), rng.standard_normal((2, n)).astype(np.float32)
 
 
 @needs_oracle
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
-@pytest.mark.parametrize("n", [64, 96, 100, 130, 200], ids=str)
+@FLOAT_TAILS
 def test_matmul_ggml_float_tails(qtype, n):
-    """Row lengths that are not multiples of 64 take ggml's tail loops."""
-    rng = np.random.default_rng(n)
-    raw = random_raw(qtype, 4, n, rng)
-    X = rng.standard_normal((2, n)).astype(np.float32)
-    got, _ = run_matmul_ggml(qtype, raw, X)
-    want = ggml_oracle.matmul(qtype, raw, X)
-    scale = ggml_scale(L.dequantize_reference(qtype, raw), X)
-    assert np.all(np.abs(got - want) <= 3e-7 * scale)  # as in test_matmul_ggml_vs_libggml
-    if emulated_exactly()[qtype]:
-        assert bits_equal(got, want)
+    check_vs_libggml(qtype, *float_tail_case(qtype, n))
+
+
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
+@FLOAT_TAILS
+def test_matmul_ggml_float_tails_bit_identical(qtype, n):
+    require_emulated(qtype)
+    check_bit_exact(qtype, *float_tail_case(qtype, n))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -291,18 +331,39 @@ def test_matmul_ggml_vs_numpy_reference(qtype):
         assert np.all(np.abs(got - want) <= 1.01 * k * U * ggml_scale(w, xa))
 
 
-def test_real_gemma_q5_0_matvec_both_numerics(gemma_file):
+def gemma_q5_0_case(gemma_file):
     t = gemma_file.tensor("blk.0.attn_q.weight")  # Q5_0, 1024 rows of 640
+    assert t.qtype == QT.Q5_0
     raw = np.ascontiguousarray(t.raw[:128])
-    n = t.n_per_row
-    x = np.random.default_rng(1).standard_normal(n).astype(np.float32)
-    w = L.dequantize_reference(t.qtype, raw)
-    got = run_matvec(t.qtype, raw, x)
-    assert np.all(np.abs(got - L.matvec_reference(t.qtype, raw, x)) <= fp32_bound(n, w, x))
-    if ggml_oracle.available():
-        g, _ = run_matmul_ggml(t.qtype, raw, x[None])
-        want = ggml_oracle.matmul(t.qtype, raw, x[None])
-        assert np.all(np.abs(g - want) <= 3e-7 * ggml_scale(w, x[None]))  # as above
+    x = np.random.default_rng(1).standard_normal(t.n_per_row).astype(np.float32)
+    return t.qtype, raw, x
+
+
+def test_real_gemma_q5_0_matvec_fp32(gemma_file):
+    qtype, raw, x = gemma_q5_0_case(gemma_file)
+    w = L.dequantize_reference(qtype, raw)
+    got = run_matvec(qtype, raw, x)
+    assert np.all(np.abs(got - L.matvec_reference(qtype, raw, x)) <= fp32_bound(x.size, w, x))
+
+
+def test_real_gemma_q5_0_matmul_ggml_vs_numpy_reference(gemma_file):
+    qtype, raw, x = gemma_q5_0_case(gemma_file)
+    got, xq = run_matmul_ggml(qtype, raw, x[None])
+    w = L.dequantize_reference(qtype, raw)
+    # as in test_matmul_ggml_vs_numpy_reference for block types
+    assert np.all(np.abs(got - L.matmul_ggml_reference(qtype, raw, xq)) <= 8 * U * ggml_scale(w, x[None]))
+
+
+@needs_oracle
+def test_real_gemma_q5_0_matmul_ggml_vs_libggml(gemma_file):
+    qtype, raw, x = gemma_q5_0_case(gemma_file)
+    check_vs_libggml(qtype, raw, x[None])
+
+
+def test_real_gemma_q5_0_matmul_ggml_bit_identical(gemma_file):
+    require_emulated(QT.Q5_0)
+    qtype, raw, x = gemma_q5_0_case(gemma_file)
+    check_bit_exact(qtype, raw, x[None])
 
 
 @needs_oracle
