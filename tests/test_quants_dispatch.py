@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from loaders import quants as Q
+from loaders import quants_k as K
+from loaders import quants_legacy as L
 from loaders.ggml_types import SUPPORTED_TYPES, block_size, row_bytes
 from tools import ggml_oracle
 
@@ -24,15 +26,30 @@ def require(qtype):
         pytest.skip(f"{qtype.name}: {reason}")
 
 
+# byte offsets of the fp16 super-block scales inside one K-quant block: d, and dmin where
+# the type has one
+K_SCALE_OFFSETS = {QT.Q2_K: (80, 82), QT.Q3_K: (108,), QT.Q4_K: (0, 2), QT.Q5_K: (0, 2), QT.Q6_K: (208,)}
+
+
 def weights(qtype, rows, n, seed=0):
-    """Valid weights of qtype: ggml's own quantizer when available, else gguf-py's."""
+    """Valid weights of qtype, the same on every machine: gguf-py's quantizer of normal
+    values; for K-quants (gguf-py has no K quantizer) random quant bytes with random
+    moderate fp16 super-block scales."""
     rng = np.random.default_rng(seed)
-    w = rng.standard_normal((rows, n)).astype(np.float32)
-    if ggml_oracle.available():
-        return ggml_oracle.quantize(qtype, w)
     if qtype in K_TYPES:
-        pytest.skip("K-quant weights need the libggml quantizer")
+        raw = rng.integers(0, 256, (rows, row_bytes(qtype, n)), dtype=np.uint8)
+        blk = raw.reshape(rows, n // 256, -1)
+        for off in K_SCALE_OFFSETS[qtype]:
+            d = rng.uniform(2.0 ** -12, 2.0 ** -6, blk.shape[:2]).astype(np.float16)
+            blk[:, :, off:off + 2] = d.view(np.uint8).reshape(*blk.shape[:2], 2)
+        return raw
+    w = rng.standard_normal((rows, n)).astype(np.float32)
     return np.ascontiguousarray(gguf.quants.quantize(w, qtype)).view(np.uint8).reshape(rows, -1)
+
+
+def ggml_quantized(qtype, rows, n, seed=0):
+    """Weights from ggml's own quantizer (needs the oracle)."""
+    return ggml_oracle.quantize(qtype, np.random.default_rng(seed).standard_normal((rows, n)).astype(np.float32))
 
 
 def n_for(qtype, nblocks=3):
@@ -43,6 +60,38 @@ def worst_case(n, w, X):
     """|err| of any float32 summation order of n products against exact: gamma_(n+1) * sum|w*x|."""
     k = n + 1
     return k * U / (1 - k * U) * (np.abs(X.astype(np.float64)) @ np.abs(w.astype(np.float64)).T)
+
+
+def converted_activations(X, act):
+    """float32 values of X after conversion to the activation type ``act`` (what the ggml
+    numerics multiply the weights with)."""
+    if act == QT.F32:
+        return X
+    xq = np.ascontiguousarray(Q.quantize_activations(X, act)).view(np.uint8)
+    if act == QT.Q8_K:
+        return K.dequantize_act_q8_k(xq)
+    if act == QT.Q8_1:
+        # block: fp16 d, fp16 s (= d * sum q), 32 int8 q; value = d * q
+        blk = xq.reshape(X.shape[0], -1, 36)
+        d = np.ascontiguousarray(blk[:, :, 0:2]).view(np.float16).astype(np.float32)
+        q = np.ascontiguousarray(blk[:, :, 4:]).view(np.int8).astype(np.float32)
+        return (d * q).reshape(X.shape)
+    return L.dequantize_reference(act, xq).reshape(X.shape)
+
+
+def q8_1_sum_term(raw, qtype, X):
+    """Q4_1/Q5_1 x Q8_1: ggml adds m_w * s_x per block, with s_x = fp16(d * sum q) stored in
+    the activation block, not the exact d * sum q of the converted values. Returns
+    sum over blocks |m_w| * |s_x - d * sum q| [m, rows] (zeros for other types)."""
+    if qtype not in (QT.Q4_1, QT.Q5_1):
+        return np.zeros((X.shape[0], raw.shape[0]))
+    m_w = np.ascontiguousarray(raw.reshape(raw.shape[0], X.shape[1] // 32, -1)[:, :, 2:4])
+    m_w = m_w.view(np.float16).astype(np.float64)[:, :, 0]
+    blk = np.ascontiguousarray(Q.quantize_activations(X, QT.Q8_1)).view(np.uint8).reshape(X.shape[0], -1, 36)
+    d = np.ascontiguousarray(blk[:, :, 0:2]).view(np.float16).astype(np.float64)[:, :, 0]
+    s_x = np.ascontiguousarray(blk[:, :, 2:4]).view(np.float16).astype(np.float64)[:, :, 0]
+    qsum = np.ascontiguousarray(blk[:, :, 4:]).view(np.int8).astype(np.float64).sum(axis=2)
+    return np.abs(s_x - d * qsum) @ np.abs(m_w).T
 
 
 @pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
@@ -71,15 +120,32 @@ def test_dispatch_every_supported_type(qtype):
     mm1 = Q.matmul(raw, qtype, n, X[:1])
     assert np.array_equal(mm1[0], mv)  # m == 1 goes through matvec
 
-    if ggml_oracle.available():
-        g = Q.matmul(raw, qtype, n, X, numerics="ggml")
-        want = ggml_oracle.matmul(qtype, raw, X)
-        scale = np.abs(X.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
-        # acceptance bar for ggml numerics: within 3e-7 of sum|w*x| (the scale of a dot
-        # product's rounding errors; |result| itself can be tiny through cancellation)
-        assert np.all(np.abs(g - want) <= 3e-7 * scale)
-        gv = Q.matvec(raw, qtype, n, X[0], numerics="ggml")
-        assert np.array_equal(gv, g[0])
+    # ggml numerics: integer/float dots of the converted activations, never worse than the
+    # same recursive-summation bound on the converted operands
+    g = Q.matmul(raw, qtype, n, X, numerics="ggml")
+    assert g.shape == (m, rows) and np.all(np.isfinite(g))
+    xa = converted_activations(X, Q.kernels(qtype).act_type)
+    ref_g = xa.astype(np.float64) @ w.astype(np.float64).T
+    assert np.all(np.abs(g - ref_g) <= worst_case(n, w, xa) + q8_1_sum_term(raw, qtype, X))
+    gv = Q.matvec(raw, qtype, n, X[0], numerics="ggml")
+    assert np.array_equal(gv, g[0])  # m == 1 goes through the same kernel
+
+
+@needs_oracle
+@pytest.mark.parametrize("source", ["fixed", "ggml_quantizer"])
+@pytest.mark.parametrize("qtype", ALL, ids=lambda t: t.name)
+def test_dispatch_ggml_numerics_vs_libggml(qtype, source):
+    require(qtype)
+    n, rows, m = n_for(qtype), 37, 3
+    raw = weights(qtype, rows, n) if source == "fixed" else ggml_quantized(qtype, rows, n)
+    X = np.random.default_rng(1).standard_normal((m, n)).astype(np.float32)
+    w = Q.dequantize(raw, qtype, n)
+    g = Q.matmul(raw, qtype, n, X, numerics="ggml")
+    want = ggml_oracle.matmul(qtype, raw, X)
+    scale = np.abs(X.astype(np.float64)) @ np.abs(w.astype(np.float64)).T
+    # acceptance bar for ggml numerics: within 3e-7 of sum|w*x| (the scale of a dot
+    # product's rounding errors; |result| itself can be tiny through cancellation)
+    assert np.all(np.abs(g - want) <= 3e-7 * scale)
 
 
 @needs_oracle
