@@ -12,6 +12,11 @@ ggml-order integer dot products), and the kernels' compile time: first call with
 an empty Numba cache, then first call in a fresh process that loads the cache.
 
     python -m tools.bench_kernels [--model PATH] [--threads 2] [--reps 15]
+
+``--model`` defaults to the default model (Gemma 3 270M Q4_K_M, written into the
+cache by ``pyimp.default_model``). A model that cannot be read is an error, not a
+silently shorter table; ``--no-real`` times the synthetic matrices only. Types the
+model holds no matrix of are listed as synthetic-only.
 """
 from __future__ import annotations
 
@@ -29,7 +34,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-DEFAULT_MODEL = "/tmp/models/gemma-3-270m-q4_k_m.gguf"
+
+def resolve_model(path: str | None) -> str:
+    """The GGUF to time: ``path``, else the default model. SystemExit with one line when
+    it is missing or cannot be provided."""
+    if path is None:
+        from pyimp.default_model import DefaultModelError, default_model_path
+        try:
+            return str(default_model_path())
+        except DefaultModelError as e:
+            raise SystemExit(f"error: default model unavailable: {e} (or pass --model PATH, "
+                             f"or --no-real for synthetic matrices only)") from None
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: model {path}: no such file (or pass --no-real)")
+    return path
 
 
 def read_bandwidth(gb: float = 1.0, reps: int = 4) -> float:
@@ -151,11 +169,14 @@ def compile_times(threads: int) -> tuple[dict, dict]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=DEFAULT_MODEL, help="GGUF file whose tensors to time")
+    ap.add_argument("--model", default=None,
+                    help="GGUF file whose tensors to time (default: the default model, Gemma 3 270M Q4_K_M)")
+    ap.add_argument("--no-real", action="store_true", help="time synthetic matrices only")
     ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
     ap.add_argument("--reps", type=int, default=15, help="timed calls per measurement")
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time subprocesses")
     args = ap.parse_args(argv)
+    model = None if args.no_real else resolve_model(args.model)
 
     import numba
     numba.set_num_threads(args.threads)
@@ -176,15 +197,20 @@ def main(argv=None) -> int:
     header = (f"{'matrix':<34s} {'rows x n':>13s} {'MB':>9s} {'fp32 GB/s':>16s} {'of bw':>6s} "
               f"{'ggml GB/s':>16s}")
 
-    if os.path.exists(args.model):
-        from loaders.gguf_file import GGUFFile
-        f = GGUFFile(args.model)
+    real_types: set = set()
+    if model is not None:
+        from loaders.gguf_file import GGUFError, GGUFFile
+        try:
+            f = GGUFFile(model)
+        except GGUFError as e:
+            raise SystemExit(f"error: {e}") from None
         by_type: dict = {}
         for name, info in f.tensors.items():
             if len(info.shape) >= 2:
                 by_type.setdefault(info.qtype, []).append(name)
         skipped = sorted({info.type_name for info in f.tensors.values() if info.qtype not in by_type})
-        print(f"real tensors: {os.path.basename(args.model)}")
+        real_types = set(by_type)
+        print(f"real tensors: {os.path.basename(model)}")
         print(header)
         for qt in sorted(by_type, key=int):
             names = by_type[qt]
@@ -203,13 +229,17 @@ def main(argv=None) -> int:
             print(f"(types with only 1-D tensors, not timed: {', '.join(skipped)})")
         print()
     else:
-        print(f"model {args.model} not found: real tensors skipped\n")
+        print("real tensors: not timed (--no-real)\n")
 
     print("synthetic 4096 x 4096")
     print(header)
     for qt in sorted(Q.available_types(), key=int):
         r = bench_matrix(synthetic(qt), qt, 4096, args.reps)
         row(qt.name, "4096x4096", r)
+    synthetic_only = [qt.name for qt in sorted(Q.available_types(), key=int) if int(qt) not in real_types]
+    if model is not None and synthetic_only:
+        print(f"(no matrix of these types in {os.path.basename(model)}, synthetic rows only: "
+              f"{', '.join(synthetic_only)})")
     print()
 
     print(f"load average after the timings: {os.getloadavg()[0]:.2f}; "
