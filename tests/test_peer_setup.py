@@ -1,10 +1,13 @@
 """The comparison peer's portable build flags and the crash-isolating probe."""
 from __future__ import annotations
 
+import os
+import subprocess
 import sys
 
 from tools import build_peer, llamacpp_peer
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SPR_FLAGS = ("fpu sse sse2 ssse3 sse4_1 sse4_2 avx avx2 fma f16c bmi2 avx512f avx512dq avx512bw "
              "avx512vl avx512vbmi avx512_vnni avx512_bf16 avx_vnni amx_tile amx_int8 amx_bf16")
 
@@ -50,3 +53,34 @@ def test_probe_reports_failure_and_timeout():
     assert not ok and "did not finish" in why
     ok, out = llamacpp_peer.run_probe([sys.executable, "-c", "print('AVX2 = 1')"])
     assert ok and out == "AVX2 = 1"
+
+
+def test_installed_peer_has_the_flags_build_peer_chose(peer):
+    # system_info lists the features the peer was compiled with ("AVX2 = 1 | AVX512 = 1 | ...")
+    info = peer.run_probe([sys.executable, "-c", "from tools import llamacpp_peer as p; print(p.system_info())"])[1]
+    args = build_peer.cmake_args()
+    for opt, name in (("GGML_AVX2", "AVX2"), ("GGML_AVX512", "AVX512"), ("GGML_AVX512_VNNI", "AVX512_VNNI")):
+        want = "1" if f"-D{opt}=ON" in args else None
+        if want:
+            assert f"{name} = 1" in info, info
+        else:
+            assert f"{name} = 1" not in info, info
+    assert "AMX_INT8 = 1" not in info
+
+
+def _pytest_peer_test(ci: bool):
+    env = dict(os.environ, PYIMP_PEER="off")
+    env.pop("CI", None)
+    if ci:
+        env["CI"] = "true"
+    target = "tests/test_peer_setup.py::test_installed_peer_has_the_flags_build_peer_chose"
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", target],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_missing_peer_skips_outside_ci_and_fails_under_ci():
+    r = _pytest_peer_test(ci=False)
+    assert r.returncode == 0 and "1 skipped" in r.stdout and "PYIMP_PEER=off" in r.stdout, r.stdout
+    r = _pytest_peer_test(ci=True)
+    assert r.returncode == 1, r.stdout
+    assert "CI=true and the llama.cpp peer cannot run: turned off by PYIMP_PEER=off" in r.stdout + r.stderr
