@@ -34,13 +34,24 @@ HYP = settings(deadline=None, max_examples=60, suppress_health_check=[HealthChec
 # ---------------------------------------------------------------------------
 # session fixtures
 
+def _require_vocab_dir():
+    """The fixture folder fetched by the install step. The tests never download: when it is
+    absent they skip saying which command fetches it, and fail under CI=true (CI must not
+    land with the conformance tests silently skipped)."""
+    from tools.fetch_vocab_fixtures import FETCH_COMMAND, fixtures_location, locate_fixtures
+    found = locate_fixtures()
+    if found is not None:
+        return found
+    msg = (f"llama.cpp vocabulary fixtures not found in {fixtures_location()}: "
+           f"run `{FETCH_COMMAND}` after pip install")
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true: {msg}", pytrace=False)
+    pytest.skip(msg)
+
+
 @pytest.fixture(scope="session")
 def vocab_dir():
-    from tools.fetch_vocab_fixtures import FixtureError, fixtures_dir
-    try:
-        return fixtures_dir()
-    except FixtureError as e:
-        pytest.skip(f"llama.cpp vocabulary fixtures unavailable: {e}")
+    return _require_vocab_dir()
 
 
 @pytest.fixture(scope="session")
@@ -72,15 +83,6 @@ def _llm(llama_cpp, path):
     if path not in _LLAMAS:
         _LLAMAS[path] = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
     return _LLAMAS[path]
-
-
-@pytest.fixture(scope="session")
-def gemma_path():
-    from pyimp.default_model import DefaultModelError, default_model_path
-    try:
-        return str(default_model_path())
-    except DefaultModelError as e:
-        pytest.skip(f"default model (Gemma 3 270M) unavailable: {e}")
 
 
 @pytest.fixture(scope="session")
@@ -167,6 +169,54 @@ def _special_texts(tok: Tokenizer, k: int = 12) -> list[str]:
     cache = [tok._texts[i] for i in tok._special_cache]
     rng = random.Random(0)
     return list(dict.fromkeys(cache[:4] + cache[-4:] + rng.sample(cache, min(k, len(cache)))))
+
+
+# ---------------------------------------------------------------------------
+# locating the fixtures (no network during the tests)
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """Any attempt to open a URL or a socket fails the test."""
+    import socket
+    import urllib.request
+
+    def refuse(*a, **k):
+        raise AssertionError(f"network access during the tests: {a[:1]}")
+    monkeypatch.setattr(urllib.request, "urlopen", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+
+
+def test_missing_fixtures_skip_with_the_fetch_command(tmp_path, monkeypatch, no_network):
+    monkeypatch.setenv("PYIMP_CACHE", str(tmp_path))
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception) as e:
+        _require_vocab_dir()
+    msg = str(e.value)
+    assert "python -m tools.fetch_vocab_fixtures" in msg and str(tmp_path / "vocab-fixtures") in msg, msg
+    assert list(tmp_path.iterdir()) == []  # looked only: nothing written
+
+
+def test_missing_fixtures_fail_under_ci(tmp_path, monkeypatch, no_network):
+    monkeypatch.setenv("PYIMP_CACHE", str(tmp_path))
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception) as e:
+        _require_vocab_dir()
+    assert "python -m tools.fetch_vocab_fixtures" in str(e.value)
+
+
+def test_fixtures_found_without_network(tmp_path, monkeypatch, no_network):
+    # an interrupted extraction (no completion stamp) does not count; a complete one does
+    monkeypatch.setenv("PYIMP_CACHE", str(tmp_path))
+    from tools.fetch_vocab_fixtures import STAMP, fixtures_dir
+    d = tmp_path / "vocab-fixtures"
+    d.mkdir()
+    (d / "ggml-vocab-x.gguf").write_bytes(b"")
+    with pytest.raises(pytest.skip.Exception):
+        _require_vocab_dir()
+    (d / STAMP).write_text("done\n")
+    assert _require_vocab_dir() == d
+    assert fixtures_dir() == d  # the install step's call is a no-op once extracted
 
 
 # ---------------------------------------------------------------------------

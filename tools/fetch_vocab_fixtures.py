@@ -13,6 +13,12 @@ concurrent run never leaves a half-filled folder behind.
 ``<cache>`` is ``$PYIMP_CACHE``, else ``$XDG_CACHE_HOME/pyimp``, else
 ``~/.cache/pyimp``. ``$PYIMP_LLAMA_CPP_SDIST`` may name a local copy of the
 sdist (same as ``--sdist``).
+
+This runs in the install step (README, ``.ci/run``), never during the tests:
+the tests call :func:`locate_fixtures`, which only looks. The files are not
+vendored into the repository: llama.cpp's MIT license would allow it, but the
+vocabulary GGUFs of 0.3.36 are 75 MB (the largest 15.8 MB); only the
+``.inp``/``.out`` test texts are small (~2 kB each).
 """
 from __future__ import annotations
 
@@ -37,6 +43,7 @@ PYPI_PROJECT_JSON = f"https://pypi.org/pypi/{PACKAGE}/json"
 MEMBER_DIR = "/vendor/llama.cpp/models/"
 MEMBER_PREFIX = "ggml-vocab-"
 STAMP = ".complete"
+FETCH_COMMAND = "python -m tools.fetch_vocab_fixtures"
 
 
 class FixtureError(RuntimeError):
@@ -97,15 +104,31 @@ def _extract(sdist: Path, into: Path) -> int:
     return n
 
 
+def fixtures_location() -> Path:
+    """Where the fixtures are (or will be) extracted: ``<cache>/vocab-fixtures``."""
+    return cache_dir() / "vocab-fixtures"
+
+
+def locate_fixtures() -> Path | None:
+    """The fixture folder when a complete extraction is there, else None.
+
+    Only looks: never downloads or writes (the tests use this; fetching is the
+    install step's job, ``FETCH_COMMAND``).
+    """
+    dest = fixtures_location()
+    return dest if (dest / STAMP).is_file() else None
+
+
 def fixtures_dir(sdist: str | os.PathLike | None = None) -> Path:
     """Folder holding ``ggml-vocab-*.gguf`` (+ ``.inp``/``.out``); fetched on first use.
 
     ``sdist``: a local llama-cpp-python 0.3.36 source tarball to extract from
     instead of downloading it (also ``$PYIMP_LLAMA_CPP_SDIST``).
     """
-    dest = cache_dir() / "vocab-fixtures"
-    if (dest / STAMP).exists():
-        return dest
+    found = locate_fixtures()
+    if found is not None:
+        return found
+    dest = fixtures_location()
     sdist = sdist or os.environ.get("PYIMP_LLAMA_CPP_SDIST") or None
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".vocab-fixtures-") as tmp:
