@@ -377,14 +377,28 @@ class GGUFFile:
     def file_size(self) -> int:
         return len(self._bytes)
 
-    def close(self) -> None:
-        """Release the map; views obtained earlier must not be used afterwards."""
-        self._buf.release()
+    def close(self) -> bool:
+        """Release the map; True once it is unmapped.
+
+        Metadata arrays are copied out first and stay readable. Tensor views (and arrays
+        made from metadata views) obtained earlier keep the map open: then this returns
+        False, and a later call, once they are gone, unmaps it.
+        """
+        if self._mmap is None:
+            return True
+        for key, value in self.metadata.items():
+            if isinstance(value, np.ndarray) and not value.flags.owndata:
+                self.metadata[key] = value.copy()
         self._bytes = None
         try:
+            if self._buf is not None:
+                self._buf.release()
+                self._buf = None
             self._mmap.close()
         except BufferError:
-            pass  # live NumPy views keep the map open until they are collected
+            return False   # live views still export the map's memory
+        self._mmap = None
+        return True
 
     def __enter__(self) -> "GGUFFile":
         return self

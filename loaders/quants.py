@@ -16,13 +16,9 @@ Two numerics:
 from __future__ import annotations
 
 import contextlib
-import os
 
-# Numba's OpenMP workers would otherwise spin after each parallel kernel and fight
-# OpenBLAS's threads (prefill interleaves both): measured 8x slower prefill on 2 cores.
-# libgomp reads this when Numba first starts its thread pool; a user's setting wins.
-os.environ.setdefault("OMP_WAIT_POLICY", "passive")
-
+# OMP_WAIT_POLICY=passive matters for speed (see pyimp/runtime.py) but is set only by
+# pyimp's own programs: a library import must not change the host process's environment.
 import numba
 import numpy as np
 from gguf import GGMLQuantizationType

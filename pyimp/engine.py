@@ -7,9 +7,11 @@ choices come from :class:`pyimp.model.ArchSpec`.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -21,6 +23,7 @@ from loaders.gguf_file import GGUFFile
 
 from . import attention, ops
 from .kvcache import KVCache
+from .memory import check_fits, fmt_bytes
 from .model import ModelWeights
 from .sampling import Sampler, SamplingParams
 from .sparse_policy import SparseOptions, SparseState
@@ -35,7 +38,7 @@ class EngineOptions:
     n_ctx: int = 4096              # 0 = the model's training context
     block_len: int = 32
     batch_size: int = 512          # prefill chunk
-    n_threads: int = 0             # 0 = all cores numba sees
+    n_threads: int = 0             # Numba threads in the engine's calls; 0 = the caller's setting
     numerics: str = "fp32"
     kv_type: str = "f16"
     sparse: SparseOptions = field(default_factory=SparseOptions)
@@ -80,15 +83,16 @@ class Engine:
         t0 = time.perf_counter()
         self.options = opts = options or EngineOptions()
         opts.validate()
-        if opts.n_threads:
-            import numba
-            numba.set_num_threads(min(opts.n_threads, numba.config.NUMBA_NUM_THREADS))
         self.path = os.fspath(path)
         self.file = GGUFFile(self.path)
         self.cfg: ModelConfig = read_config(self.file)
         opts.sparse.validate(self.cfg.n_layer)
         self.weights = ModelWeights(self.file, self.cfg)
         self.n_ctx = opts.n_ctx or self.cfg.n_ctx_train
+        self.buffer_bytes = self._check_memory()
+        if self.n_ctx > self.cfg.n_ctx_train:
+            warnings.warn(f"context size {self.n_ctx} exceeds the model's training context "
+                          f"{self.cfg.n_ctx_train}; quality may degrade past it", RuntimeWarning, stacklevel=2)
         self.cache = KVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim, self.n_ctx,
                              block_len=opts.block_len, kv_type=opts.kv_type)
         # importance_ / anchor_ and the block-sparse decode path (None: plain dense attention)
@@ -98,10 +102,67 @@ class Engine:
         self.tokens: list[int] = []          # what the cache holds, in order
         self.timings = Timings(load_s=time.perf_counter() - t0)
 
+    def _check_memory(self) -> dict:
+        """Bytes of the KV cache and sparse buffers this configuration allocates; refuses (one
+        InsufficientMemoryError) what exceeds the available memory, before allocating anything."""
+        opts, cfg = self.options, self.cfg
+        kv = KVCache.bytes_needed(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.n_ctx,
+                                  block_len=opts.block_len, kv_type=opts.kv_type)
+        sparse = 0
+        if opts.sparse.active:
+            sparse = SparseState.bytes_needed(opts.sparse, cfg, -(-self.n_ctx // opts.block_len),
+                                              opts.block_len)
+        what = f"context {self.n_ctx} with block length {opts.block_len}: KV cache {fmt_bytes(kv)}"
+        if sparse:
+            what += f" + importance and anchors {fmt_bytes(sparse)}"
+        check_fits(kv + sparse, what, "lower the context size (-c), block length or anchor count")
+        return {"kv": kv, "sparse": sparse}
+
+    @contextlib.contextmanager
+    def _threads(self):
+        """Numba's thread count for this thread set to n_threads inside, the caller's restored after."""
+        n = self.options.n_threads
+        if not n:
+            yield
+            return
+        import numba
+        prev = numba.get_num_threads()
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+        try:
+            yield
+        finally:
+            numba.set_num_threads(prev)
+
+    def close(self) -> None:
+        """Release the model's memory map and the cache buffers; the engine cannot run afterwards.
+
+        Arrays obtained from the engine earlier (weights, vocabulary views) keep the map alive
+        until they are collected."""
+        if self.file is None:
+            return
+        self.weights = self._vocab = self._tokenizer = None
+        self.cache = self.sparse = None
+        f, self.file = self.file, None
+        if not f.close():
+            import gc
+            gc.collect()   # the tokenizer's objects may sit in reference cycles
+            f.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _closed(self) -> RuntimeError:
+        return RuntimeError("the engine is closed")
+
     # ------------------------------------------------------------ tokenizer
     @property
     def tokenizer(self):
         if self._tokenizer is None:
+            if self.file is None:
+                raise self._closed()
             from loaders.tokenizer import Tokenizer
             self._tokenizer = Tokenizer.from_vocab(self.vocab, model_name=self.cfg.name,
                                                    architecture=self.cfg.arch)
@@ -124,6 +185,15 @@ class Engine:
 
     def forward(self, tokens: np.ndarray, all_logits: bool = False, prompt_end: int | None = None,
                 logits: bool = True) -> np.ndarray | None:
+        """Run ``tokens`` through the model (see :meth:`_forward`) with the engine's thread count."""
+        if self.file is None:
+            raise self._closed()
+        # overflow / invalid-value warnings are replaced by the engine's own non-finite checks
+        with self._threads(), np.errstate(over="ignore", invalid="ignore"):
+            return self._forward(tokens, all_logits, prompt_end, logits)
+
+    def _forward(self, tokens: np.ndarray, all_logits: bool = False, prompt_end: int | None = None,
+                 logits: bool = True) -> np.ndarray | None:
         """Run ``tokens`` (appended after the cached ones) through the model.
 
         Returns float32[T, n_vocab] logits when ``all_logits`` else float32[1, n_vocab]
@@ -222,7 +292,19 @@ class Engine:
         logits = W.output(x, num)
         if cfg.final_softcap:
             logits = ops.softcap(logits, cfg.final_softcap)
+        if not ops.all_finite(logits):
+            # every layer's keys and values were finite (KVCache.write checks them): the last
+            # layer's attention or feed-forward, or the output head, produced the NaN / inf
+            self._truncate(pos0)
+            raise ops.NonFiniteError(f"layer {cfg.n_layer - 1}: NaN or inf in the logits after the last "
+                                     f"layer (its attention or feed-forward, or the output head; "
+                                     f"corrupted weights?)")
         return logits
+
+    def _truncate(self, n: int) -> None:
+        """Forget cached tokens from position n on (their blocks stay reserved)."""
+        self.cache.cache_seqlens[0] = n
+        del self.tokens[n:]
 
     def _act(self, g: np.ndarray) -> np.ndarray:
         if self.weights.arch.ffn_act == "silu":
@@ -241,20 +323,32 @@ class Engine:
                              f"{self.n_ctx} (use a larger -c/--ctx-size)")
         return arr
 
-    def eval(self, tokens, all_logits: bool = True, progress=None) -> np.ndarray:
-        """Append ``tokens`` to the cache in prefill chunks; logits float32[T or 1, n_vocab]."""
+    def eval(self, tokens, all_logits: bool = False, progress=None) -> np.ndarray:
+        """Append ``tokens`` to the cache in prefill chunks.
+
+        Returns the logits of the last token, float32[1, n_vocab], or with ``all_logits``
+        those of every token, float32[T, n_vocab]. On NaN / inf (:class:`ops.NonFiniteError`,
+        naming the layer) the cache is left as it was before the call.
+        """
+        if self.file is None:
+            raise self._closed()
         arr = self._check_tokens(tokens)
         if arr.size == 0:
             raise ValueError("no tokens to evaluate")
         bs = self.options.batch_size
         outs = []
         t0 = time.perf_counter()
-        end = len(self.tokens) + arr.size
+        start = len(self.tokens)
+        end = start + arr.size
         for s in range(0, arr.size, bs):
             last = s + bs >= arr.size
             # chunks before the last only fill the cache unless every row's logits are wanted
-            out = self.forward(arr[s:s + bs], all_logits=all_logits, prompt_end=end,
-                               logits=all_logits or last)
+            try:
+                out = self.forward(arr[s:s + bs], all_logits=all_logits, prompt_end=end,
+                                   logits=all_logits or last)
+            except ops.NonFiniteError:
+                self._truncate(start)
+                raise
             if out is not None:
                 outs.append(out)
             if progress is not None:
@@ -270,6 +364,8 @@ class Engine:
 
     def reset(self) -> None:
         """Empty the KV cache (and the importance matrix and anchors)."""
+        if self.file is None:
+            raise self._closed()
         self.cache.reset()
         self.tokens = []
         if self.sparse is not None:
@@ -285,7 +381,8 @@ class Engine:
         self.forward(np.array([bos, bos], dtype=np.int64))
         self.forward(np.array([bos], dtype=np.int64))
         if self.sparse is not None:
-            self.sparse.warmup()
+            with self._threads():
+                self.sparse.warmup()
         self.reset()
         self.timings.compile_s = time.perf_counter() - t0
         return self.timings.compile_s
@@ -329,6 +426,8 @@ class Engine:
     @property
     def vocab(self):
         if self._vocab is None:
+            if self.file is None:
+                raise self._closed()
             self._vocab = self.file.vocab()
         return self._vocab
 

@@ -17,7 +17,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from .ops import NonFiniteError
+
 KV_TYPES = {"f16": np.float16, "f32": np.float32}
+F16_MAX = 65504.0
+# float32 values below this magnitude round to a finite float16 (65504 at most); from it on, inf
+_FINITE_LIMIT = {"f16": 65520.0, "f32": float("inf")}
 
 
 class ContextFullError(ValueError):
@@ -48,6 +53,18 @@ class KVCache:
         self.block_table = np.full((n_seq, self.blocks_per_seq), -1, dtype=np.int32)
         self.cache_seqlens = np.zeros(n_seq, dtype=np.int32)
         self._free = list(range(NB - 1, -1, -1))  # pop() hands out the lowest id first
+
+    @staticmethod
+    def bytes_needed(n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int, block_len: int = 32,
+                     kv_type: str = "f16", n_seq: int = 1) -> int:
+        """Bytes the buffers of a cache of this shape take (computed without allocating)."""
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"kv type {kv_type!r} is not one of {', '.join(KV_TYPES)}")
+        blocks_per_seq = -(-n_ctx // block_len)
+        nb = blocks_per_seq * n_seq
+        item = np.dtype(KV_TYPES[kv_type]).itemsize
+        kv = 2 * n_layer * n_head_kv * nb * block_len * head_dim * item
+        return kv + n_seq * blocks_per_seq * 4 + n_seq * 4       # + block_table, cache_seqlens
 
     # ------------------------------------------------------------------ pool
     def reset(self, seq: int = 0) -> None:
@@ -85,9 +102,24 @@ class KVCache:
         B, D = self.block_len, self.head_dim
         kc = self.k_cache_fp16_[layer].reshape(self.n_head_kv, -1, B, D)
         vc = self.v_cache_fp16_[layer].reshape(self.n_head_kv, -1, D, B)
+        # f16 turns |x| >= 65520 into inf without a word, and a NaN here poisons every later
+        # attention read: refuse before anything is stored (the cache keeps what it held).
+        # Four float32 reductions (a NaN fails every comparison): ~10 us per layer per decode step.
+        lim = _FINITE_LIMIT[self.kv_type]
+        if T and not (k.max() < lim and k.min() > -lim and v.max() < lim and v.min() > -lim):
+            raise NonFiniteError(self._non_finite_message(layer, k, v))
         kc[:, blocks, rows, :] = k.transpose(1, 0, 2).astype(self.dtype)  # indexed as [Hkv, T, D]
         # advanced indices separated by a slice put the token axis first: [T, Hkv, D]
         vc[:, blocks, :, rows] = v.astype(self.dtype)
+
+    def _non_finite_message(self, layer: int, k: np.ndarray, v: np.ndarray) -> str:
+        for name, x in (("key", k), ("value", v)):
+            if not np.isfinite(x).all():
+                return (f"layer {layer}: NaN or inf in the {name}s written to the KV cache (the hidden "
+                        f"state is no longer finite at this layer: corrupted weights or an overflow)")
+        big = max(float(np.abs(k).max()), float(np.abs(v).max()))
+        return (f"layer {layer}: a key or value of magnitude {big:.4g} does not fit the f16 KV cache "
+                f"(largest finite f16: {F16_MAX:g}); use kv_type='f32' (pyimp-run --kv-type f32)")
 
     def commit(self, n: int, seq: int = 0) -> None:
         """Mark ``n`` more tokens valid after every layer has written them."""

@@ -162,3 +162,12 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     z = logits.astype(np.float64)
     z = z - z.max(axis=-1, keepdims=True)
     return z - np.log(np.exp(z).sum(axis=-1, keepdims=True))
+
+
+class NonFiniteError(FloatingPointError):
+    """NaN or inf where the forward pass needs finite numbers; the message names the layer."""
+
+
+def all_finite(x: np.ndarray) -> bool:
+    """True when ``x`` holds no NaN and no inf."""
+    return bool(np.isfinite(x).all())

@@ -45,6 +45,9 @@ class Sampler:
         """Pick the next token id from float32[n_vocab] logits given the previous ids."""
         p = self.params
         z = logits.astype(np.float64).copy()
+        total = z.sum()   # float64: finite float32 logits cannot overflow it; NaN / +inf show
+        if np.isnan(total) or total == np.inf:
+            raise ValueError("the logits contain NaN or +inf (corrupted weights?): nothing to sample from")
         if p.repeat_penalty != 1.0 and p.repeat_last_n > 0 and history:
             ids = np.unique(np.asarray(history[-p.repeat_last_n:], dtype=np.int64))
             v = z[ids]

@@ -107,6 +107,15 @@ class SparseState:
         self.stats = _Stats()
         self.selections: list = []   # (step, layer, sorted logical block ids attended) for heatmaps
 
+    @staticmethod
+    def bytes_needed(opts: SparseOptions, cfg, max_blocks: int, block_len: int) -> int:
+        """Bytes of importance_ and anchor_ for a cache of ``max_blocks`` blocks (without allocating)."""
+        L, Hq, D = cfg.n_layer, cfg.n_head, cfg.head_dim
+        A = opts.anchor_num or min_anchor_num(AnchorType(opts.anchor))
+        importance = L * max_blocks * block_len * Hq * 2          # float16 [L][NB][B][Hq]
+        anchors = L * max_blocks * A * Hq * D * 2                 # float16 [L][NB][A][Hq][D]
+        return importance + anchors
+
     # ------------------------------------------------------------- lifecycle
     def reset(self) -> None:
         self.importance_[:] = 0

@@ -34,7 +34,7 @@ def test_prompt_logits_close_to_llamacpp(engine, gemma_path, prompt):
     toks = engine.tokenize(prompt)
     assert len(toks) >= 50
     engine.reset()
-    ours = engine.eval(toks)
+    ours = engine.eval(toks, all_logits=True)
     ref = llamacpp_peer.logits(gemma_path, toks, n_batch=512, kv_type="f16")
     d = kl(ref, ours)
     top1 = np.mean(np.argmax(ours, -1) == np.argmax(ref, -1))

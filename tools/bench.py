@@ -94,6 +94,8 @@ def _spawn(engine, model, ctx, n_decode, threads, numerics, sparse_budget=0.0, s
            "--sparse-budget", str(sparse_budget)] + (["--synthetic-cache"] if synthetic_cache else [])
     env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                OPENBLAS_NUM_THREADS=str(threads))
+    from pyimp.runtime import configure_process
+    configure_process(env)   # the worker is a pyimp program: OMP_WAIT_POLICY=passive unless set
     r = subprocess.run(cmd, capture_output=True, text=True, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if r.returncode:
@@ -175,4 +177,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from pyimp.runtime import configure_process
+    configure_process()   # before the first parallel kernel starts OpenMP
     sys.exit(main())

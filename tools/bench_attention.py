@@ -126,4 +126,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    from pyimp.runtime import configure_process
+    configure_process()   # before the first parallel kernel starts OpenMP
     main()

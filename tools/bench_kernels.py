@@ -257,4 +257,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from pyimp.runtime import configure_process
+    configure_process()   # before the first parallel kernel starts OpenMP (workers inherit it)
     raise SystemExit(main())

@@ -1,0 +1,167 @@
+"""Engine as a library: no side effects on the host process, eval's default, threads per call,
+non-finite values, close(), memory checks before allocating."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numba
+import numpy as np
+import pytest
+
+import pyimp
+from pyimp import ops
+from pyimp.engine import Engine, EngineOptions
+from pyimp.kvcache import KVCache
+from pyimp.memory import InsufficientMemoryError, parse_size
+from pyimp.sparse_policy import SparseOptions, SparseState
+from tools.write_synthetic_gguf import SynthSpec, write
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    # n_ctx 64: the training context the warning test goes beyond
+    return write(tmp_path_factory.mktemp("api") / "llama.gguf",
+                 SynthSpec(arch="llama", n_layer=3, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
+                           n_ctx=64, vocab_size=300, seed=3))
+
+
+def _ids(n: int, seed: int = 0) -> list[int]:
+    return [1] + np.random.default_rng(seed).integers(3, 300, n - 1).tolist()
+
+
+def test_import_leaves_the_environment_alone():
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    r = subprocess.run([sys.executable, "-c",
+                        "import os, pyimp, pyimp.engine, loaders.quants\n"
+                        "print(os.environ.get('OMP_WAIT_POLICY'))"],
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "None"
+
+
+def test_eval_returns_the_last_row_by_default(llama):
+    ids = _ids(20)
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8, batch_size=8))
+    last = eng.eval(ids)
+    assert last.shape == (1, 300)
+    eng.reset()
+    every = eng.eval(ids, all_logits=True)
+    assert every.shape == (20, 300)
+    # the last-row path runs the final FFN as a matvec instead of a matmul: float32 sums in
+    # another order, relative differences of a few 1e-7 after 3 layers (bound: 10x that)
+    np.testing.assert_allclose(last[0], every[-1], rtol=0, atol=1e-5 * np.abs(every[-1]).max())
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads to tell settings apart")
+def test_n_threads_applies_per_call_and_restores_the_callers_setting(llama, monkeypatch):
+    numba.set_num_threads(2)
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8, n_threads=1))
+    assert numba.get_num_threads() == 2          # construction leaves the caller's setting alone
+    seen = []
+    real = ops.rms_norm
+
+    def spy(*a, **k):
+        seen.append(numba.get_num_threads())
+        return real(*a, **k)
+    monkeypatch.setattr(ops, "rms_norm", spy)
+    eng.eval(_ids(12))
+    eng.eval([5])                                 # decode: quants.threads_for nests inside
+    assert seen and set(seen) == {1}
+    assert numba.get_num_threads() == 2          # restored after the call
+    # another thread (Numba's setting is per thread; its default there is all threads)
+    seen.clear()
+    t = threading.Thread(target=lambda: (eng.reset(), eng.eval(_ids(12))))
+    t.start()
+    t.join()
+    assert seen and set(seen) == {1}
+
+
+def _poison(eng, il: int, name: str, value: float):
+    lw = eng.weights.layers[il]
+    lin = getattr(lw, name)
+    setattr(lw, name, lambda h, num: np.full((h.shape[0], lin.n_out), value, np.float32))
+
+
+def test_f16_overflow_is_refused_naming_the_layer(llama):
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8, batch_size=8, kv_type="f16"))
+    eng.eval(_ids(5))
+    _poison(eng, 1, "attn_v", 1e5)              # finite in float32, inf in float16
+    with pytest.raises(ops.NonFiniteError, match=r"^layer 1: .*does not fit the f16 KV cache"):
+        eng.eval(_ids(12, 1))                    # two chunks: the first one succeeds
+    # nothing of the failed call stays cached
+    assert len(eng.tokens) == 5 and int(eng.cache.cache_seqlens[0]) == 5
+    f32 = Engine(llama, EngineOptions(n_ctx=64, block_len=8, kv_type="f32"))
+    _poison(f32, 1, "attn_v", 1e5)
+    assert np.isfinite(f32.eval(_ids(12, 1))).all()   # an f32 cache holds it
+
+
+def test_nan_weights_name_the_layer(llama):
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8))
+    _poison(eng, 0, "ffn_down", np.nan)          # layer 0's output: layer 1's keys go NaN
+    with pytest.raises(ops.NonFiniteError, match=r"^layer 1: NaN or inf in the keys"):
+        eng.eval(_ids(6))
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8))
+    _poison(eng, 2, "ffn_up", np.inf)            # the last layer: only the logits show it
+    with pytest.raises(ops.NonFiniteError, match=r"^layer 2: NaN or inf in the logits"):
+        eng.eval(_ids(6))
+    assert eng.tokens == [] and int(eng.cache.cache_seqlens[0]) == 0
+
+
+def test_close_releases_the_map(llama):
+    with pyimp.load(llama, n_ctx=64, block_len=8) as eng:
+        m = eng.file._mmap
+        eng.tokenize("ab")                       # vocabulary arrays are views into the map
+        assert eng.eval(_ids(4)).shape == (1, 300)
+        assert not m.closed
+    assert m.closed
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        eng.eval([1])
+    eng.close()                                  # twice is fine
+
+
+def test_buffer_sizes_are_computed_before_allocating(llama):
+    c = KVCache(3, 2, 16, 100, block_len=8, kv_type="f16")
+    assert KVCache.bytes_needed(3, 2, 16, 100, block_len=8, kv_type="f16") == \
+        c.nbytes + c.block_table.nbytes + c.cache_seqlens.nbytes
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8, sparse=SparseOptions(
+        enabled=True, anchor="quest", anchor_num=4)))
+    b = eng.sparse.report()["bytes"]
+    assert SparseState.bytes_needed(eng.options.sparse, eng.cfg, eng.cache.max_blocks, 8) == \
+        b["importance"] + b["anchors"]
+
+
+def test_configuration_beyond_memory_is_one_error(llama, monkeypatch):
+    monkeypatch.setenv("PYIMP_MEMORY_LIMIT", "1G")
+    with pytest.raises(InsufficientMemoryError) as ei:
+        Engine(llama, EngineOptions(n_ctx=10_000_000))
+    msg = str(ei.value)
+    assert "\n" not in msg and "context 10000000" in msg and "1.0 GiB" in msg and "PYIMP_MEMORY_LIMIT" in msg
+    with pytest.raises(InsufficientMemoryError, match="importance and anchors"):
+        Engine(llama, EngineOptions(n_ctx=64, sparse=SparseOptions(enabled=True, anchor="fixed",
+                                                                  anchor_num=100_000_000)))
+    monkeypatch.setenv("PYIMP_MEMORY_LIMIT", "lots")
+    with pytest.raises(ValueError, match="PYIMP_MEMORY_LIMIT='lots'"):
+        Engine(llama, EngineOptions(n_ctx=64))
+    assert parse_size("1.5K") == 1536 and parse_size("2GiB") == 2 << 30
+
+
+def test_context_beyond_training_warns(llama):
+    with pytest.warns(RuntimeWarning, match="exceeds the model's training context 64"):
+        Engine(llama, EngineOptions(n_ctx=128))
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+@pytest.mark.parametrize("temp", [0.0, 0.8])
+def test_sampler_refuses_non_finite_logits(bad, temp):
+    from pyimp.sampling import Sampler, SamplingParams
+    logits = np.zeros(100, np.float32)
+    logits[7] = bad
+    with pytest.raises(ValueError, match="NaN or \\+inf"):
+        Sampler(SamplingParams(temperature=temp, seed=0)).sample(logits, [])
+    logits[7] = -np.inf                          # a masked token is fine
+    assert Sampler(SamplingParams(temperature=temp, seed=0)).sample(logits, []) != 7
