@@ -1,7 +1,13 @@
-"""GGUF reader and ModelConfig: real file, synthetic files, and fuzzed broken files."""
+"""GGUF reader and ModelConfig: real file, synthetic files, and fuzzed broken files.
+
+Broken files must end in a GGUFError whose message names the file (and, for the
+targeted corruptions, the offending key or tensor); a mutated file that still
+parses must give tensor views that lie inside the file's tensor data.
+"""
 from __future__ import annotations
 
 import os
+import re
 import struct
 
 import gguf
@@ -170,15 +176,61 @@ def _full_load(path) -> None:
         f.tensor(name)
 
 
+def _assert_views_inside(path) -> None:
+    """A file that parses: every tensor's bytes lie in the data section, aligned, sized by
+    its shape and type, disjoint from the others, and its view points into the map there."""
+    f = GGUFFile(path)
+    size = f.file_size()
+    align = f.metadata.get("general.alignment", 32)
+    base = f._bytes.__array_interface__["data"][0]
+    spans = []
+    for t in f.tensors.values():
+        bs, ts = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.qtype)]
+        assert t.nbytes == int(np.prod(t.shape, dtype=object)) // bs * ts, t.name
+        assert f.data_start <= t.offset and t.offset + t.nbytes <= size, t.name
+        assert (t.offset - f.data_start) % align == 0, t.name
+        spans.append((t.offset, t.offset + t.nbytes))
+        if t.qtype in SUPPORTED_TYPES:
+            raw = f.tensor(t.name).raw
+            at = raw.__array_interface__["data"][0] - base
+            assert (at, raw.nbytes) == (t.offset, t.nbytes), t.name
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+
+
+def _load_or_named_error(path) -> GGUFError | None:
+    """Outcome of a full load of a mutated file: None when it loads (then its views are
+    checked), else the GGUFError, which must name the file. Any other exception fails."""
+    try:
+        _full_load(path)
+    except GGUFError as e:
+        assert e.path == os.fspath(path) and str(e).startswith(os.fspath(path) + ": "), str(e)
+        assert e.what.strip(), str(e)
+        return e
+    _assert_views_inside(path)
+    return None
+
+
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(frac=st.floats(0.0, 1.0, exclude_max=True))
 def test_fuzz_truncated(tiny_llama, tmp_path, frac):
     data = open(tiny_llama, "rb").read()
+    f = GGUFFile(tiny_llama)
     cut = int(frac * _tensor_ends(tiny_llama))
     p = tmp_path / "cut.gguf"
     p.write_bytes(data[:cut])
-    with pytest.raises(GGUFError):
-        _full_load(p)
+    e = _load_or_named_error(p)
+    assert e is not None, f"a file cut at byte {cut} loaded"
+    if cut < 4:
+        assert "not a GGUF file" in e.what
+    elif cut < f.data_start:
+        assert "truncated file" in e.what, e.what  # the header or tensor table is cut
+    else:
+        # the data section is cut: the error names a tensor whose data does not fit
+        m = re.search(r"tensor '([^']+)' data ends at byte (\d+)", e.what)
+        assert m, e.what
+        t = f.tensors[m.group(1)]
+        assert int(m.group(2)) == t.offset + t.nbytes > cut
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -192,10 +244,10 @@ def test_fuzz_flipped_header_bytes(tiny_llama, tmp_path, data):
         raw[i] ^= data.draw(st.integers(1, 255))
     p = tmp_path / "flip.gguf"
     p.write_bytes(bytes(raw))
-    try:
-        _full_load(p)  # a flip in a harmless place (a string's text) may still load
-    except GGUFError:
-        pass
+    # a flip in a harmless place (a string's text) may still load; then the views are sound
+    e = _load_or_named_error(p)
+    if e is not None and raw[:4] != b"GGUF":
+        assert "not a GGUF file" in e.what
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -215,13 +267,121 @@ def test_fuzz_bad_type_ids_and_dims(tiny_llama, tmp_path, type_id, dim, which):
         struct.pack_into("<Q", raw, at + 4, dim)
     p = tmp_path / "bad.gguf"
     p.write_bytes(bytes(raw))
+    e = _load_or_named_error(p)
     if which == "dim" and dim != first.shape[0] or which == "type" and type_id not in SUPPORTED_TYPES:
-        with pytest.raises(GGUFError):
-            _full_load(p)
-    else:
-        # another supported type: its data size changes, which either breaks the layout
-        # (overlap / truncation: GGUFError) or reinterprets the bytes; nothing else may happen
-        try:
-            _full_load(p)
-        except GGUFError:
-            pass
+        assert e is not None
+        # the changed tensor, or (data size changed) one it now overlaps or pushes out
+        assert "tensor '" in e.what, e.what
+        if which == "type" and type_id not in {int(t) for t in gguf.GGML_QUANT_SIZES}:
+            assert f"tensor {first.name!r}: unknown ggml type id {type_id}" in e.what
+    # else: another supported type; its data size changes, which either breaks the layout
+    # (overlap / truncation: a named GGUFError) or reinterprets the bytes (views checked)
+
+
+# ----------------------------------------------------------------- targeted corruptions
+#
+# Files built byte by byte, so that each breaks exactly one rule of the format.
+
+def _str(s: str | bytes) -> bytes:
+    b = s.encode() if isinstance(s, str) else s
+    return struct.pack("<Q", len(b)) + b
+
+
+def _kv(key: str, vtype: int, payload: bytes) -> bytes:
+    return _str(key) + struct.pack("<I", vtype) + payload
+
+
+def _kv_u32(key: str, v: int) -> bytes:
+    return _kv(key, int(gguf.GGUFValueType.UINT32), struct.pack("<I", v))
+
+
+def _kv_str(key: str, v: str | bytes) -> bytes:
+    return _kv(key, int(gguf.GGUFValueType.STRING), _str(v))
+
+
+def _tinfo(name: str, shape, qtype: int, offset: int, n_dims: int | None = None) -> bytes:
+    n_dims = len(shape) if n_dims is None else n_dims
+    return (_str(name) + struct.pack("<I", n_dims) + b"".join(struct.pack("<Q", d) for d in shape)
+            + struct.pack("<I", qtype) + struct.pack("<Q", offset))
+
+
+def _gguf(path, kvs=(), tinfos=(), data=b"", align=32, n_kv=None, n_tensors=None) -> str:
+    head = b"GGUF" + struct.pack("<IQQ", 3, len(tinfos) if n_tensors is None else n_tensors,
+                                 len(kvs) if n_kv is None else n_kv)
+    body = head + b"".join(kvs) + b"".join(tinfos)
+    body += b"\0" * (-len(body) % align)
+    path.write_bytes(body + data)
+    return os.fspath(path)
+
+
+F32 = int(gguf.GGMLQuantizationType.F32)
+Q8_0 = int(gguf.GGMLQuantizationType.Q8_0)
+ARCH = _kv_str("general.architecture", "llama")
+
+
+def _open_error(path) -> str:
+    with pytest.raises(GGUFError) as ei:
+        GGUFFile(path)
+    assert ei.value.path == os.fspath(path)
+    return str(ei.value)
+
+
+def test_well_formed_handmade_file_parses(tmp_path):
+    # the builder itself is right: the same layout without a defect opens, with sound views
+    p = _gguf(tmp_path / "ok.gguf", [ARCH], [_tinfo("a", (8,), F32, 0), _tinfo("b", (4, 2), F32, 32)],
+              data=bytes(64))
+    f = GGUFFile(p)
+    assert f.metadata["general.architecture"] == "llama"
+    assert (f.tensors["a"].nbytes, f.tensors["b"].shape) == (32, (4, 2))
+    _assert_views_inside(p)
+
+
+@pytest.mark.parametrize("case, needles", [
+    ("duplicate_key", ["metadata key 'general.architecture' appears twice"]),
+    ("unknown_value_type", ["metadata key 'general.name'", "unknown value type 99"]),
+    ("bad_utf8_value", ["metadata key 'general.name'", "invalid UTF-8"]),
+    ("string_past_end", ["truncated file", "metadata key 'general.name'"]),
+    ("huge_array", ["truncated file", "metadata key 'tokenizer.ggml.scores'"]),
+    ("nested_array", ["metadata key 'x'", "arrays of ARRAY are not supported"]),
+    ("alignment_not_pow2", ["metadata key 'general.alignment'", "power of two"]),
+    ("absurd_counts", ["truncated file", "header claims"]),
+    ("zero_dims", ["tensor 'w'", "0 dimensions"]),
+    ("five_dims", ["tensor 'w'", "5 dimensions"]),
+    ("unknown_type", ["tensor 'w'", "unknown ggml type id 1000"]),
+    ("row_not_block_multiple", ["tensor 'w'", "Q8_0", "block size 32"]),
+    ("zero_dim", ["tensor 'w'", "shape [0, 2] is invalid"]),
+    ("unaligned_offset", ["tensor 'w'", "offset 4 is not aligned to 32"]),
+    ("data_past_end", ["tensor 'w'", "data ends at byte"]),
+    ("overlap", ["tensor 'b'", "overlaps tensor 'a'"]),
+    ("duplicate_tensor", ["tensor 'w' appears twice"]),
+])
+def test_targeted_corruption_names_key_or_tensor(tmp_path, case, needles):
+    p = tmp_path / f"{case}.gguf"
+    arr = int(gguf.GGUFValueType.ARRAY)
+    u32 = int(gguf.GGUFValueType.UINT32)
+    ok_tensor = [_tinfo("w", (8,), F32, 0)]
+    build = {
+        "duplicate_key": lambda: _gguf(p, [ARCH, ARCH]),
+        "unknown_value_type": lambda: _gguf(p, [ARCH, _kv("general.name", 99, b"")]),
+        "bad_utf8_value": lambda: _gguf(p, [ARCH, _kv_str("general.name", b"ab\xff\xfe")]),
+        "string_past_end": lambda: _gguf(p, [ARCH, _kv("general.name", int(gguf.GGUFValueType.STRING),
+                                                       struct.pack("<Q", 10**6) + b"abc")]),
+        "huge_array": lambda: _gguf(p, [ARCH, _kv("tokenizer.ggml.scores", arr,
+                                                  struct.pack("<IQ", int(gguf.GGUFValueType.FLOAT32), 2**40))]),
+        "nested_array": lambda: _gguf(p, [_kv("x", arr, struct.pack("<IQ", arr, 1) + struct.pack("<IQ", u32, 0))]),
+        "alignment_not_pow2": lambda: _gguf(p, [ARCH, _kv_u32("general.alignment", 24)]),
+        "absurd_counts": lambda: _gguf(p, [ARCH], n_kv=2**40),
+        "zero_dims": lambda: _gguf(p, [ARCH], [_tinfo("w", (), F32, 0, n_dims=0)], bytes(32)),
+        "five_dims": lambda: _gguf(p, [ARCH], [_tinfo("w", (1,) * 5, F32, 0)], bytes(32)),
+        "unknown_type": lambda: _gguf(p, [ARCH], [_tinfo("w", (8,), 1000, 0)], bytes(32)),
+        "row_not_block_multiple": lambda: _gguf(p, [ARCH], [_tinfo("w", (48, 2), Q8_0, 0)], bytes(128)),
+        "zero_dim": lambda: _gguf(p, [ARCH], [_tinfo("w", (0, 2), F32, 0)], bytes(32)),
+        "unaligned_offset": lambda: _gguf(p, [ARCH], [_tinfo("w", (8,), F32, 4)], bytes(64)),
+        "data_past_end": lambda: _gguf(p, [ARCH], ok_tensor, bytes(31)),
+        "overlap": lambda: _gguf(p, [ARCH], [_tinfo("a", (16,), F32, 0), _tinfo("b", (8,), F32, 32)],
+                                 bytes(96)),
+        "duplicate_tensor": lambda: _gguf(p, [ARCH], ok_tensor * 2, bytes(32)),
+    }
+    msg = _open_error(build[case]())
+    for needle in needles:
+        assert needle in msg, msg
