@@ -57,7 +57,11 @@ class Sampler:
         # candidates sorted by logit, descending (stable: lower id first on ties); with top-k
         # only the k best are sorted (a full sort of a 262k vocabulary costs ~25 ms)
         if 0 < p.top_k < z.size:
-            top = np.argpartition(-z, p.top_k - 1)[:p.top_k]
+            # the partition keeps an arbitrary subset of the tokens tied at rank k: keep every
+            # token above the k-th logit, then the lowest ids among those equal to it
+            kth = z[np.argpartition(-z, p.top_k - 1)[p.top_k - 1]]
+            above = np.flatnonzero(z > kth)
+            top = np.concatenate([above, np.flatnonzero(z == kth)[:p.top_k - above.size]])
             order = top[np.lexsort((top, -z[top]))]
         else:
             order = np.argsort(-z, kind="stable")
