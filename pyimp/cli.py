@@ -1,15 +1,20 @@
 """``pyimp-run``: generate text with a GGUF model (default: the embedded Gemma 3 270M).
 
-Prints a one-line model summary, then streams the prompt's continuation;
-``--stats`` adds timings at the end, ``--json`` prints one JSON object
-instead. User mistakes end with a one-line message and a non-zero exit code.
+Streams the prompt and its continuation on stdout; the model summary,
+warnings, errors and progress go to stderr (as llama-cli does), so
+``pyimp-run ... > out.txt`` holds only the text. ``--stats`` adds timings at
+the end (stderr), ``--json`` prints one JSON object instead of the text.
+User mistakes end with a one-line message and a non-zero exit code.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 import time
+import warnings
 
 EXIT_USAGE = 2
 EXIT_ERROR = 1
@@ -18,6 +23,18 @@ EXIT_ERROR = 1
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one line, no usage dump
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+class _Help(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default, except where there is none to show."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        d = action.default
+        if "%(default)" in h or d is None or d is False or d == () or d == argparse.SUPPRESS \
+                or not action.option_strings:
+            return h
+        return h + " (default: %(default)s)"
 
 
 def _int_at_least(lo: int, name: str):
@@ -64,8 +81,13 @@ def _int_list(s: str) -> tuple:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="pyimp-run", description="Generate text with a GGUF model (llama, gemma3).")
+    from . import __version__
+    p = _Parser(prog="pyimp-run", formatter_class=_Help,
+                description="Generate text with a GGUF model (llama, gemma3).")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     p.add_argument("model", nargs="?", help="GGUF model file (default: embedded Gemma 3 270M Q4_K_M)")
+    p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL",
+                   help="GGUF model file, as llama-cli's -m (or give it as the first argument)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text")
     src.add_argument("-f", "--file", help="read the prompt from this file")
@@ -89,6 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32: exact weights, fp32 activations; ggml: activations quantized as ggml's CPU does")
     p.add_argument("--kv-type", choices=("f16", "f32"), default="f16", help="KV cache element type")
     p.add_argument("--no-bos", action="store_true", help="do not add the BOS token")
+    p.add_argument("--parse-special", action="store_true",
+                   help="turn control-token text in the prompt, such as <start_of_turn>, into those tokens")
+    p.add_argument("-sp", "--special", action="store_true",
+                   help="print special tokens (e.g. <end_of_turn>) instead of hiding them")
+    p.add_argument("-r", "--reverse-prompt", "--stop", dest="stop", action="append", metavar="STRING",
+                   help="stop once the generated text contains STRING (printed, as llama-cli does); repeatable")
     sp = p.add_argument_group("importance-guided sparse attention")
     sp.add_argument("--sparse", action="store_true", help="block-sparse decode attention on global layers")
     sp.add_argument("--anchor", choices=("fixed", "dynamic", "quest", "block_mean", "block_max", "cuboid_mean"),
@@ -110,9 +138,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="reuse a lead layer's selection for this many sparse layers")
     sp.add_argument("--dense-layers", type=_int_list, default=(), help="comma-separated layers kept dense")
     sp.add_argument("--report", action="store_true",
-                    help="print attention recall, attended fraction and buffer sizes (also in --json)")
-    sp.add_argument("--heatmap", metavar="PATH", help="write a PNG of importance_ and block selections")
-    p.add_argument("--stats", action="store_true", help="print timings at the end")
+                    help="print attention recall, attended fraction and buffer sizes (stderr; in --json too)")
+    sp.add_argument("--heatmap", metavar="PATH",
+                    help="write a PNG of importance_ and block selections (needs matplotlib: pyimp[plot])")
+    p.add_argument("--stats", action="store_true", help="print timings at the end (stderr)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return p
 
@@ -147,9 +176,69 @@ def _summary(engine) -> str:
                     sorted(info["bytes_by_type"].items(), key=lambda kv: -kv[1]))
     n = info["n_params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+    buf = engine.buffer_bytes
+    mem = f"KV cache {buf['kv'] / 2**20:.1f} MiB" + \
+        (f", importance + anchors {buf['sparse'] / 2**20:.1f} MiB" if buf["sparse"] else "")
     return (f"{cfg.arch} '{cfg.name}': {size} params, {cfg.n_layer} layers, quant mix {mix}; "
             f"context {engine.n_ctx} (trained {cfg.n_ctx_train}), kv {engine.options.kv_type}, "
-            f"numerics {engine.options.numerics}")
+            f"numerics {engine.options.numerics}; {mem}")
+
+
+def _error(msg: str) -> int:
+    print(f"pyimp-run: error: {msg}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+def _check_heatmap(path: str) -> str | None:
+    """Why a heatmap cannot be written to ``path`` (None: it can), checked before the run."""
+    try:
+        import matplotlib  # noqa: F401  (imported here so that a broken install shows now too)
+    except ImportError:
+        return "--heatmap needs matplotlib: pip install 'pyimp[plot]'"
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"--heatmap {path}: is a directory, not a file name"
+    if not os.path.isdir(folder):
+        return f"--heatmap {path}: folder {folder} does not exist"
+    if not os.access(folder, os.W_OK):
+        return f"--heatmap {path}: folder {folder} is not writable"
+    return None
+
+
+def _write(out, text: str) -> None:
+    """Write ``text`` even where the stream's encoding cannot: the prompt's undecodable bytes
+    (read with surrogateescape) go out as they came in; other characters are replaced."""
+    try:
+        out.write(text)
+    except UnicodeEncodeError:
+        enc = getattr(out, "encoding", None) or "utf-8"
+        try:
+            data = text.encode(enc, "surrogateescape")
+        except UnicodeEncodeError:
+            data = text.encode(enc, "replace")
+        buf = getattr(out, "buffer", None)
+        if buf is None:
+            out.write(data.decode(enc, "replace"))
+        else:
+            out.flush()
+            buf.write(data)
+            buf.flush()
+
+
+def _print_report(r: dict, sparse_on: bool, err) -> None:
+    b = r.get("bytes", {})
+    sizes = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in b.items())
+    if not sparse_on:
+        # no sparse layer ran: report only what was tracked (buffers), claim nothing else
+        print(f"report: --sparse is off, every layer attended densely | buffers: {sizes}", file=err)
+        return
+    rec = "n/a" if r.get("mean_recall") is None else f"{r['mean_recall']:.4f}"
+    frac = "n/a" if r.get("mean_attended_fraction") is None else f"{r['mean_attended_fraction']:.3f}"
+    print(f"sparse layers {r.get('sparse_layers')} | mean recall {rec} | attended fraction {frac} | "
+          f"buffers: {sizes}", file=err)
+    for il, v in r.get("layers", {}).items():
+        if "recall_per_head" in v:
+            print(f"  layer {il}: recall per head {v['recall_per_head']}", file=err)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,108 +247,137 @@ def run(args: argparse.Namespace) -> int:
     from .default_model import DefaultModelError, default_model_path
     from .engine import Engine, EngineOptions
     from .kvcache import ContextFullError
+    from .ops import NonFiniteError
     from .sampling import SamplingParams
     from .sparse_policy import SparseOptions
 
+    if args.model and args.model_opt and args.model != args.model_opt:
+        return _error(f"two models given ({args.model_opt} and {args.model}): use -m/--model or the "
+                      f"first argument")
+    model = args.model_opt or args.model
+    if args.heatmap:
+        why = _check_heatmap(args.heatmap)
+        if why:
+            return _error(why)
     if args.file is not None:
         try:
             with open(args.file, encoding="utf-8", errors="surrogateescape") as fh:
                 prompt = fh.read()
         except OSError as e:
-            print(f"pyimp-run: error: cannot read prompt file {args.file}: {e.strerror}", file=sys.stderr)
-            return EXIT_ERROR
+            return _error(f"cannot read prompt file {args.file}: {e.strerror}")
     else:
         prompt = args.prompt if args.prompt is not None else ""
+    err = sys.stderr
     try:
-        path = args.model or default_model_path()
+        path = model or default_model_path()
         sparse = SparseOptions(enabled=args.sparse, anchor=args.anchor, anchor_num=args.anchor_num,
                                retrieval=args.retrieval, topk=args.topk, init_blocks=args.init_blocks,
                                local_blocks=args.local_blocks, importance_window=args.importance_window,
                                token_step=args.token_step, layer_step=args.layer_step,
                                dense_layers=args.dense_layers, report=args.report,
                                track=args.heatmap is not None)
-        engine = Engine(path, EngineOptions(n_ctx=args.ctx_size, block_len=args.block_len,
-                                            batch_size=args.batch_size, n_threads=args.threads,
-                                            numerics=args.numerics, kv_type=args.kv_type, sparse=sparse))
-    except (GGUFError, DefaultModelError, ValueError) as e:
-        print(f"pyimp-run: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine = Engine(path, EngineOptions(n_ctx=args.ctx_size, block_len=args.block_len,
+                                                batch_size=args.batch_size, n_threads=args.threads,
+                                                numerics=args.numerics, kv_type=args.kv_type, sparse=sparse))
+    except (GGUFError, DefaultModelError, ValueError, MemoryError) as e:
+        return _error(str(e) if str(e) else "out of memory")
+    for w in caught:
+        print(f"pyimp-run: warning: {w.message}", file=err)
     out = sys.stdout
-    if not args.json:
-        print(_summary(engine), file=out, flush=True)
-    ids = engine.tokenize(prompt, add_bos=not args.no_bos)
+    ids = engine.tokenize(prompt, add_bos=not args.no_bos, special=args.parse_special)
     if not ids:
-        print("pyimp-run: error: the prompt is empty (give -p TEXT or -f FILE)", file=sys.stderr)
-        return EXIT_ERROR
+        return _error("the prompt is empty (give -p TEXT or -f FILE)")
     if len(ids) >= engine.n_ctx:
-        print(f"pyimp-run: error: the prompt has {len(ids)} tokens, more than the context size "
-              f"{engine.n_ctx} allows (raise -c/--ctx-size)", file=sys.stderr)
-        return EXIT_ERROR
-    engine.warmup()
+        return _error(f"the prompt has {len(ids)} tokens, more than the context size {engine.n_ctx} "
+                      f"allows (raise -c/--ctx-size)")
+    if not args.json:
+        print(_summary(engine), file=err, flush=True)
+    try:
+        engine.warmup()
+    except NonFiniteError as e:
+        return _error(str(e))
     sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, seed=args.seed)
-    decoder = engine.tokenizer.incremental_decoder()
+    # control tokens (<eos>, <end_of_turn>) print as nothing unless --special, as in llama-cli
+    decoder = engine.tokenizer.incremental_decoder(skip_special=not args.special)
+    eog = engine.eog_ids()
     tokens, logprobs = [], []
     if not args.json:
-        out.write(prompt)
+        _write(out, prompt)
         out.flush()
+    finish = "length"
     try:
-        for tok, lp in engine.generate(ids, max_tokens=args.n_predict, sampling=sampling,
+        for tok, lp in engine.generate(ids, max_tokens=args.n_predict, sampling=sampling, stop=args.stop,
                                        progress=_Progress(not args.json)):
             tokens.append(tok)
             logprobs.append(lp)
+            if tok in eog:
+                finish = "stop"
+                if not args.special:
+                    continue
             piece = decoder.feed(tok)
             if piece and not args.json:
-                out.write(piece)
+                _write(out, piece)
                 out.flush()
-    except (ContextFullError, ValueError) as e:
-        print(f"\npyimp-run: error: {e}", file=sys.stderr)
-        return EXIT_ERROR
+    except (ContextFullError, NonFiniteError, ValueError) as e:
+        if not args.json:
+            out.write("\n")
+            out.flush()
+        return _error(str(e))
     tail = decoder.flush()
+    text = engine.tokenizer.decode([t for t in tokens if args.special or t not in eog],
+                                   skip_special=not args.special)
+    if args.stop and any(s in text for s in args.stop):
+        finish = "stop"
     timings = engine.timings.as_dict()
-    report = engine.sparse.report() if args.report else None
+    report = engine.sparse.report() if args.report and engine.sparse is not None else None
     if args.heatmap:
         try:
             engine.sparse.heatmap(args.heatmap, len(engine.tokens))
         except (RuntimeError, OSError) as e:
-            print(f"pyimp-run: error: cannot write heatmap {args.heatmap}: {e}", file=sys.stderr)
-            return EXIT_ERROR
+            return _error(f"cannot write heatmap {args.heatmap}: {e}")
     if args.json:
-        obj = {"prompt_tokens": ids, "tokens": tokens, "text": engine.detokenize(tokens),
-               "logprobs": logprobs, "timings": timings}
+        obj = {"prompt_tokens": ids, "tokens": tokens, "text": text, "logprobs": logprobs,
+               "finish_reason": finish, "timings": timings}
         if report is not None:
             obj["report"] = report
         json.dump(obj, out, ensure_ascii=False)
         out.write("\n")
+        out.flush()
     else:
-        out.write(tail + "\n")
+        _write(out, tail + "\n")
+        out.flush()
         if report is not None:
-            r = report
-            rec = "n/a" if r["mean_recall"] is None else f"{r['mean_recall']:.4f}"
-            frac = "n/a" if r["mean_attended_fraction"] is None else f"{r['mean_attended_fraction']:.3f}"
-            b = r["bytes"]
-            print(f"sparse layers {r['sparse_layers']} | mean recall {rec} | attended fraction {frac} | "
-                  f"KV {b['kv'] / 2**20:.1f} MiB, importance {b['importance'] / 2**20:.2f} MiB, "
-                  f"anchors {b['anchors'] / 2**20:.2f} MiB", file=out)
-            for il, v in r["layers"].items():
-                if "recall_per_head" in v:
-                    print(f"  layer {il}: recall per head {v['recall_per_head']}", file=out)
+            _print_report(report, args.sparse, err)
         if args.stats:
             t = timings
             print(f"load {t['load_s']:.2f} s | compile {t['compile_s']:.2f} s | prefill "
                   f"{t['prefill_tokens']} tok {t['prefill_tok_s']:.1f} tok/s | decode {t['decode_tokens']} tok "
-                  f"{t['decode_tok_s']:.1f} tok/s", file=out)
+                  f"{t['decode_tok_s']:.1f} tok/s", file=err)
+    engine.close()
     return 0
 
 
 def main(argv=None) -> int:
+    from .runtime import configure_process
+    configure_process()   # before NumPy / Numba start threads
     args = build_parser().parse_args(argv)
     try:
         return run(args)
     except KeyboardInterrupt:
+        # a second Ctrl-C now ends the process at once (default action), instead of landing
+        # in the interpreter's shutdown as a traceback
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
         print("\npyimp-run: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
+        # stdout closed early (e.g. piped into head): exit quietly, without a flush error at exit
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
         return 0
 
 

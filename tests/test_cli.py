@@ -46,10 +46,11 @@ def test_json_on_default_model(capsys, gemma_path):
 def test_streaming_text_and_stats(capsys, tiny):
     code, out, err = _run([tiny, "-p", "abc", "-n", "5", "--seed", "1", "--stats"], capsys)
     assert code == 0, err
-    lines = out.splitlines()
-    assert lines[0].startswith("llama 'synthetic llama'")            # the model summary first
-    assert lines[1].startswith("abc")                                 # then the prompt + continuation
-    assert lines[-1].startswith("load ") and "decode 4 tok" in lines[-1]  # timings last
+    # stdout holds only the prompt and its continuation (as llama-cli: `> out.txt` is the text)
+    assert out.startswith("abc") and out.count("\n") == 1
+    lines = [ln for ln in err.splitlines() if "warning: context size 4096" not in ln]  # tiny: 2048
+    assert lines[0].startswith("llama 'synthetic llama'") and "KV cache" in lines[0]  # summary first
+    assert lines[-1].startswith("load ") and "decode 4 tok" in lines[-1]               # timings last
 
 
 def test_help_compiles_nothing():
@@ -106,3 +107,162 @@ def test_console_script_runs(tiny):
     assert r.returncode == 0, r.stderr
     r = subprocess.run([exe, tiny + ".missing", "-p", "ab"], capture_output=True, text=True)
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "no such file" in r.stderr
+
+
+def test_entry_point_sets_the_wait_policy(monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert os.environ["OMP_WAIT_POLICY"] == "passive"
+    monkeypatch.setenv("OMP_WAIT_POLICY", "active")     # the user's setting wins
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert os.environ["OMP_WAIT_POLICY"] == "active"
+
+
+def test_help_shows_defaults_and_version(capsys):
+    with pytest.raises(SystemExit) as ei:
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())       # unwrap argparse's line breaks
+    assert ei.value.code == 0
+    for needle in ("--temp TEMP temperature (0 = greedy) (default: 0.8)", "(default: 4096)",
+                   "--topk TOPK blocks picked by score (default: 8)", "-m MODEL, --model MODEL",
+                   "-r STRING, --reverse-prompt STRING, --stop STRING", "--parse-special"):
+        assert needle in out
+    assert "(default: None)" not in out and "(default: False)" not in out
+    with pytest.raises(SystemExit) as ei:
+        main(["--version"])
+    import pyimp
+    assert ei.value.code == 0 and capsys.readouterr().out.strip() == f"pyimp-run {pyimp.__version__}"
+
+
+def test_model_flag(capsys, tiny):
+    code, out, err = _run(["-m", tiny, "-p", "abc", "-n", "2", "--temp", "0", "--json"], capsys)
+    assert code == 0, err
+    code, out2, err = _run([tiny, "-p", "abc", "-n", "2", "--temp", "0", "--json"], capsys)
+    assert json.loads(out)["tokens"] == json.loads(out2)["tokens"]
+    code, _, err = _run(["-m", tiny, tiny + ".other", "-p", "abc"], capsys)
+    _one_line_error(code, err, "two models given")
+
+
+def test_stop_strings(capsys, tiny):
+    code, out, err = _run([tiny, "-p", "abc", "-n", "12", "--temp", "0", "--json"], capsys)
+    full = json.loads(out)
+    assert full["finish_reason"] == "length" and len(full["tokens"]) == 12
+    text = full["text"]
+    stop = text[len(text) // 2:len(text) // 2 + 2]    # two characters from the middle
+    for flag in ("-r", "--stop"):
+        code, out, err = _run([tiny, "-p", "abc", "-n", "12", "--temp", "0", "--json", flag, stop], capsys)
+        obj = json.loads(out)
+        assert code == 0 and obj["finish_reason"] == "stop"
+        assert stop in obj["text"] and obj["text"] == text[:len(obj["text"])]   # same text, cut short
+        assert len(obj["tokens"]) < 12 and stop not in text[:len(obj["text"]) - 1 - len(stop) + 1]
+
+
+def test_parse_special(capsys, gemma_path):
+    prompt = "<start_of_turn>user"
+    code, out, _ = _run(["-p", prompt, "-n", "1", "--temp", "0", "--json"], capsys)
+    plain = json.loads(out)["prompt_tokens"]
+    code, out, _ = _run(["-p", prompt, "-n", "1", "--temp", "0", "--json", "--parse-special"], capsys)
+    parsed = json.loads(out)["prompt_tokens"]
+    assert parsed == [2, 105, 2364]                   # <bos> <start_of_turn> user
+    assert len(plain) > 3 and 105 not in plain
+
+
+def test_end_of_generation_token_is_not_printed(capsys, monkeypatch, gemma_path):
+    from pyimp.engine import Engine
+
+    def fake_generate(self, ids, **kw):
+        self.eval(ids)
+        yield 9259, -0.5                               # a word
+        yield 1, -0.1                                  # <eos>
+    monkeypatch.setattr(Engine, "generate", fake_generate)
+    code, out, err = _run(["-p", "Hi", "-n", "5"], capsys)
+    assert code == 0, err
+    assert "<eos>" not in out and out.startswith("Hi") and len(out) > 3
+    code, out, err = _run(["-p", "Hi", "-n", "5", "--json"], capsys)
+    obj = json.loads(out)
+    assert obj["tokens"] == [9259, 1] and "<eos>" not in obj["text"] and obj["finish_reason"] == "stop"
+    code, out, err = _run(["-p", "Hi", "-n", "5", "--special"], capsys)
+    assert out.rstrip("\n").endswith("<eos>")
+
+
+def test_report_without_sparse_claims_no_sparse_layers(capsys, tiny):
+    code, out, err = _run([tiny, "-p", "abc", "-n", "3", "--report"], capsys)
+    assert code == 0, err
+    assert "sparse layers" not in err and "--sparse is off" in err and "report" not in out
+
+
+def test_heatmap_is_checked_before_the_run(capsys, tiny, tmp_path, monkeypatch):
+    code, out, err = _run([tiny, "-p", "abc", "--heatmap", str(tmp_path / "no" / "h.png")], capsys)
+    _one_line_error(code, err, "does not exist")
+    assert out == ""                                   # refused before loading or generating
+    monkeypatch.setitem(sys.modules, "matplotlib", None)   # import fails
+    code, out, err = _run([tiny, "-p", "abc", "--heatmap", str(tmp_path / "h.png")], capsys)
+    _one_line_error(code, err, "--heatmap needs matplotlib")
+    assert out == ""
+
+
+def test_memory_is_checked_before_allocating(capsys, tiny, monkeypatch):
+    monkeypatch.setenv("PYIMP_MEMORY_LIMIT", "256M")
+    code, out, err = _run([tiny, "-p", "abc", "-c", "10000000"], capsys)
+    _one_line_error(code, err, "context 10000000")
+    assert "more than the 256.0 MiB of memory available" in err
+    code, out, err = _run([tiny, "-p", "abc", "-c", "4096", "--sparse", "--anchor-num", "100000"], capsys)
+    _one_line_error(code, err, "importance and anchors")
+    monkeypatch.setenv("PYIMP_MEMORY_LIMIT", "4M")      # one 100000-token block of tiny's K/V: 6.4 MB
+    code, out, err = _run([tiny, "-p", "abc", "-c", "2048", "--block-len", "100000"], capsys)
+    _one_line_error(code, err, "block length 100000")
+
+
+def test_context_beyond_training_warns(capsys, tiny):
+    code, out, err = _run([tiny, "-p", "abc", "-n", "1", "-c", "4096"], capsys)
+    assert code == 0
+    assert "pyimp-run: warning: context size 4096 exceeds the model's training context 2048" in err
+    assert "Warning" not in err
+
+
+def test_invalid_utf8_prompt_under_strict_stdout(tmp_path, tiny):
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"ab\xff\xfe cd")
+    env = dict(os.environ, PYTHONIOENCODING="utf-8:strict")
+    r = subprocess.run([sys.executable, "-m", "pyimp.cli", tiny, "-f", str(f), "-n", "2", "--temp", "0"],
+                       capture_output=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
+    assert r.returncode == 0, r.stderr.decode()
+    assert r.stdout.startswith(b"ab\xff\xfe cd")        # the prompt's bytes echoed as they came
+
+
+def test_first_ctrl_c_makes_the_second_one_final(monkeypatch, capsys):
+    import signal
+
+    from pyimp import cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(cli, "run", interrupted)
+    prev = signal.getsignal(signal.SIGINT)
+    try:
+        assert main(["-p", "x"]) == 130
+        # a second Ctrl-C during the interpreter's shutdown ends the process silently
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, prev)
+    assert capsys.readouterr().err.strip() == "pyimp-run: interrupted"
+
+
+def test_non_finite_weights_are_one_error(capsys, tmp_path, tiny):
+    from loaders.gguf_file import GGUFFile
+    bad = tmp_path / "nan.gguf"
+    bad.write_bytes(open(tiny, "rb").read())
+    with GGUFFile(tiny) as f:
+        info = f.tensors["blk.0.ffn_down.weight"]
+        assert info.type_name == "F32"
+        off, n = info.offset, info.nbytes
+    with open(bad, "r+b") as fh:
+        fh.seek(off)
+        fh.write(np.full(n // 4, np.nan, np.float32).tobytes())
+    code, out, err = _run([str(bad), "-p", "abc", "-n", "3", "-c", "64"], capsys)
+    # the summary line, then one error line (tiny has one layer: its FFN feeds the logits)
+    assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 2, err
+    assert err.strip().splitlines()[-1].startswith("pyimp-run: error: layer 0: NaN or inf in the logits")
+    assert out == ""
