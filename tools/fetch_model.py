@@ -1,17 +1,10 @@
-"""Write the embedded default model (Gemma 3 270M Q4_K_M) into the cache and print its path."""
+"""Write the embedded default model (Gemma 3 270M Q4_K_M) into the cache and print its path.
+
+The same as the ``pyimp-fetch-model`` console script (pyimp/fetch_model.py).
+"""
 import sys
 
-from pyimp.default_model import DefaultModelError, default_model_path
-
-
-def main() -> int:
-    try:
-        print(default_model_path())
-    except DefaultModelError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
-
+from pyimp.fetch_model import main
 
 if __name__ == "__main__":
     sys.exit(main())
