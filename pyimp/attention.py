@@ -28,6 +28,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from pyimp.sparse import checks
 from pyimp.sparse.importance import fp16_lut, importance_update, kernel_view
 
 # Fast-math flags without nnan/ninf: reassociation lets LLVM vectorize the dot
@@ -453,6 +454,30 @@ def _decode_kernel(q, kc, vc, bt, n_ctx, scale, window, lut, nsplit, out, lse, s
 # --------------------------------------------------------------------------
 
 
+def _check_args(q, k_cache, v_cache, block_table, n_ctx, window, out, importance,
+                pos0: int | None = None) -> None:
+    """Shapes, dtypes and block ids of a dense attention call (see :mod:`pyimp.sparse.checks`);
+    a prefill passes ``pos0`` (then n_ctx is pos0 + the query rows)."""
+    Hkv, NB, BD = checks.kv_cache(k_cache, v_cache)
+    Hq, D = checks.query("q", q, Hkv, BD, rows=pos0 is not None)
+    B = BD // D
+    if pos0 is not None:
+        if q.shape[0] == 0:
+            raise ValueError("q holds no query rows")
+        if int(pos0) < 0:
+            raise ValueError(f"pos0 must be >= 0, got {pos0}")
+        n_ctx = int(pos0) + q.shape[0]
+    checks.array("block_table", block_table, np.int32, 1, layout="[NB_logical]")
+    checks.count("n_ctx (tokens cached, query included)", n_ctx, 1, block_table.shape[0] * B)
+    checks.block_table(block_table, -(-int(n_ctx) // B), NB)
+    checks.array("out", out, np.float32, shape=q.shape, layout="(as q)")
+    checks.writable("out", out)
+    if int(window) < 0:
+        raise ValueError(f"window must be >= 0 (0 = global attention), got {window}")
+    if importance is not None:
+        checks.importance(importance, NB, B, Hq)
+
+
 def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                       block_table: np.ndarray, pos0: int, scale: float, window: int,
                       out: np.ndarray, importance: np.ndarray | None = None, obs_start: int = 0,
@@ -469,6 +494,7 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     ``obs_start = max(0, prompt_len - W)`` to every chunk of that prompt
     (``obs_start=0``: every row counts). Returns float32 [T, Hq] log-sum-exp.
     """
+    _check_args(q, k_cache, v_cache, block_table, None, window, out, importance, pos0=pos0)
     if backend == "numpy":
         return attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window, out,
                                      importance, obs_start, decay)
@@ -502,6 +528,9 @@ def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     splits per kv head (None: enough to keep every thread busy).
     Returns float32 [Hq] log-sum-exp.
     """
+    _check_args(q, k_cache, v_cache, block_table, n_ctx, window, out, importance)
+    if nsplit is not None and int(nsplit) < 1:
+        raise ValueError(f"nsplit must be >= 1, got {nsplit}")
     if backend == "numpy":
         return attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, window, out,
                                     importance, decay)

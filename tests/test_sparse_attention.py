@@ -150,7 +150,7 @@ def test_merge_survives_large_scores():
     assert m == np.float32(1e4)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(sparse_case(), st.data())
 def test_importance_only_on_attended_tokens_and_sums_to_one(c, data):
     Hq, D, B, n_lb, n_ctx = c["Hq"], c["D"], c["B"], c["n_lb"], c["n_ctx"]
@@ -172,9 +172,12 @@ def test_importance_only_on_attended_tokens_and_sums_to_one(c, data):
             vals = imp[c["bt"][lb], :min(B, n_ctx - lb * B), h]
             if lb not in chosen:
                 assert not vals.any()  # unattended: exactly zero
-        # the sparse softmax renormalizes: the attended mass is 1 per head (fp16 rounding of
-        # <= 192 entries, spacing <= 2**-11 below 1)
-        assert abs(imp[..., h].astype(np.float64).sum() - 1.0) <= n_ctx * 2**-11
+        # the sparse softmax renormalizes: the attended mass is 1 per head. Rounding each
+        # probability p to fp16 errs by <= 2**-11 * p (normal range) or 2**-25 (subnormal), so
+        # the sum errs by <= 2**-11 * 1 + n_ctx * 2**-25; the float32 probabilities themselves
+        # sum to 1 within ~n_ctx * 2**-23
+        tol = 2**-11 + n_ctx * (2**-25 + 2**-23)
+        assert abs(imp[..., h].astype(np.float64).sum() - 1.0) <= tol
     # recall = dense softmax mass inside the selected blocks
     imp_dense = np.zeros((c["NB"], B, Hq), np.float32)
     o_d = np.empty((Hq, D), np.float32)
@@ -184,8 +187,11 @@ def test_importance_only_on_attended_tokens_and_sums_to_one(c, data):
     for h in range(Hq):
         chosen = sel[h // hps, :k]
         mass = sum(imp_dense[c["bt"][lb], :, h].sum() for lb in chosen)
-        # dense probabilities stored in fp16: relative 2**-11 each
-        assert abs(rec[h] - mass) <= 1e-5 + n_ctx * 2**-11 * max(mass, 1e-3)
+        # mass: dense probabilities rounded to fp16 (relative 2**-11, subnormals 2**-25 each) and
+        # summed in float32; rec = exp(lse_sparse - lse_dense) of two float32 log-sum-exps of
+        # |lse| <~ 20 (scores <= 0.35 * 1.5 * 4 * 3 * sqrt(64)): ~2 * 20 * 2**-24 <= 3e-6
+        tol = 2**-11 * mass + n_ctx * (2**-25 + 2**-23) + 3e-6
+        assert abs(rec[h] - mass) <= tol
         assert 0.0 < rec[h] <= 1.0 + 1e-6
 
 

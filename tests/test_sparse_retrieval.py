@@ -32,6 +32,12 @@ def naive_set_scores(head_scores, rtype, Hkv):
     return np.stack([head_scores[:, hs].astype(np.float64).sum(axis=1) for hs in sets], axis=1)
 
 
+def own_block_local(n_ctx, B, local):
+    """The local count actually used: the query's own block (the last one, n_lb - 1) is always
+    attended, so with local = 0 and no partial tail the last full block counts as local."""
+    return 1 if local == 0 and n_ctx % B == 0 else local
+
+
 def naive_select(set_sc, n_ctx, B, init, pick, local):
     """Per set: a sorted list of logical blocks, straight from the definition."""
     F = n_ctx // B
@@ -41,9 +47,11 @@ def naive_select(set_sc, n_ctx, B, init, pick, local):
         if F <= init + pick + local:
             result.append(list(range(n_lb)))
             continue
+        loc = own_block_local(n_ctx, B, local)
         col = set_sc[:, si]
+        assert len(col) == F - init - loc        # candidates: init .. F - loc - 1
         ranked = sorted(range(len(col)), key=lambda i: (-col[i], i))[:pick]
-        chosen = set(range(init)) | {init + i for i in ranked} | set(range(F - local, F))
+        chosen = set(range(init)) | {init + i for i in ranked} | set(range(F - loc, F))
         if n_ctx % B:
             chosen.add(F)
         result.append(sorted(chosen))
@@ -70,7 +78,7 @@ def test_selection_matches_naive(case, rtype):
     Hkv, G, B, n_ctx, init, pick, local, rng, ties = case
     Hq = Hkv * G
     F = n_ctx // B
-    C = max(F - init - local, 0)
+    C = max(F - init - own_block_local(n_ctx, B, local), 0)
     nsets = n_sets(rtype, Hq, Hkv)
     scores = rng.standard_normal((C, nsets)).astype(np.float32)
     if ties:
@@ -84,12 +92,11 @@ def test_selection_matches_naive(case, rtype):
             got = sel[si, :cnt[si]].tolist()
             assert got == want[si]
             assert (sel[si, cnt[si]:] == -1).all()
-            # always included: sinks, last local full blocks, partial tail
-            must = set(range(min(init, F))) | set(range(max(F - local, 0), F))
-            if n_ctx % B:
-                must.add(F)
+            # always included: sinks, last local full blocks, and the query's own block
+            must = set(range(min(init, F))) | set(range(max(F - local, 0), F)) | {n_lb - 1}
             assert must <= set(got)
-            assert len(got) == min(n_lb, init + pick + local + (1 if n_ctx % B else 0))
+            assert len(got) == min(n_lb, init + pick + own_block_local(n_ctx, B, local)
+                                   + (1 if n_ctx % B else 0))
 
 
 @settings(max_examples=40, deadline=None)
@@ -175,8 +182,9 @@ def test_retrieve_end_to_end(case, rtype, anchor_type):
     compute_anchors(anchor_type, kc, *block_spans(bt, n_ctx, B), anchor, imp)
     q = rng.standard_normal((Hq, D)).astype(np.float32)
     F = n_ctx // B
+    loc = own_block_local(n_ctx, B, local)
     slots = 2 if anchor_type in (AnchorType.QUEST, AnchorType.CUBOID_MEAN) else 1
-    naive = naive_set_scores(naive_scores(q, anchor, bt, init, max(F - local, init), slots),
+    naive = naive_set_scores(naive_scores(q, anchor, bt, init, max(F - loc, init), slots),
                              rtype, Hkv)
     for backend in ["numba", "numpy"]:
         sel, cnt = retrieve_blocks(q, anchor, bt, n_ctx, B, Hkv, rtype, init, pick, local,
@@ -186,10 +194,11 @@ def test_retrieve_end_to_end(case, rtype, anchor_type):
             if F <= init + pick + local:
                 assert got == list(range(n_lb))
                 continue
-            must = set(range(init)) | set(range(F - local, F)) | ({F} if n_ctx % B else set())
+            must = set(range(init)) | set(range(F - loc, F)) | ({F} if n_ctx % B else set())
+            assert n_lb - 1 in must                  # the query's own block
             assert must <= set(got) and len(got) == len(must) + pick
-            picked = [b - init for b in got if init <= b < F - local]
-            rest = np.setdiff1d(np.arange(F - local - init), picked)
+            picked = [b - init for b in got if init <= b < F - loc]
+            rest = np.setdiff1d(np.arange(F - loc - init), picked)
             if rest.size and picked:
                 # every picked block scores at least as high as every unpicked one, up to the
                 # float32 rounding of a sum of <= Hq*D terms

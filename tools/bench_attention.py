@@ -91,7 +91,8 @@ def main(argv=None) -> None:
         q = rng.standard_normal((Hq, D)).astype(np.float32)
         out = np.empty((Hq, D), np.float32)
         A = 2 if anchor_type in (AnchorType.QUEST, AnchorType.CUBOID_MEAN) else 1
-        anchor = np.zeros((n_lb, A, Hq, D), np.float16)
+        # stored as the engine stores them: per kv head unless the type differs within a group
+        anchor = np.zeros((n_lb, A, Hq if anchor_type is AnchorType.DYNAMIC else Hkv, D), np.float16)
         importance = np.zeros((n_lb, B, Hq), np.float16)
         compute_anchors(anchor_type, k_cache, *block_spans(block_table, n, B), anchor, importance)
         pick = max(n_lb // args.budget - args.init - args.local - (1 if n % B else 0), 0)

@@ -1,12 +1,15 @@
 """Block anchors: per-block key summaries that queries are scored against.
 
-Buffer (one layer's slice of ``anchor_``): float16 ``[NB][A][Hq][D]``, indexed
+Buffer (one layer's slice of ``anchor_``): float16 ``[NB][A][Ha][D]``, indexed
 by physical block (KVCACHE.md section 5). Anchors are built from the block's
 valid keys (``n_valid`` tokens; a partial tail block uses only those).
 
 Under GQA query head h reads kv head ``h // G``: every type except DYNAMIC
-depends only on the kv head, and its value is repeated into each of the G
-query-head slots; DYNAMIC picks tokens by the importance of query head h.
+depends only on the kv head; DYNAMIC picks tokens by the importance of query
+head h. The head axis ``Ha`` is either ``Hq`` (the documented layout: a
+shared type's value is repeated into each of the G query-head slots) or, for
+the shared types, ``Hkv`` (one slot per kv head: G times less memory, what
+the engine stores; retrieval reads both).
 
 Slots (the score is ``sum_d max_a(anchor[a][h][d] * q[h][d])``):
 
@@ -38,6 +41,8 @@ from __future__ import annotations
 import enum
 
 import numpy as np
+
+from pyimp.sparse import checks
 
 
 class AnchorType(enum.Enum):
@@ -97,20 +102,51 @@ def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_vali
 
     k_cache: float16/float32 [Hkv][NB][B*D]; blocks: int [n] physical ids
     (distinct); n_valid: int [n] valid tokens of each block (0..B);
-    anchor: float16 [NB][A][Hq][D], rows ``blocks`` written;
-    importance: float16 [NB][B][Hq], required for DYNAMIC.
+    anchor: float16 [NB][A][Ha][D], rows ``blocks`` written, ``Ha`` = Hq or (shared
+    types) Hkv, see the module docstring; importance: float16 [NB][B][Hq], required
+    for DYNAMIC. Bad arguments raise ValueError naming the argument.
     """
-    blocks = np.asarray(blocks, np.int64)
-    n_valid = np.asarray(n_valid, np.int64)
+    checks.array("k_cache", k_cache, checks.KV_DTYPES, 3, layout="[Hkv][NB][B*D]")
+    Hkv, NB, BD = k_cache.shape
+    checks.array("anchor", anchor, (np.float16, np.float32), 4, layout="[NB][A][Ha][D]")
+    _, A, Ha, D = anchor.shape
+    if anchor.shape[0] != NB or D == 0 or BD % D:
+        raise ValueError(f"anchor of shape {anchor.shape} does not fit k_cache of shape "
+                         f"{k_cache.shape} ([NB][A][Ha][D] with NB = {NB}, D dividing {BD})")
+    checks.writable("anchor", anchor)
+    B = BD // D
+    blocks = np.asarray(blocks)
+    n_valid = np.asarray(n_valid)
+    if blocks.ndim != 1 or not np.issubdtype(blocks.dtype, np.integer) and blocks.size:
+        raise ValueError(f"blocks must be a 1-D array of physical block ids, got {blocks!r}")
+    blocks = blocks.astype(np.int64)
+    if n_valid.shape != blocks.shape:
+        raise ValueError(f"n_valid must give one count per block ({blocks.size}), got shape "
+                         f"{n_valid.shape}")
+    n_valid = n_valid.astype(np.int64)
     if blocks.size == 0:
         return
-    Hkv, NB, BD = k_cache.shape
-    _, A, Hq, D = anchor.shape
-    B = BD // D
-    G = Hq // Hkv
-    n = blocks.size
+    if blocks.min() < 0 or blocks.max() >= NB:
+        bad = int(blocks[(blocks < 0) | (blocks >= NB)][0])
+        raise ValueError(f"blocks holds {bad}, not a physical block id (0..{NB - 1})")
+    if np.unique(blocks).size != blocks.size:
+        raise ValueError(f"blocks lists a physical block twice: {blocks.tolist()}")
+    if n_valid.min() < 0 or n_valid.max() > B:
+        bad = int(n_valid[(n_valid < 0) | (n_valid > B)][0])
+        raise ValueError(f"n_valid holds {bad}, outside 0..{B} (the block length)")
     if anchor_type in _TWO_SLOT and A < 2:
         raise ValueError(f"{anchor_type.name} anchors need anchor_num >= 2, got {A}")
+    if importance is not None:
+        checks.array("importance", importance, np.float16, shape=(NB, B, None), layout="[NB][B][Hq]")
+        Hq = importance.shape[2]
+    else:
+        Hq = Ha
+    if Hq % Hkv or not (Ha == Hq or (Ha == Hkv and group_shared(anchor_type))):
+        raise ValueError(f"anchor has {Ha} heads: {anchor_type.name} anchors are stored per query "
+                         f"head ({Hq})" + ("" if not group_shared(anchor_type) else
+                                           f" or per kv head ({Hkv})"))
+    G = Hq // Hkv
+    n = blocks.size
     K = k_cache[:, blocks].astype(np.float32).reshape(Hkv, n, B, D)
     valid = np.arange(B)[None, :] < n_valid[:, None]  # [n, B]
     vmask = valid[None, :, :, None]  # [1, n, B, 1]
@@ -158,6 +194,8 @@ def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_vali
         slots = [_round_up_f16(c + r), _round_down_f16(c - r)] + [_round_up_f16(c + r)] * (A - 2)
     else:  # pragma: no cover - enum is closed
         raise ValueError(anchor_type)
-    # [A][Hkv, n, D] -> [n, A, Hq, D], each kv head repeated into its G query heads
-    st = np.stack(slots, axis=0).transpose(2, 0, 1, 3)  # [n, A, Hkv, D]
-    anchor[blocks] = np.repeat(st, G, axis=2)
+    st = np.stack(slots, axis=0).transpose(2, 0, 1, 3)  # [A][Hkv, n, D] -> [n, A, Hkv, D]
+    if Ha == Hkv:
+        anchor[blocks] = st                               # one slot per kv head
+    else:
+        anchor[blocks] = np.repeat(st, G, axis=2)         # each kv head into its G query heads

@@ -34,6 +34,8 @@ import functools
 import numpy as np
 from numba import njit, prange
 
+from pyimp.sparse import checks
+
 FP16_MAX = 65504.0  # largest finite float16; importance saturates here
 FP16_STALL = 2048.0  # from here on fp16 spacing is 2: adding <= 1 is lost
 PARALLEL_MIN_WORK = 1 << 16  # entries below which the update kernels run single-threaded
@@ -179,6 +181,18 @@ def importance_update_ref(importance, block_table, new, pos_lo=0, decay=1.0) -> 
     importance[block_table[rows // B], rows % B, :] = x.astype(np.float16)
 
 
+def _check_update(importance, block_table, new, pos_lo, decay) -> None:
+    checks.array("importance", importance, np.float16, 3, layout="[NB][B][Hq]")
+    checks.writable("importance", importance)
+    NB, B, Hq = importance.shape
+    checks.array("new", new, np.float32, shape=(Hq, None), layout="[Hq, n_pos]")
+    n_pos = new.shape[1]
+    checks.count("pos_lo", pos_lo, 0, n_pos)
+    checks.block_table(block_table, -(-n_pos // B), NB)
+    if not 0.0 < float(decay) <= 1.0:
+        raise ValueError(f"decay must be in (0, 1], got {decay}")
+
+
 def importance_update(importance: np.ndarray, block_table: np.ndarray, new: np.ndarray,
                       pos_lo: int = 0, decay: float = 1.0, backend: str = "numba") -> None:
     """Add attention mass to one layer's importance slice, in place.
@@ -188,6 +202,7 @@ def importance_update(importance: np.ndarray, block_table: np.ndarray, new: np.n
     below ``pos_lo`` are treated as 0 and, when ``decay == 1``, not touched);
     decay: ``new = decay*old + new`` applied to every position < n_pos.
     """
+    _check_update(importance, block_table, new, pos_lo, decay)
     if backend == "numpy":
         importance_update_ref(importance, block_table, new, pos_lo, decay)
         return
@@ -258,6 +273,15 @@ def importance_update_blocks(importance: np.ndarray, block_table: np.ndarray, se
     probs: float32 [Hq, K, B], probability of token t of the k-th selected
     block; positions >= n_ctx are ignored. Blocks within a set must be distinct.
     """
+    checks.array("importance", importance, np.float16, 3, layout="[NB][B][Hq]")
+    checks.writable("importance", importance)
+    NB, B, Hq = importance.shape
+    checks.array("block_table", block_table, np.int32, 1, layout="[NB_logical]")
+    checks.count("n_ctx", n_ctx, 1, block_table.shape[0] * B)
+    n_lb = -(-int(n_ctx) // B)
+    checks.block_table(block_table, n_lb, NB)
+    checks.selection(sel, cnt, Hq, 1, n_lb)
+    checks.array("probs", probs, np.float32, shape=(Hq, sel.shape[1], B), layout="[Hq, K, B]")
     if backend == "numpy":
         importance_update_blocks_ref(importance, block_table, sel, cnt, probs, n_ctx)
         return

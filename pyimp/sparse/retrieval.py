@@ -6,7 +6,10 @@ Score (KVCACHE.md section 6), for logical block b and query head h::
 
 over the first ``n_slots`` anchor slots (see ``anchors.anchor_slots``). With
 ``shared`` (every anchor type but DYNAMIC) the G query heads of a kv head hold
-identical anchors, so only the group leader's slot (head ``j*G``) is read.
+identical anchors, so only one slot per kv head is read: the group leader's
+(head ``j*G``) of an anchor buffer laid out per query head ``[NB][A][Hq][D]``,
+or slot ``j`` of one laid out per kv head ``[NB][A][Hkv][D]`` (how the engine
+stores shared anchors).
 
 Granularity: LAYER ranks blocks by ``sum_h s``, one set for all heads; KVHEAD
 by the sum over a kv head's G query heads, one set per kv head; QHEAD one set
@@ -27,10 +30,15 @@ scores summed in float32.
 Selection for ``n_ctx`` tokens, ``F = n_ctx // B`` full blocks: blocks
 ``0..init-1`` (sinks), the ``pick`` best-scoring of ``init..F-local-1`` (ties:
 lower block first), the last ``local`` full blocks ``F-local..F-1`` and the
-partial tail ``F`` if ``n_ctx % B``. If ``F <= init + pick + local`` every
-block is selected (dense). Result: int32 ``sel[nsets, K]`` of logical block
-ids in ascending order, padded with -1, ``K = init + pick + local + 1``, and
-int32 ``cnt[nsets]``.
+partial tail ``F`` if ``n_ctx % B``. The block holding the newest token (the
+query's own) is always selected: it is the partial tail, or, when ``n_ctx % B
+== 0``, block ``F-1``, which with ``local == 0`` is then taken out of the
+candidates and selected like a local block (``local_eff = 1``). So every
+selection attends at least the query's own token, even with
+``init = pick = local = 0``. If ``F <= init + pick + local`` every block is
+selected (dense). Result: int32 ``sel[nsets, K]`` of logical block ids in
+ascending order, padded with -1, ``K = init + pick + local + 1``, and int32
+``cnt[nsets]``.
 """
 from __future__ import annotations
 
@@ -43,6 +51,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from pyimp.sparse import checks
 from pyimp.sparse.anchors import AnchorType, anchor_slots, group_shared
 from pyimp.sparse.importance import fp16_lut
 
@@ -119,24 +128,24 @@ def _anchor_view(anchor):
 def block_scores_ref(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared):
     """NumPy reference of :func:`block_scores`."""
     Hq, D = q.shape
-    an = anchor[block_table[lb_start:lb_end], :n_slots].astype(np.float32)  # [C, S, Hq, D]
-    if shared:
-        an = an[:, :, (np.arange(Hq) // G) * G, :]
+    an = anchor[block_table[lb_start:lb_end], :n_slots].astype(np.float32)  # [C, S, Ha, D]
+    if shared:  # query head h reads its group's slot: j*G (per-query-head layout) or j (per kv head)
+        an = an[:, :, (np.arange(Hq) // G) * (anchor.shape[2] * G // Hq), :]
     return (an * q[None, None].astype(np.float32)).max(axis=1).sum(axis=-1).astype(np.float32)
 
 
 @njit(parallel=True, cache=True, fastmath=_FM)
-def _scores_kernel(q, anc, bt, lb_start, n_slots, G, shared, lut, out, pf_step):
+def _scores_kernel(q, anc, bt, lb_start, n_slots, G, shared, astep, lut, out, pf_step):
     C, Hq = out.shape
     D = q.shape[1]
     step = G if shared else 1  # shared: the group leader's slot serves all G heads
-    nlead = Hq // step
+    nlead = Hq // step         # lead j's anchor is head j * astep of the buffer
     for i in prange(C):
         if i + 1 < C:  # the next block's rows are scattered lines: prefetch them
             pn = bt[lb_start + i + 1]
             for j in range(nlead):
                 for sl in range(n_slots):
-                    row = anc[pn, sl, j * step]
+                    row = anc[pn, sl, j * astep]
                     for e in range(0, D, pf_step):
                         _prefetch(row, e)
         pb = bt[lb_start + i]
@@ -144,7 +153,7 @@ def _scores_kernel(q, anc, bt, lb_start, n_slots, G, shared, lut, out, pf_step):
         a = np.empty((nlead, n_slots, D), np.float32)
         for j in range(nlead):
             for sl in range(n_slots):
-                _load_f32(anc[pb, sl, j * step], a[j, sl], lut)
+                _load_f32(anc[pb, sl, j * astep], a[j, sl], lut)
         # (loops specialized per slot count so each inner loop vectorizes)
         if n_slots == 1:
             for h in range(Hq):
@@ -187,14 +196,40 @@ def block_scores(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, lb_
     q: float32 [Hq, D]; anchor: float16 (or float32) [NB][A][Hq][D];
     G: query heads per kv head; shared: anchors identical within a GQA group.
     """
+    astep = _check_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared)
     if backend == "numpy":
         return block_scores_ref(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared)
     q = np.ascontiguousarray(q, dtype=np.float32)
     out = np.empty((max(lb_end - lb_start, 0), q.shape[0]), np.float32)
     anc = _anchor_view(anchor)
     _scores_kernel(q, anc, block_table, int(lb_start), int(n_slots), int(G), bool(shared),
-                   fp16_lut(), out, 64 // anc.itemsize)
+                   astep, fp16_lut(), out, 64 // anc.itemsize)
     return out
+
+
+def _check_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared) -> int:
+    """Validate a scoring call; returns the anchor-head stride of a group leader (astep)."""
+    checks.array("anchor", anchor, (np.float16, np.float32), 4, layout="[NB][A][Ha][D]")
+    NB, A, Ha, D = anchor.shape
+    if not isinstance(q, np.ndarray) or q.ndim != 2 or q.shape[1] != D:
+        raise ValueError(f"q must be a float array [Hq, {D}] (the anchors' head dim), got "
+                         f"{checks._desc(q)}")
+    Hq = q.shape[0]
+    if G < 1 or Hq % G:
+        raise ValueError(f"G = {G} query heads per kv head does not divide the {Hq} query heads")
+    Hkv = Hq // G
+    if not (Ha == Hq or (shared and Ha == Hkv)):
+        raise ValueError(f"anchor has {Ha} heads: expected {Hq} (per query head)"
+                         + (f" or {Hkv} (per kv head)" if shared else
+                            " (anchors that differ within a GQA group are stored per query head)"))
+    checks.count("n_slots", n_slots, 1, A)
+    if not 0 <= int(lb_start) <= int(lb_end):
+        raise ValueError(f"block range [{lb_start}, {lb_end}) is not a range of logical blocks")
+    checks.array("block_table", block_table, np.int32, 1, layout="[NB_logical]")
+    if lb_end > lb_start:
+        checks.block_table(block_table[lb_start:lb_end], lb_end - lb_start, NB,
+                           name=f"block_table[{lb_start}:{lb_end}]")
+    return Ha // Hkv if shared else 1
 
 
 # --------------------------------------------------------------------------
@@ -203,7 +238,7 @@ def block_scores(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, lb_
 
 
 @njit(parallel=True, cache=True, fastmath=_FM)
-def _set_scores_kernel(q, anc, bt, lb_start, G, n_slots, lut, out, pf_step):
+def _set_scores_kernel(q, anc, bt, lb_start, G, n_slots, astep, lut, out, pf_step):
     C, nsets = out.shape
     Hq, D = q.shape
     Hkv = Hq // G
@@ -226,14 +261,14 @@ def _set_scores_kernel(q, anc, bt, lb_start, G, n_slots, lut, out, pf_step):
             pn = bt[lb_start + i + 1]
             for j in range(Hkv):
                 for sl in range(n_slots):
-                    row = anc[pn, sl, j * G]
+                    row = anc[pn, sl, j * astep]
                     for e in range(0, D, pf_step):
                         _prefetch(row, e)
         pb = bt[lb_start + i]
         a = np.empty((Hkv, n_slots, D), np.float32)
         for j in range(Hkv):
             for sl in range(n_slots):
-                _load_f32(anc[pb, sl, j * G], a[j, sl], lut)
+                _load_f32(anc[pb, sl, j * astep], a[j, sl], lut)
         for si in range(nsets):
             acc = np.float32(0.0)
             # kv heads touched by the set's query heads [si*hps, (si+1)*hps)
@@ -261,15 +296,18 @@ def set_scores(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, lb_st
     ordered: two-slot anchors satisfy slot 0 >= slot 1 per channel (QUEST,
     CUBOID_MEAN), which enables the compressed-query path with ``shared``.
     """
+    astep = _check_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared)
+    Hq = q.shape[0]
+    if nsets < 1 or Hq % nsets:
+        raise ValueError(f"nsets = {nsets} does not divide the {Hq} query heads")
     if backend == "numpy":
         return set_scores_ref(q, anchor, block_table, lb_start, lb_end, nsets, n_slots, G, shared)
     C = max(lb_end - lb_start, 0)
-    Hq = q.shape[0]
     if shared and (n_slots == 1 or (n_slots == 2 and ordered)):
         out = np.empty((C, nsets), np.float32)
         anc = _anchor_view(anchor)
         _set_scores_kernel(np.ascontiguousarray(q, dtype=np.float32), anc, block_table,
-                           int(lb_start), int(G), int(n_slots), fp16_lut(), out,
+                           int(lb_start), int(G), int(n_slots), astep, fp16_lut(), out,
                            64 // anc.itemsize)
         return out
     s = block_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared)
@@ -279,6 +317,17 @@ def set_scores(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, lb_st
 # --------------------------------------------------------------------------
 # selection
 # --------------------------------------------------------------------------
+
+
+def recent_blocks(n_ctx: int, block_len: int, local: int) -> int:
+    """Full blocks at the end that are always selected: ``local``, or 1 when ``local == 0``
+    and the newest token (the query's own) just filled block ``F-1``."""
+    return local if local > 0 or n_ctx % block_len else 1
+
+
+def n_candidates(n_ctx: int, block_len: int, init: int, local: int) -> int:
+    """Number of scored candidate blocks ``init .. F - recent_blocks - 1`` (>= 0)."""
+    return max(n_ctx // block_len - init - recent_blocks(n_ctx, block_len, local), 0)
 
 
 def select_blocks_ref(scores, n_ctx, block_len, init, pick, local):
@@ -293,11 +342,12 @@ def select_blocks_ref(scores, n_ctx, block_len, init, pick, local):
         sel[:, :n_lb] = np.arange(n_lb)
         cnt[:] = n_lb
         return sel, cnt
+    loc = recent_blocks(n_ctx, block_len, local)
     agg = np.where(np.isnan(scores), np.float32(-np.inf), scores)
     for si in range(nsets):
         order = np.argsort(-agg[:, si], kind="stable")[:pick]
         chosen = np.concatenate([np.arange(init), init + np.sort(order),
-                                 np.arange(F - local, F), np.arange(F, n_lb)])
+                                 np.arange(F - loc, F), np.arange(F, n_lb)])
         sel[si, :chosen.size] = chosen
         cnt[si] = chosen.size
     return sel, cnt
@@ -357,10 +407,17 @@ def select_blocks(scores: np.ndarray, n_ctx: int, block_len: int, init: int, pic
     ``init..F-local-1`` (ignored in the dense case). Returns (sel int32
     [nsets, K], cnt int32 [nsets]) as described in the module docstring.
     """
+    _check_budget(n_ctx, block_len, init, pick, local)
+    F = n_ctx // block_len
+    if not isinstance(scores, np.ndarray) or scores.ndim != 2 or scores.shape[1] < 1:
+        raise ValueError(f"scores must be a float array [C, nsets], got {checks._desc(scores)}")
+    if F > init + pick + local and scores.shape[0] != n_candidates(n_ctx, block_len, init, local):
+        raise ValueError(f"scores has {scores.shape[0]} rows, expected one per candidate block "
+                         f"({n_candidates(n_ctx, block_len, init, local)}: blocks {init}.."
+                         f"{F - recent_blocks(n_ctx, block_len, local) - 1})")
     if backend == "numpy":
         return select_blocks_ref(scores, n_ctx, block_len, init, pick, local)
     nsets = scores.shape[1]
-    F = n_ctx // block_len
     n_lb = -(-n_ctx // block_len)
     K = init + pick + local + 1
     if F <= init + pick + local:
@@ -371,9 +428,19 @@ def select_blocks(scores: np.ndarray, n_ctx: int, block_len: int, init: int, pic
     cnt = np.empty(nsets, np.int32)
     # one set (LAYER) or little work: a parallel region costs more than it saves
     kernel = _select_kernel_par if nsets * scores.shape[0] >= 16384 else _select_kernel
-    kernel(np.asarray(scores, dtype=np.float32), int(init), int(pick), int(local), F, n_lb, sel,
-           cnt)
+    kernel(np.asarray(scores, dtype=np.float32), int(init), int(pick),
+           recent_blocks(n_ctx, block_len, local), F, n_lb, sel, cnt)
     return sel, cnt
+
+
+def _check_budget(n_ctx, block_len, init, pick, local) -> None:
+    if int(block_len) < 1:
+        raise ValueError(f"block_len must be >= 1, got {block_len}")
+    if int(n_ctx) < 1:
+        raise ValueError(f"n_ctx must be >= 1 (the query's own token is cached), got {n_ctx}")
+    for name, v in (("init_block_num", init), ("pick_block_num", pick), ("local_block_num", local)):
+        if int(v) < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
 
 
 def retrieve_blocks(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, n_ctx: int,
@@ -385,18 +452,25 @@ def retrieve_blocks(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, 
     """Score the candidate blocks and select (sel int32 [nsets, K], cnt int32 [nsets]).
 
     q: float32 [Hq, D] (post-RoPE, as attention sees it); anchor: float16
-    [NB][A][Hq][D] of the layer, built with ``anchor_type``; block_table: int32
-    [NB_logical].
+    [NB][A][Hq][D] of the layer (or [NB][A][Hkv][D] for the group-shared types),
+    built with ``anchor_type``; block_table: int32 [NB_logical].
     """
+    init, pick, local = init_block_num, pick_block_num, local_block_num
+    _check_budget(n_ctx, block_len, init, pick, local)
     Hq = q.shape[0]
+    if n_kv_heads < 1 or Hq % n_kv_heads:
+        raise ValueError(f"n_kv_heads = {n_kv_heads} does not divide the {Hq} query heads")
     G = Hq // n_kv_heads
     nsets = n_sets(retrieval_type, Hq, n_kv_heads)
     F = n_ctx // block_len
-    init, pick, local = init_block_num, pick_block_num, local_block_num
+    # the selection names every block of the context: all of them must be reserved
+    checks.array("anchor", anchor, (np.float16, np.float32), 4, layout="[NB][A][Ha][D]")
+    checks.block_table(block_table, -(-n_ctx // block_len), anchor.shape[0])
     if F <= init + pick + local:
         scores = np.empty((0, nsets), np.float32)
     else:
-        scores = set_scores(q, anchor, block_table, init, F - local, nsets,
+        lb_end = F - recent_blocks(n_ctx, block_len, local)
+        scores = set_scores(q, anchor, block_table, init, lb_end, nsets,
                             anchor_slots(anchor_type, anchor.shape[1]), G,
                             group_shared(anchor_type), anchor_type in _ORDERED, backend)
     return select_blocks(scores, n_ctx, block_len, init, pick, local, backend)

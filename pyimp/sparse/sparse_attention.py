@@ -28,6 +28,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
+from pyimp.sparse import checks
 from pyimp.sparse.importance import (fp16_lut, importance_update, importance_update_blocks,
                                      kernel_view)
 
@@ -334,8 +335,24 @@ def sparse_attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndar
     fraction of the dense softmax mass inside the selected blocks (float32
     [Hq], 1.0 = lossless). Returns (lse float32 [Hq], recall or None).
     """
-    Hq, D = q.shape
-    B = k_cache.shape[2] // D
+    Hkv, NB, BD = checks.kv_cache(k_cache, v_cache)
+    Hq, D = checks.query("q", q, Hkv, BD)
+    B = BD // D
+    checks.array("block_table", block_table, np.int32, 1, layout="[NB_logical]")
+    checks.count("n_ctx (tokens cached, query included)", n_ctx, 1, block_table.shape[0] * B)
+    n_lb = -(-int(n_ctx) // B)
+    checks.block_table(block_table, n_lb, NB)
+    checks.selection(sel, cnt, Hq, Hq // Hkv, n_lb)
+    checks.array("out", out, np.float32, shape=(Hq, D), layout="[Hq, D]")
+    checks.writable("out", out)
+    if int(window) < 0:
+        raise ValueError(f"window must be >= 0 (0 = global attention), got {window}")
+    if importance is not None:
+        checks.importance(importance, NB, B, Hq)
+    if not 0.0 < float(decay) <= 1.0:
+        raise ValueError(f"decay must be in (0, 1], got {decay}")
+    if nsplit is not None and int(nsplit) < 1:
+        raise ValueError(f"nsplit must be >= 1, got {nsplit}")
     Kw = sel.shape[1]
     store = importance is not None
     probs = np.empty((Hq, Kw, B), np.float32) if store else np.empty((0, 0, 0), np.float32)
