@@ -8,6 +8,7 @@ choices come from :class:`pyimp.model.ArchSpec`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import time
@@ -212,6 +213,9 @@ class Engine:
         block_table = self.cache.block_table[0]
         kq_scale = 1.0 if A.q_prescale else 1.0 / math.sqrt(D)
         rope_memo: dict = {}
+        # decode step or prefill chunk (a lone token that ends a chunked prompt is a prefill chunk;
+        # the sparse state also applies the importance decay once per prefill here)
+        decode = T == 1 if self.sparse is None else not self.sparse.begin_forward(pos0, T, prompt_end)
 
         x = W.embed(tokens)                                            # [T, E] token embeddings
         for il, lw in enumerate(W.layers):
@@ -246,7 +250,7 @@ class Engine:
             att = np.empty((T, Hq, D), dtype=np.float32)
             kc, vc = self.cache.k_cache_fp16_[il], self.cache.v_cache_fp16_[il]
             sp = self.sparse
-            if T == 1:
+            if decode:
                 n_read = min(pos0 + 1, window or pos0 + 1)                # keys and values read
                 with quants.threads_for(2 * Hkv * D * kc.itemsize * n_read):
                     if sp is not None:
@@ -280,11 +284,7 @@ class Engine:
         self.cache.commit(T)
         self.tokens.extend(int(t) for t in tokens)
         if self.sparse is not None:
-            n = pos0 + T
-            if T == 1:
-                self.sparse.after_decode(n)
-            elif prompt_end is None or n >= prompt_end:
-                self.sparse.after_prefill(n)
+            self.sparse.end_forward(pos0 + T)        # step count; anchors once a prefill is complete
         if not logits:
             return None
         # output norm and head
@@ -441,17 +441,25 @@ def load(path: str | os.PathLike | None = None, **options) -> Engine:
     Options are the fields of :class:`EngineOptions` (n_ctx, block_len, batch_size,
     n_threads, numerics, kv_type) and of :class:`SparseOptions` (sparse=True, anchor,
     anchor_num, retrieval, topk, init_blocks, local_blocks, importance_window,
-    token_step, layer_step, dense_layers, decay, report).
+    token_step, layer_step, dense_layers, decay, report, track). ``sparse`` is a bool
+    (``enabled``) or a whole :class:`SparseOptions`; sparse keywords given beside a
+    SparseOptions override its fields of the same names.
     """
     if path is None:
         from .default_model import default_model_path
         path = default_model_path()
     sparse_fields = set(SparseOptions.__dataclass_fields__) - {"enabled"}
     sp = {k: options.pop(k) for k in list(options) if k in sparse_fields}
-    if "sparse" in options and not isinstance(options["sparse"], SparseOptions):
-        sp["enabled"] = bool(options.pop("sparse"))
-    if sp:
-        options["sparse"] = SparseOptions(**sp)
+    given = options.pop("sparse", None)
+    if isinstance(given, SparseOptions):
+        options["sparse"] = dataclasses.replace(given, **sp)
+    else:
+        if given is not None:
+            if not isinstance(given, (bool, np.bool_)):
+                raise TypeError(f"sparse must be a bool or a SparseOptions, got {type(given).__name__}")
+            sp["enabled"] = bool(given)
+        if sp:
+            options["sparse"] = SparseOptions(**sp)
     unknown = set(options) - set(EngineOptions.__dataclass_fields__)
     if unknown:
         raise TypeError(f"unknown option {sorted(unknown)[0]!r}")

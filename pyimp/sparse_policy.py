@@ -6,26 +6,59 @@ layer and decode step, which blocks attention reads:
     importance_  float16 [L][NB][B][Hq]      softmax mass each token received, per query head
     anchor_      float16 [L][NB][A][Hq][D]   per-block key summaries used to score blocks
 
+``importance_`` is a plain array on every layer. ``anchor_`` keeps the
+documented ``[L][NB][A][Hq][D]`` indexing (:class:`AnchorBuffer`) but stores
+only what retrieval reads: the layers that run retrieval (the lead sparse
+layers, see ``layer_step``; none without ``enabled``), and for every anchor
+type but DYNAMIC one slot per kv head instead of one per query head (the G
+query heads of a GQA group hold the same value).
+
 Prefill adds the probabilities of the last ``importance_window`` prompt rows;
-decode adds each step's probabilities (only attended tokens on sparse
-layers). Anchors are computed for every block after a prefill and for each
-block that fills during decode; DYNAMIC anchors are refreshed every
-``token_step`` steps. Sliding-window layers and ``dense_layers`` stay dense.
+``decay`` is applied once per prefill, to what earlier prompts and steps left
+(``decay * old + new``, whatever the prefill's chunking). Decode adds each
+step's probabilities (only attended tokens on sparse layers) with ``decay``
+applied once per step.
+
+Anchors are computed for every block after a prefill. During decode a block's
+anchor is recomputed right before a retrieval reads it whenever its inputs
+changed since it was computed: its keys (the block holding the newest token)
+or, for DYNAMIC, the importance of its tokens (the blocks attended since; every
+block when ``decay != 1``, see :meth:`SparseState.decode_attention`). So the
+anchors retrieval reads always equal a full recomputation from the current
+keys and importance.
+
+A selection made at one step is reused for ``token_step`` steps (and by the
+``layer_step - 1`` layers after its lead layer); a reused selection always
+gains the blocks started since it was made, so the query's own token and every
+token since the selection are attended. Sliding-window layers and
+``dense_layers`` stay dense.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from . import attention
 from .sparse import AnchorType, RetrievalType, compute_anchors, retrieve_blocks, sparse_attention_decode
-from .sparse.anchors import min_anchor_num
+from .sparse.anchors import group_shared, min_anchor_num
+from .sparse.importance import decay_importance
+from .sparse.retrieval import n_sets
+
+# decode steps whose block selections are kept (per sparse layer) for heatmaps and reports;
+# older ones are dropped so that a long --report / track run stays bounded in memory
+SELECTION_HISTORY = 1024
 
 
 @dataclass(frozen=True)
 class SparseOptions:
-    """Options of the sparse path (the CLI flags of the same names)."""
+    """Options of the sparse path (the CLI flags of the same names).
+
+    Every selection attends the block holding the query's own token besides
+    ``init_blocks + topk + local_blocks`` others, so
+    ``init_blocks = topk = local_blocks = 0`` attends that one block only.
+    """
 
     enabled: bool = False           # block-sparse decode attention on eligible layers
     anchor: str = "quest"           # fixed, dynamic, quest, block_mean, block_max, cuboid_mean
@@ -40,7 +73,7 @@ class SparseOptions:
     dense_layers: tuple = ()        # layers kept dense besides the sliding-window ones
     decay: float = 1.0              # importance <- decay * importance + new
     report: bool = False            # measure attention recall (runs dense attention too)
-    track: bool = False             # keep importance_ / anchors even when not sparse
+    track: bool = False             # keep importance_ (and selections) even when not sparse
 
     def validate(self, n_layer: int) -> None:
         try:
@@ -72,6 +105,116 @@ class SparseOptions:
         return self.enabled or self.report or self.track
 
 
+def plan_layers(opts: SparseOptions, cfg) -> tuple[list, dict]:
+    """(sparse layers, {sparse layer: lead layer whose selection it uses}).
+
+    Sparse layers are the global-attention layers not in ``dense_layers``, and
+    only with ``enabled``; the lead layers (every ``layer_step``-th sparse
+    layer) run retrieval and are the only layers with anchors.
+    """
+    if not opts.enabled:
+        return [], {}
+    dense = set(opts.dense_layers)
+    layers = [il for il in range(cfg.n_layer) if not cfg.is_swa(il) and il not in dense]
+    lead = {il: layers[i - i % opts.layer_step] for i, il in enumerate(layers)}
+    return layers, lead
+
+
+class AnchorBuffer:
+    """``anchor_``: the documented float16 ``[L][NB][A][Hq][D]`` anchors, stored only where read.
+
+    Storage is one array per lead sparse layer, ``[NB][A][Ha][D]`` with ``Ha =
+    Hkv`` for the group-shared types and ``Ha = Hq`` for DYNAMIC
+    (:meth:`storage`, what the kernels read and write). Indexing gives the
+    documented layout, read-only: ``anchor_[l]`` is ``[NB][A][Hq][D]`` (kv
+    head ``h // G``'s value in query-head slot h, built on access for a shared
+    type; zeros, without memory, for a layer that never runs retrieval), and
+    ``anchor_[l, b, a, h]`` etc. index into it. :meth:`grouped` is a zero-copy
+    ``[NB][A][Hkv][G][D]`` view. ``nbytes`` counts the storage actually held.
+    """
+
+    def __init__(self, n_layer: int, layers, n_blocks: int, anchor_num: int, n_head: int,
+                 n_head_kv: int, head_dim: int, shared: bool):
+        self.shape = (n_layer, n_blocks, anchor_num, n_head, head_dim)
+        self.dtype = np.dtype(np.float16)
+        self.ndim = 5
+        self.n_head_kv = n_head_kv
+        self.group = n_head // n_head_kv
+        self.heads = n_head_kv if shared else n_head
+        self._store = {il: np.zeros((n_blocks, anchor_num, self.heads, head_dim), np.float16)
+                       for il in layers}
+
+    @staticmethod
+    def bytes_for(n_layers: int, n_blocks: int, anchor_num: int, heads: int, head_dim: int) -> int:
+        return n_layers * n_blocks * anchor_num * heads * head_dim * 2
+
+    @property
+    def layers(self) -> list:
+        """The layers that hold anchors."""
+        return sorted(self._store)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self._store.values())
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def _layer(self, il) -> int:
+        L = self.shape[0]
+        il = int(il)
+        if not -L <= il < L:
+            raise IndexError(f"layer {il} is out of range for {L} layers")
+        return il % L
+
+    def storage(self, il: int) -> np.ndarray:
+        """The writable ``[NB][A][Ha][D]`` array of a layer that holds anchors."""
+        s = self._store.get(self._layer(il))
+        if s is None:
+            raise ValueError(f"layer {il} holds no anchors (layers with anchors: {self.layers})")
+        return s
+
+    def grouped(self, il: int) -> np.ndarray:
+        """Read-only ``[NB][A][Hkv][G][D]`` view of layer il (no copy)."""
+        il = self._layer(il)
+        NB, A, Hq, D = self.shape[1:]
+        s = self._store.get(il)
+        if s is None:
+            return np.broadcast_to(np.float16(0), (NB, A, self.n_head_kv, self.group, D))
+        if self.heads == Hq:
+            v = s.reshape(NB, A, self.n_head_kv, self.group, D).view()
+            v.flags.writeable = False
+            return v
+        return np.broadcast_to(s[:, :, :, None, :], (NB, A, self.n_head_kv, self.group, D))
+
+    def _full(self, il: int) -> np.ndarray:
+        NB, A, Hq, D = self.shape[1:]
+        s = self._store.get(il)
+        if s is None:
+            return np.broadcast_to(np.float16(0), (NB, A, Hq, D))
+        if self.heads == Hq:
+            v = s.view()
+        else:
+            v = np.repeat(s, self.group, axis=2)
+        v.flags.writeable = False
+        return v
+
+    def __getitem__(self, key):
+        first, rest = (key[0], key[1:]) if isinstance(key, tuple) else (key, ())
+        if isinstance(first, (int, np.integer)):
+            v = self._full(self._layer(first))
+            return v[rest] if rest else v
+        return np.asarray(self)[key]
+
+    def __array__(self, dtype=None, copy=None):
+        full = np.stack([self._full(il) for il in range(self.shape[0])])
+        return full if dtype is None else full.astype(dtype)
+
+    def zero(self) -> None:
+        for a in self._store.values():
+            a[:] = 0
+
+
 @dataclass
 class _Stats:
     steps: int = 0
@@ -94,39 +237,55 @@ class SparseState:
         Hq, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         self.n_head_kv = Hkv
         A = opts.anchor_num or min_anchor_num(self.anchor_type)
-        # [L][NB][B][Hq]: attention mass per token and query head (old + new, fp16)
+        # layers that run block-sparse decode ([] without ``enabled``) and their lead layers
+        self.sparse_layers, self._lead = plan_layers(opts, cfg)
+        # [L][NB][B][Hq]: attention mass per token and query head (old + new, fp16), every layer
         self.importance_ = np.zeros((L, NB, B, Hq), dtype=np.float16)
-        # [L][NB][A][Hq][D]: per-block anchors (per query head; GQA groups share unless DYNAMIC)
-        self.anchor_ = np.zeros((L, NB, A, Hq, D), dtype=np.float16)
-        self.sparse_layers = [il for il in range(L)
-                              if not cfg.is_swa(il) and il not in set(opts.dense_layers)]
-        self._lead = {}   # layer -> lead layer whose selection it reuses (layer_step)
-        for i, il in enumerate(self.sparse_layers):
-            self._lead[il] = self.sparse_layers[i - i % opts.layer_step]
-        self._sel: dict = {}   # lead layer -> (sel, cnt, step)
+        # [L][NB][A][Hq][D] view; storage on the lead layers only, per kv head unless DYNAMIC
+        self.anchor_ = AnchorBuffer(L, sorted(set(self._lead.values())), NB, A, Hq, Hkv, D,
+                                    group_shared(self.anchor_type))
+        # per anchor layer: logical blocks whose anchor inputs changed since it was computed
+        self._dirty = {il: np.zeros(cache.blocks_per_seq, bool) for il in self.anchor_.layers}
+        self._sel: dict = {}   # lead layer -> (sel, cnt, step, logical blocks at selection time)
+        self._prefill = None   # (prompt end, next position) of the prefill in progress
+        self._chunk_is_prefill = False
+        # when every block would be selected (F <= init + topk + local) a sparse layer runs the
+        # dense kernel (the same result, faster); False runs the block-sparse kernels over every
+        # block instead (to check them against dense attention at full budget)
+        self.dense_fallback = True
         self.stats = _Stats()
-        self.selections: list = []   # (step, layer, sorted logical block ids attended) for heatmaps
+        # (step, layer, sorted logical block ids attended by set 0), the last SELECTION_HISTORY
+        # decode steps of every sparse layer, for heatmaps
+        self.selections: deque = deque(maxlen=SELECTION_HISTORY * max(len(self.sparse_layers), 1))
 
     @staticmethod
     def bytes_needed(opts: SparseOptions, cfg, max_blocks: int, block_len: int) -> int:
-        """Bytes of importance_ and anchor_ for a cache of ``max_blocks`` blocks (without allocating)."""
-        L, Hq, D = cfg.n_layer, cfg.n_head, cfg.head_dim
-        A = opts.anchor_num or min_anchor_num(AnchorType(opts.anchor))
+        """Bytes of importance_ and anchor_ storage for a cache of ``max_blocks`` blocks
+        (without allocating); 0 when the options are not active (no SparseState is made)."""
+        if not opts.active:
+            return 0
+        L, Hq, Hkv, D = cfg.n_layer, cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        atype = AnchorType(opts.anchor)
+        A = opts.anchor_num or min_anchor_num(atype)
         importance = L * max_blocks * block_len * Hq * 2          # float16 [L][NB][B][Hq]
-        anchors = L * max_blocks * A * Hq * D * 2                 # float16 [L][NB][A][Hq][D]
-        return importance + anchors
+        _, lead = plan_layers(opts, cfg)
+        heads = Hkv if group_shared(atype) else Hq
+        return importance + AnchorBuffer.bytes_for(len(set(lead.values())), max_blocks, A, heads, D)
 
     # ------------------------------------------------------------- lifecycle
     def reset(self) -> None:
         self.importance_[:] = 0
-        self.anchor_[:] = 0
+        self.anchor_.zero()
+        for d in self._dirty.values():
+            d[:] = False
         self._sel.clear()
+        self._prefill = None
         self.stats = _Stats()
-        self.selections = []
+        self.selections.clear()
 
     def warmup(self) -> None:
         """Compile the anchor, retrieval and sparse-attention kernels on a throwaway 4-block cache."""
-        if not self.opts.enabled or not self.sparse_layers:
+        if not self.sparse_layers:
             return
         c = self.cache
         _, _, A, Hq, D = self.anchor_.shape
@@ -134,7 +293,7 @@ class SparseState:
         kc = np.zeros((Hkv, 4, B * D), c.dtype)
         vc = np.zeros((Hkv, 4, D * B), c.dtype)
         bt = np.arange(4, dtype=np.int32)
-        anchor = np.zeros((4, A, Hq, D), np.float16)
+        anchor = np.zeros((4, A, self.anchor_.heads, D), np.float16)
         imp = np.zeros((4, B, Hq), np.float16)
         compute_anchors(self.anchor_type, kc, np.arange(4), np.full(4, B), anchor, imp)
         q = np.zeros((Hq, D), np.float32)
@@ -148,20 +307,53 @@ class SparseState:
         W = self.opts.importance_window
         return 0 if W == 0 else max(0, prompt_end - W)
 
-    def _blocks_upto(self, n_ctx: int, lb_from: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    # ----------------------------------------------------- engine forward hooks
+    def begin_forward(self, pos0: int, T: int, prompt_end: int | None) -> bool:
+        """Called by the engine once per forward, before the layers; True for a prefill chunk.
+
+        A forward is a prefill chunk when it has several tokens, when more
+        chunks of its prompt follow (``prompt_end > pos0 + T``), or when it
+        continues the prefill in progress; a lone token otherwise is a decode
+        step. At the first chunk of a prefill ``decay`` scales the importance
+        of the tokens cached before it, once, so chunks add plain mass and the
+        result does not depend on the batch size.
+        """
+        end = pos0 + T if prompt_end is None else int(prompt_end)
+        cont = self._prefill is not None and self._prefill == (end, pos0)
+        prefill = cont or T > 1 or end > pos0 + T
+        if prefill and not cont and self.opts.decay != 1.0 and pos0 > 0:
+            bt = self.cache.block_table[0]
+            for imp in self.importance_:
+                decay_importance(imp, bt, pos0, self.opts.decay)
+        self._prefill = (end, pos0 + T) if prefill and pos0 + T < end else None
+        self._chunk_is_prefill = prefill
+        return prefill
+
+    def end_forward(self, n_ctx: int) -> None:
+        """Called by the engine once the forward's tokens are in every layer's cache."""
+        if not self._chunk_is_prefill:
+            self.after_decode(n_ctx)
+        elif self._prefill is None:
+            self.after_prefill(n_ctx)
+
+    def _blocks_upto(self, n_ctx: int, lbs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Physical ids and valid-token counts of logical blocks lbs (default: all of n_ctx)."""
         B = self.cache.block_len
-        nlb = -(-n_ctx // B)
-        lbs = np.arange(lb_from, nlb)
+        if lbs is None:
+            lbs = np.arange(-(-n_ctx // B))
         blocks = self.cache.block_table[0][lbs]
         n_valid = np.minimum(B, n_ctx - lbs * B)
         return blocks, n_valid
 
-    def refresh_anchors(self, n_ctx: int, lb_from: int = 0) -> None:
-        """Recompute anchors of logical blocks lb_from.. (partial tail included) on sparse layers."""
-        blocks, n_valid = self._blocks_upto(n_ctx, lb_from)
-        for il in self.sparse_layers:
+    def refresh_anchors(self, n_ctx: int, lbs: np.ndarray | None = None) -> None:
+        """Recompute the anchors of logical blocks ``lbs`` (default: every block of n_ctx, the
+        partial tail included) on every layer that holds anchors."""
+        blocks, n_valid = self._blocks_upto(n_ctx, lbs)
+        for il in self.anchor_.layers:
             compute_anchors(self.anchor_type, self.cache.k_cache_fp16_[il], blocks, n_valid,
-                            self.anchor_[il], self.importance_[il])
+                            self.anchor_.storage(il), self.importance_[il])
+            if lbs is None:
+                self._dirty[il][:] = False
 
     def after_prefill(self, n_ctx: int) -> None:
         self.refresh_anchors(n_ctx)
@@ -169,51 +361,105 @@ class SparseState:
 
     def after_decode(self, n_ctx: int) -> None:
         """Called once a decode token is in every layer's cache."""
-        B = self.cache.block_len
         self.stats.steps += 1
-        if self.anchor_type is AnchorType.DYNAMIC and self.stats.steps % self.opts.token_step == 0:
-            self.refresh_anchors(n_ctx)
-        elif n_ctx % B == 0:
-            self.refresh_anchors(n_ctx, n_ctx // B - 1)   # the block that just filled
+
+    def _fresh_anchors(self, il: int, n_ctx: int) -> np.ndarray:
+        """Layer il's anchor storage, with every block whose inputs changed recomputed."""
+        d = self._dirty[il]
+        lbs = np.flatnonzero(d[:-(-n_ctx // self.cache.block_len)])
+        if lbs.size:
+            blocks, n_valid = self._blocks_upto(n_ctx, lbs)
+            compute_anchors(self.anchor_type, self.cache.k_cache_fp16_[il], blocks, n_valid,
+                            self.anchor_.storage(il), self.importance_[il])
+            d[:] = False
+        return self.anchor_.storage(il)
+
+    def _mark(self, il: int, n_ctx: int, sel: np.ndarray | None, cnt: np.ndarray | None) -> None:
+        """Record which DYNAMIC anchors of layer il this step's importance update made stale
+        (sel None: dense attention)."""
+        d = self._dirty.get(il)
+        if d is None:
+            return
+        n_lb = -(-n_ctx // self.cache.block_len)
+        if self.anchor_type is not AnchorType.DYNAMIC:
+            return                                # other types depend on the keys only
+        if sel is None or self.opts.decay != 1.0:
+            # every token's importance changed: a uniform decay rounded to fp16 can tie (and so
+            # reorder) tokens of a block nobody attended, so the cheap path is exact only at 1
+            d[:n_lb] = True
+        else:
+            d[sel[np.arange(sel.shape[1])[None, :] < cnt[:, None]]] = True
+
+    @staticmethod
+    def _extend(cached, n_lb: int) -> tuple[np.ndarray, np.ndarray]:
+        """A stored selection plus every logical block started since it was made."""
+        sel, cnt, _, n_lb0 = cached
+        extra = n_lb - n_lb0
+        if extra <= 0:
+            return sel, cnt
+        nsets, K = sel.shape
+        out = np.full((nsets, K + extra), -1, np.int32)
+        out[:, :K] = sel
+        out[np.arange(nsets)[:, None], cnt[:, None] + np.arange(extra)[None, :]] = \
+            np.arange(n_lb0, n_lb, dtype=np.int32)[None, :]
+        return out, (cnt + extra).astype(np.int32)
 
     # --------------------------------------------------------------- decode
     def decode_attention(self, il: int, q: np.ndarray, n_ctx: int, scale: float, window: int,
                          out: np.ndarray) -> None:
         """Attention of the decode query q float32[Hq, D] of layer il into out float32[Hq, D]."""
         o, c = self.opts, self.cache
+        B = c.block_len
         kc, vc = c.k_cache_fp16_[il], c.v_cache_fp16_[il]
         bt = c.block_table[0]
         imp = self.importance_[il]
-        F = n_ctx // c.block_len
-        if not o.enabled or il not in self._lead or F <= o.init_blocks + o.topk + o.local_blocks:
+        F = n_ctx // B
+        n_lb = -(-n_ctx // B)
+        every = F <= o.init_blocks + o.topk + o.local_blocks   # the selection would be every block
+        if il in self._dirty:
+            self._dirty[il][n_lb - 1] = True      # the newest token's key joined this block
+        if il not in self._lead or (every and self.dense_fallback):
             attention.attention_decode(q, kc, vc, bt, n_ctx, scale, window, out, importance=imp,
                                        decay=o.decay)
+            self._mark(il, n_ctx, None, None)
             return
         lead = self._lead[il]
         step = self.stats.steps
         cached = self._sel.get(lead)
-        if lead == il and (cached is None or step - cached[2] >= o.token_step):
-            sel, cnt = retrieve_blocks(q, self.anchor_[il], bt, n_ctx, c.block_len, self.n_head_kv,
-                                       self.retrieval_type, o.init_blocks, o.topk, o.local_blocks,
-                                       self.anchor_type)
-            self._sel[lead] = (sel, cnt, step)
+        if every:
+            nsets = n_sets(self.retrieval_type, q.shape[0], self.n_head_kv)
+            sel = np.tile(np.arange(n_lb, dtype=np.int32), (nsets, 1))
+            cnt = np.full(nsets, n_lb, np.int32)
+        elif lead == il and (cached is None or step - cached[2] >= o.token_step):
+            # anchors are brought up to date right before retrieval reads them
+            sel, cnt = retrieve_blocks(q, self._fresh_anchors(il, n_ctx), bt, n_ctx, B,
+                                       self.n_head_kv, self.retrieval_type, o.init_blocks, o.topk,
+                                       o.local_blocks, self.anchor_type)
+            self._sel[lead] = (sel, cnt, step, n_lb)
         else:
-            sel, cnt, _ = self._sel[lead]
+            sel, cnt = self._extend(cached, n_lb)
         _, rec = sparse_attention_decode(q, kc, vc, bt, n_ctx, scale, window, sel, cnt, out,
                                          importance=imp, decay=o.decay, recall=o.report)
+        self._mark(il, n_ctx, sel, cnt)
         st = self.stats
         if rec is not None:
             st.recall_sum[il] = st.recall_sum.get(il, 0.0) + rec.astype(np.float64)
             st.recall_n[il] = st.recall_n.get(il, 0) + 1
-        attended = np.minimum(cnt.astype(np.int64) * c.block_len, n_ctx).mean()
-        st.attended[il] = st.attended.get(il, 0.0) + float(attended)
+        # real tokens attended per set (a partial tail counts its valid tokens), mean over sets
+        live = np.arange(sel.shape[1])[None, :] < cnt[:, None]
+        ntok = np.where(live, np.minimum(B, n_ctx - sel.astype(np.int64) * B), 0)
+        st.attended[il] = st.attended.get(il, 0.0) + float(ntok.sum(axis=1).mean())
         st.context[il] = st.context.get(il, 0) + n_ctx
         if o.report or o.track:
             self.selections.append((step, il, np.unique(sel[0, :cnt[0]]).tolist()))
 
     # -------------------------------------------------------------- report
     def report(self) -> dict:
-        """Recall per layer and head, attended fraction, buffer sizes in bytes."""
+        """Recall per layer and head, attended fraction, buffer sizes in bytes.
+
+        ``mode`` says whether any layer ran sparse: without ``enabled`` it is
+        "tracking only" and ``sparse_layers`` is empty (every layer attended densely).
+        """
         st = self.stats
         layers = {}
         for il in self.sparse_layers:
@@ -229,7 +475,8 @@ class SparseState:
         recalls = [v["recall"] for v in layers.values() if "recall" in v]
         fracs = [v["attended_fraction"] for v in layers.values() if "attended_fraction" in v]
         return {
-            "sparse_layers": self.sparse_layers,
+            "mode": "sparse" if self.opts.enabled else "tracking only (every layer dense)",
+            "sparse_layers": list(self.sparse_layers),
             "decode_steps": st.steps,
             "mean_recall": float(np.mean(recalls)) if recalls else None,
             "mean_attended_fraction": float(np.mean(fracs)) if fracs else None,
@@ -239,18 +486,22 @@ class SparseState:
         }
 
     def heatmap(self, path: str, n_ctx: int) -> None:
-        """PNG: importance_ summed over heads per layer x token, and block selections over time."""
+        """PNG: importance_ summed over heads per layer x token, and block selections over time.
+
+        Draws on its own Agg canvas: pyplot and the process's matplotlib backend are not touched.
+        """
         try:
-            import matplotlib
-            matplotlib.use("Agg")
-            import matplotlib.pyplot as plt
+            from matplotlib.backends.backend_agg import FigureCanvasAgg
+            from matplotlib.figure import Figure
         except ImportError:
             raise RuntimeError("heatmaps need matplotlib: pip install 'pyimp[plot]'") from None
         B = self.cache.block_len
         nlb = -(-n_ctx // B)
         blocks = self.cache.block_table[0][:nlb]
         imp = self.importance_[:, blocks].astype(np.float32).sum(-1).reshape(len(self.importance_), -1)[:, :n_ctx]
-        fig, axes = plt.subplots(2, 1, figsize=(10, 7))
+        fig = Figure(figsize=(10, 7))
+        FigureCanvasAgg(fig)
+        axes = fig.subplots(2, 1)
         im = axes[0].imshow(np.log1p(imp), aspect="auto", interpolation="nearest", cmap="magma")
         axes[0].set_title("log(1 + importance_) summed over query heads")
         axes[0].set_xlabel("token position")
@@ -262,9 +513,12 @@ class SparseState:
         for i, (_, blk) in enumerate(rows):
             grid[i, [b for b in blk if b < nlb]] = 1.0
         axes[1].imshow(grid, aspect="auto", interpolation="nearest", cmap="Greys")
-        axes[1].set_title(f"selected blocks per decode step (layer {lay}, first set)")
+        if lay is None:
+            axes[1].set_title("no layer ran sparse (tracking only): no block selections")
+        else:
+            axes[1].set_title(f"selected blocks per decode step (layer {lay}, first set; "
+                              f"last {SELECTION_HISTORY} steps at most)")
         axes[1].set_xlabel("logical block")
         axes[1].set_ylabel("decode step")
         fig.tight_layout()
         fig.savefig(path, dpi=100)
-        plt.close(fig)

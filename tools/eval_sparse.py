@@ -61,6 +61,9 @@ class SparseConfig:
     init_blocks: int = 1
     local_blocks: int = 2
     retrieval: str = "kvhead"
+    # False: steps whose selection is every block still run the block-sparse kernels (over every
+    # block) instead of the engine's dense fallback, to measure them against dense attention
+    dense_fallback: bool = True
 
     def options(self, importance_window: int) -> dict:
         """Keyword options of ``pyimp.load`` for this configuration (recall measured)."""
@@ -115,7 +118,8 @@ def oracle_recall(q: np.ndarray, keys: np.ndarray, scale: float, block_len: int,
 
     q: float32 [Hq, D]; keys: float32 [Hkv, n, D] (positions 0..n-1, the
     query's own included). The sinks, the last ``local_blocks`` full blocks and
-    the partial tail are kept as the engine keeps them; the ``topk`` other
+    the partial tail (with ``local_blocks = 0`` and no partial tail: the
+    query's own block) are kept as the engine keeps them; the ``topk`` other
     blocks are those holding the most dense softmax mass, summed over the
     heads of each set (one set per layer / kv head / query head, as
     ``retrieval``). Returns the mean over query heads of the mass captured.
@@ -132,8 +136,9 @@ def oracle_recall(q: np.ndarray, keys: np.ndarray, scale: float, block_len: int,
     pad[:, :n] = p
     mass = pad.reshape(Hq, nb, block_len).sum(axis=2)                   # [Hq, nb]
     F = n // block_len
-    forced = list(range(init_blocks)) + list(range(F - local_blocks, nb))
-    cand = np.arange(init_blocks, F - local_blocks)
+    loc = local_blocks if local_blocks or n % block_len else 1     # the query's own block stays
+    forced = sorted(set(range(min(init_blocks, nb))) | set(range(max(F - loc, 0), nb)))
+    cand = np.arange(init_blocks, max(F - loc, init_blocks))
     nsets = {"layer": 1, "kvhead": Hkv, "qhead": Hq}[retrieval]
     hps = Hq // nsets
     got = np.empty(Hq)
@@ -205,6 +210,7 @@ class PrefixRunner:
         opts = SparseOptions(enabled=True, **{k: v for k, v in config.options(self.importance_window).items()
                                               if k != "sparse"})
         st = SparseState(opts, eng.cfg, eng.cache)
+        st.dense_fallback = config.dense_fallback
         st.importance_[...] = self._importance
         st.after_prefill(self.n_prefix)
         eng.sparse = st
@@ -235,7 +241,7 @@ def _decode(eng, ids: Sequence[int]) -> np.ndarray:
 
 def _is_sparse_step(n_ctx: int, block_len: int, c: SparseConfig) -> bool:
     """Does the engine take the block-sparse path with n_ctx tokens cached (new one included)?"""
-    return n_ctx // block_len > c.init_blocks + c.topk + c.local_blocks
+    return not c.dense_fallback or n_ctx // block_len > c.init_blocks + c.topk + c.local_blocks
 
 
 # ------------------------------------------------------------ decode quality
@@ -324,6 +330,7 @@ def decode_quality(path, ids: Sequence[int], ctx: int, steps: int, configs: Sequ
         t0 = time.perf_counter()
         if fresh_prefill:
             eng = pyimp.load(path, n_ctx=n_ctx, block_len=block_len, **c.options(importance_window))
+            eng.sparse.dense_fallback = c.dense_fallback
             eng.eval(prefix, all_logits=False)
         else:
             runner.use(c)
@@ -476,10 +483,11 @@ def plot_recall(rows: Sequence[DecodeRow], path: str, title: str = "") -> None:
 
     The dashed line is the oracle recall (mean over the anchor rows of each budget).
     """
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.2))
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(11, 4.2))       # its own Agg canvas: the process's backend is untouched
+    FigureCanvasAgg(fig)
+    ax0, ax1 = fig.subplots(1, 2)
     by: dict = {}
     for r in rows:
         by.setdefault(r.anchor, []).append(r)
@@ -509,7 +517,6 @@ def plot_recall(rows: Sequence[DecodeRow], path: str, title: str = "") -> None:
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------- CLI
