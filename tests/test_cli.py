@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -258,7 +259,7 @@ def test_first_ctrl_c_makes_the_second_one_final(monkeypatch, capsys):
 def test_non_finite_weights_are_one_error(capsys, tmp_path, tiny):
     from loaders.gguf_file import GGUFFile
     bad = tmp_path / "nan.gguf"
-    bad.write_bytes(open(tiny, "rb").read())
+    bad.write_bytes(Path(tiny).read_bytes())
     with GGUFFile(tiny) as f:
         info = f.tensors["blk.0.ffn_down.weight"]
         assert info.type_name == "F32"
