@@ -6,7 +6,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-import pytest
+# pytest runs the engine in-process: set what pyimp's own programs set before any kernel runs
+from pyimp.runtime import configure_process  # noqa: E402
+
+configure_process()
+
+import pytest  # noqa: E402
 
 
 def in_ci() -> bool:
