@@ -30,6 +30,8 @@ from .sampling import Sampler, SamplingParams
 from .sparse_policy import SparseOptions, SparseState
 
 NUMERICS = ("fp32", "ggml")
+# tokens per KV block; paged caches use 16-128, and the cache is allocated in whole blocks
+MAX_BLOCK_LEN = 4096
 
 
 @dataclass
@@ -49,8 +51,11 @@ class EngineOptions:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
         if self.n_ctx < 0:
             raise ValueError(f"context size must be >= 0, got {self.n_ctx}")
-        if self.block_len <= 0:
-            raise ValueError(f"block length must be positive, got {self.block_len}")
+        if not 0 < self.block_len <= MAX_BLOCK_LEN:
+            raise ValueError(f"block length must be in 1..{MAX_BLOCK_LEN}, got {self.block_len}")
+        if self.sparse.anchor_num > self.block_len:
+            raise ValueError(f"anchor count {self.sparse.anchor_num} exceeds the block length "
+                             f"{self.block_len}: an anchor slot summarizes at least one token")
         if self.batch_size <= 0:
             raise ValueError(f"batch size must be positive, got {self.batch_size}")
         if self.n_threads < 0:

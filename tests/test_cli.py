@@ -214,11 +214,22 @@ def test_memory_is_checked_before_allocating(capsys, tiny, monkeypatch):
     code, out, err = _run([tiny, "-p", "abc", "-c", "10000000"], capsys)
     _one_line_error(code, err, "context 10000000")
     assert "more than the 256.0 MiB of memory available" in err
-    code, out, err = _run([tiny, "-p", "abc", "-c", "4096", "--sparse", "--anchor-num", "100000"], capsys)
+    # K/V of 3M tokens: 183 MiB, fits; with DYNAMIC anchors (32 slots per query head) it does not
+    code, out, err = _run([tiny, "-p", "abc", "-c", "3000000", "--sparse", "--anchor", "dynamic",
+                           "--anchor-num", "32"], capsys)
     _one_line_error(code, err, "importance and anchors")
-    monkeypatch.setenv("PYIMP_MEMORY_LIMIT", "4M")      # one 100000-token block of tiny's K/V: 6.4 MB
-    code, out, err = _run([tiny, "-p", "abc", "-c", "2048", "--block-len", "100000"], capsys)
-    _one_line_error(code, err, "block length 100000")
+    monkeypatch.setenv("PYIMP_MEMORY_LIMIT", "4M")      # one 4096-token block of tiny's K/V: 256 KiB
+    code, out, err = _run([tiny, "-p", "abc", "-c", "100000", "--block-len", "4096"], capsys)
+    _one_line_error(code, err, "block length 4096")
+
+
+def test_block_length_and_anchor_count_limits(capsys, tiny):
+    # a block longer than any paged cache uses, or more anchor slots than a block has tokens,
+    # is a mistake, refused before anything is allocated
+    code, out, err = _run([tiny, "-p", "abc", "--block-len", "100000"], capsys)
+    _one_line_error(code, err, "block length must be in 1..4096, got 100000")
+    code, out, err = _run([tiny, "-p", "abc", "--sparse", "--anchor-num", "100000"], capsys)
+    _one_line_error(code, err, "anchor count 100000 exceeds the block length 32")
 
 
 def test_context_beyond_training_warns(capsys, tiny):
