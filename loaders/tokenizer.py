@@ -1032,10 +1032,15 @@ class Tokenizer:
             return b""
         return p
 
-    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
-        """llama.cpp's detokenize(remove_special=skip_special, unparse_special=not skip_special)."""
+    def decode_bytes(self, ids: Iterable[int], skip_special: bool = False,
+                     continuation: bool = False) -> bytes:
+        """llama.cpp's detokenize(remove_special=skip_special, unparse_special=not skip_special).
+
+        ``continuation``: the ids follow earlier text (generated tokens after a prompt), so
+        the space an SPM vocabulary put in front of the text's first word is not removed.
+        """
         ids = [int(i) for i in ids]
-        remove_space = self._opts["add_space_prefix"]
+        remove_space = self._opts["add_space_prefix"] and not continuation
         if skip_special and self._opts["add_bos"] and ids and ids[0] == self.bos:
             remove_space = False
             ids = ids[1:]
@@ -1049,12 +1054,13 @@ class Tokenizer:
             text = _clean_spaces(text)
         return text
 
-    def decode(self, ids: Iterable[int], skip_special: bool = False) -> str:
+    def decode(self, ids: Iterable[int], skip_special: bool = False, continuation: bool = False) -> str:
         """Text of ``ids``; bytes that are not valid UTF-8 become U+FFFD."""
-        return self.decode_bytes(ids, skip_special).decode("utf-8", "replace")
+        return self.decode_bytes(ids, skip_special, continuation).decode("utf-8", "replace")
 
-    def incremental_decoder(self, skip_special: bool = False) -> "IncrementalDecoder":
-        return IncrementalDecoder(self, skip_special)
+    def incremental_decoder(self, skip_special: bool = False,
+                            continuation: bool = False) -> "IncrementalDecoder":
+        return IncrementalDecoder(self, skip_special, continuation)
 
 
 _CLEAN1 = re.compile(rb" (?=[?!.,])")
@@ -1075,19 +1081,20 @@ class IncrementalDecoder:
     """Streams text from token ids: ``feed`` returns only whole UTF-8 characters, ``flush`` the rest.
 
     The concatenation of every ``feed`` result and ``flush()`` equals
-    ``tokenizer.decode(all_ids, skip_special)``.
+    ``tokenizer.decode(all_ids, skip_special, continuation)``.
     """
 
     _HOLD = 8  # bytes of cleaned text that a later token may still change (clean_spaces looks 3 ahead)
 
-    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False):
+    def __init__(self, tokenizer: Tokenizer, skip_special: bool = False, continuation: bool = False):
         self.tok = tokenizer
         self.skip_special = skip_special
+        self.continuation = continuation
         self.reset()
 
     def reset(self) -> None:
         self._first = True
-        self._remove_space = self.tok._opts["add_space_prefix"]
+        self._remove_space = self.tok._opts["add_space_prefix"] and not self.continuation
         self._pending_eos = False
         self._raw = b""   # bytes after the last point where clean_spaces can no longer reach back
         self._done = 0    # bytes of _clean_spaces(_raw) already passed to the UTF-8 decoder

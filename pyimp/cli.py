@@ -301,7 +301,8 @@ def run(args: argparse.Namespace) -> int:
     sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, seed=args.seed)
     # control tokens (<eos>, <end_of_turn>) print as nothing unless --special, as in llama-cli
-    decoder = engine.tokenizer.incremental_decoder(skip_special=not args.special)
+    # the generated text continues the prompt: its first piece keeps its leading space
+    decoder = engine.tokenizer.incremental_decoder(skip_special=not args.special, continuation=True)
     eog = engine.eog_ids()
     tokens, logprobs = [], []
     if not args.json:
@@ -328,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(e))
     tail = decoder.flush()
     text = engine.tokenizer.decode([t for t in tokens if args.special or t not in eog],
-                                   skip_special=not args.special)
+                                   skip_special=not args.special, continuation=True)
     if args.stop and any(s in text for s in args.stop):
         finish = "stop"
     timings = engine.timings.as_dict()

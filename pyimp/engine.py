@@ -410,7 +410,7 @@ class Engine:
             max_tokens = self.n_ctx - len(ids)
         logits = self.eval(ids, all_logits=False, progress=progress)[-1]
         eog = self.eog_ids()
-        decoder = self.tokenizer.incremental_decoder() if stop else None
+        decoder = self.tokenizer.incremental_decoder(continuation=True) if stop else None
         text = ""
         n = 0
         while max_tokens < 0 or n < max_tokens:

@@ -443,6 +443,26 @@ def test_incremental_decoder_clean_spaces(vocab_dir):
         assert dec.feed(ids[:cut]) + dec.feed(ids[cut:]) + dec.flush() == full
 
 
+@pytest.mark.parametrize("which", ["llama-spm", "gemma"])
+def test_continuation_keeps_the_leading_space(which, request, vocab_dir):
+    """Generated tokens continue a prompt: their text is what decoding prompt + continuation
+    adds to the prompt's text (llama-cpp-python's detokenize with prev_tokens; llama-cli
+    prints each piece as is), so an SPM vocabulary's "▁there" keeps its space."""
+    tok = request.getfixturevalue("gemma") if which == "gemma" else _tok(_fixture_path(vocab_dir, which))
+    ids = tok.encode("Once upon a time there was a dragon", add_special=True)
+    full = tok.decode(ids, skip_special=True)
+    for k in range(1, len(ids)):
+        want = full[len(tok.decode(ids[:k], skip_special=True)):]
+        assert tok.decode(ids[k:], skip_special=True, continuation=True) == want
+        dec = tok.incremental_decoder(skip_special=True, continuation=True)
+        assert "".join(dec.feed(i) for i in ids[k:]) + dec.flush() == want
+    if which == "llama-spm":   # the case that lost its space: a word piece starting with "▁"
+        k = next(k for k in range(2, len(ids)) if tok.token_to_bytes(ids[k]).startswith(b" "))
+        word = tok.token_to_bytes(ids[k]).decode()
+        assert tok.decode(ids[k:k + 1], skip_special=True, continuation=True) == word
+        assert tok.decode(ids[k:k + 1], skip_special=True) == word[1:]   # llama_detokenize of it alone
+
+
 # ---------------------------------------------------------------------------
 # bad input
 
