@@ -1,0 +1,124 @@
+"""``njit`` with an on-disk cache that goes stale when any source a kernel is built from changes.
+
+Numba's ``cache=True`` stamps a cached kernel with the modification time and
+size of the one file that defines it. A kernel that calls (and so inlines)
+``@njit`` code of another module keeps its cached machine code when only that
+other module changes: the cache silently runs the old code. pyimp's kernels
+are built from shared per-type decoders and fp16 helpers, so that would bite
+on every edit.
+
+Here each kernel module declares the modules whose jitted code its kernels
+call::
+
+    from loaders import jit
+    from loaders import fp16            # a module with @jit.njit helpers
+    jit.kernel_module(__file__, fp16)
+
+    @jit.njit(parallel=True)
+    def kernel(...): ...
+
+and the stamp of every kernel of that module is a SHA-256 over the contents of
+the module and of everything it depends on, transitively. Any edit to any of
+those files invalidates the cached kernel; nothing else does. The cache files
+live where Numba would put them (``__pycache__`` beside the source, else the
+user-wide Numba cache, or ``NUMBA_CACHE_DIR``). The process's Numba settings
+and other libraries' caches are untouched: only dispatchers made by
+:func:`njit` use these locators.
+
+A module that calls into another must declare it *before* its first kernel
+compiles (at import, next to its imports); :func:`njit` refuses a module that
+was never declared, so a dependency cannot be forgotten silently.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import types
+
+import numba
+from numba.core import caching
+
+_DEPS: dict[str, tuple[str, ...]] = {}     # module file -> files its kernels call into
+
+
+def _real(path_or_module) -> str:
+    path = path_or_module.__file__ if isinstance(path_or_module, types.ModuleType) else path_or_module
+    return os.path.realpath(os.fspath(path))
+
+
+def kernel_module(file, *deps) -> None:
+    """Declare ``file`` (a module's ``__file__``) a kernel module whose jitted code calls into
+    ``deps`` (modules or file paths, themselves declared with this function when they call
+    into others)."""
+    _DEPS[_real(file)] = tuple(sorted({_real(d) for d in deps}))
+
+
+def closure(file) -> list[str]:
+    """``file`` and every file it depends on, transitively, sorted."""
+    seen, todo = set(), [_real(file)]
+    while todo:
+        f = todo.pop()
+        if f not in seen:
+            seen.add(f)
+            todo.extend(_DEPS.get(f, ()))
+    return sorted(seen)
+
+
+def sources_stamp(file) -> str:
+    """Hex SHA-256 over the paths and contents of :func:`closure` (``file``)."""
+    h = hashlib.sha256()
+    for f in closure(file):
+        st = os.stat(f)
+        h.update(f.encode() + b"\0")
+        h.update(caching._hash_source_file(f, st.st_mtime, st.st_size))
+    return h.hexdigest()
+
+
+class _SourcesStamp:
+    """Locator mixin: the freshness stamp covers the module and its declared dependencies."""
+
+    def get_source_stamp(self):
+        return sources_stamp(self._py_file)
+
+
+class _UserProvided(_SourcesStamp, caching.UserProvidedCacheLocator):
+    pass
+
+
+class _InTree(_SourcesStamp, caching.InTreeCacheLocator):
+    pass
+
+
+class _UserWide(_SourcesStamp, caching.UserWideCacheLocator):
+    pass
+
+
+class _Impl(caching.CompileResultCacheImpl):
+    _locator_classes = [_UserProvided, _InTree, _UserWide]
+
+
+class _Cache(caching.FunctionCache):
+    _impl_class = _Impl
+
+
+def njit(*args, cache: bool = True, **options):
+    """``numba.njit`` (lazy, no explicit signatures) whose cache is keyed by :func:`sources_stamp`."""
+    if "fastmath" in options and options["fastmath"] is True:
+        raise ValueError("fastmath=True changes results (NaN/inf assumptions); name the flags")
+
+    def wrap(func):
+        if cache:
+            src = _real(func.__code__.co_filename)
+            if src not in _DEPS:
+                raise RuntimeError(f"{src}: call loaders.jit.kernel_module(__file__, ...) before "
+                                   f"defining cached kernels")
+        disp = numba.njit(**options)(func)
+        if cache:
+            disp._cache = _Cache(func)     # what Dispatcher.enable_caching does, with our locators
+        return disp
+
+    if args:
+        if len(args) == 1 and callable(args[0]):
+            return wrap(args[0])
+        raise TypeError("loaders.jit.njit takes no signatures (kernels compile lazily)")
+    return wrap
