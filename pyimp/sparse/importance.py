@@ -32,9 +32,12 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-from numba import njit, prange
+from numba import prange
 
+from loaders import jit
 from pyimp.sparse import checks
+
+jit.kernel_module(__file__)
 
 FP16_MAX = 65504.0  # largest finite float16; importance saturates here
 FP16_STALL = 2048.0  # from here on fp16 spacing is 2: adding <= 1 is lost
@@ -63,7 +66,7 @@ def fp16_lut() -> np.ndarray:
 # --------------------------------------------------------------------------
 
 
-@njit(cache=True)
+@jit.njit
 def _f16_bits(u32):
     """uint16 bit pattern of the fp16 nearest to the float32 with bits ``u32``."""
     u = np.int64(u32)
@@ -95,7 +98,7 @@ def _f16_bits(u32):
     return np.uint16(sign | h)
 
 
-@njit(cache=True)
+@jit.njit
 def _encode_fp16_kernel(x, out):
     bits = x.view(np.uint32)
     for i in range(x.size):
@@ -115,7 +118,7 @@ def encode_fp16(x: np.ndarray) -> np.ndarray:
 # --------------------------------------------------------------------------
 
 
-@njit(cache=True)
+@jit.njit
 def _update_block(imp, bt, new, pos_lo, decay, lut, lb, tmp, bits):
     """Update the B rows of logical block lb (tmp/bits: float32 [Hq] scratch and its bits)."""
     NB, B, Hq = imp.shape
@@ -141,24 +144,20 @@ def _update_block(imp, bt, new, pos_lo, decay, lut, lb, tmp, bits):
             imp[pb, t, h] = _f16_bits(bits[h])
 
 
-@njit(parallel=True, cache=True)
-def _importance_update_kernel(imp, bt, new, pos_lo, decay, lut):
+@jit.njit(parallel=True)
+def _importance_update_kernel(imp, bt, new, pos_lo, decay, lut, parallel):
+    """One writer per physical block; ``parallel`` False runs the same loop on this thread."""
     B, Hq = imp.shape[1], imp.shape[2]
     n_lb = (new.shape[1] + B - 1) // B
     lb0 = 0 if decay != 1.0 else pos_lo // B
-    for lb in prange(lb0, n_lb):  # one writer per physical block
+    if parallel:
+        for lb in prange(lb0, n_lb):
+            tmp = np.empty(Hq, np.float32)
+            _update_block(imp, bt, new, pos_lo, decay, lut, lb, tmp, tmp.view(np.uint32))
+    else:
         tmp = np.empty(Hq, np.float32)
-        _update_block(imp, bt, new, pos_lo, decay, lut, lb, tmp, tmp.view(np.uint32))
-
-
-@njit(cache=True)
-def _importance_update_serial(imp, bt, new, pos_lo, decay, lut):
-    B, Hq = imp.shape[1], imp.shape[2]
-    n_lb = (new.shape[1] + B - 1) // B
-    lb0 = 0 if decay != 1.0 else pos_lo // B
-    tmp = np.empty(Hq, np.float32)
-    for lb in range(lb0, n_lb):
-        _update_block(imp, bt, new, pos_lo, decay, lut, lb, tmp, tmp.view(np.uint32))
+        for lb in range(lb0, n_lb):
+            _update_block(imp, bt, new, pos_lo, decay, lut, lb, tmp, tmp.view(np.uint32))
 
 
 def importance_update_ref(importance, block_table, new, pos_lo=0, decay=1.0) -> None:
@@ -208,8 +207,8 @@ def importance_update(importance: np.ndarray, block_table: np.ndarray, new: np.n
         return
     # small updates (short contexts) cost less than waking the thread pool
     n_work = new.shape[0] * (new.shape[1] if decay != 1.0 else new.shape[1] - pos_lo)
-    kernel = _importance_update_kernel if n_work >= PARALLEL_MIN_WORK else _importance_update_serial
-    kernel(importance.view(np.uint16), block_table, new, int(pos_lo), float(decay), fp16_lut())
+    _importance_update_kernel(importance.view(np.uint16), block_table, new, int(pos_lo),
+                              float(decay), fp16_lut(), n_work >= PARALLEL_MIN_WORK)
 
 
 # --------------------------------------------------------------------------
@@ -217,36 +216,41 @@ def importance_update(importance: np.ndarray, block_table: np.ndarray, new: np.n
 # --------------------------------------------------------------------------
 
 
-@njit(cache=True)
-def _update_head_blocks(imp, bt, sel, cnt, probs, n_ctx, lut, h, tmp, bits):
-    """Add probs[h] into query head h's column of its set's selected blocks."""
+@jit.njit
+def _update_set_block(imp, bt, sel, cnt, probs, n_ctx, lut, si, k, tmp, bits):
+    """Add probs[h, k] of the heads h of set si into their columns of its k-th selected block."""
     B, Hq = imp.shape[1], imp.shape[2]
-    si = h // (Hq // sel.shape[0])
-    for k in range(cnt[si]):
-        lb = sel[si, k]
-        pb = bt[lb]
-        for t in range(B):
-            if lb * B + t >= n_ctx:
-                break
+    hps = Hq // sel.shape[0]
+    lb = sel[si, k]
+    pb = bt[lb]
+    for t in range(min(B, n_ctx - lb * B)):
+        for h in range(si * hps, (si + 1) * hps):
             x = lut[imp[pb, t, h]] + probs[h, k, t]
             if x > FP16_MAX:
                 x = np.float32(FP16_MAX)
-            tmp[0] = x
-            imp[pb, t, h] = _f16_bits(bits[0])
+            tmp[h - si * hps] = x
+        for h in range(si * hps, (si + 1) * hps):
+            imp[pb, t, h] = _f16_bits(bits[h - si * hps])
 
 
-@njit(parallel=True, cache=True)
-def _importance_update_blocks_kernel(imp, bt, sel, cnt, probs, n_ctx, lut):
-    for h in prange(imp.shape[2]):  # one writer per query-head column
-        tmp = np.empty(1, np.float32)
-        _update_head_blocks(imp, bt, sel, cnt, probs, n_ctx, lut, h, tmp, tmp.view(np.uint32))
-
-
-@njit(cache=True)
-def _importance_update_blocks_serial(imp, bt, sel, cnt, probs, n_ctx, lut):
-    tmp = np.empty(1, np.float32)
-    for h in range(imp.shape[2]):
-        _update_head_blocks(imp, bt, sel, cnt, probs, n_ctx, lut, h, tmp, tmp.view(np.uint32))
+@jit.njit(parallel=True)
+def _importance_update_blocks_kernel(imp, bt, sel, cnt, probs, n_ctx, lut, parallel):
+    """Work item = (set, selected block): the heads of a set and the blocks of a set are
+    distinct, so every entry has one writer."""
+    nsets, Kw = sel.shape
+    hps = imp.shape[2] // nsets
+    if parallel:
+        for w in prange(nsets * Kw):
+            if w % Kw < cnt[w // Kw]:
+                tmp = np.empty(hps, np.float32)
+                _update_set_block(imp, bt, sel, cnt, probs, n_ctx, lut, w // Kw, w % Kw, tmp,
+                                  tmp.view(np.uint32))
+    else:
+        tmp = np.empty(hps, np.float32)
+        for si in range(nsets):
+            for k in range(cnt[si]):
+                _update_set_block(imp, bt, sel, cnt, probs, n_ctx, lut, si, k, tmp,
+                                  tmp.view(np.uint32))
 
 
 def importance_update_blocks_ref(importance, block_table, sel, cnt, probs, n_ctx) -> None:
@@ -286,8 +290,8 @@ def importance_update_blocks(importance: np.ndarray, block_table: np.ndarray, se
         importance_update_blocks_ref(importance, block_table, sel, cnt, probs, n_ctx)
         return
     parallel = probs.shape[0] * int(cnt.max(initial=0)) * probs.shape[2] >= PARALLEL_MIN_WORK
-    kernel = _importance_update_blocks_kernel if parallel else _importance_update_blocks_serial
-    kernel(importance.view(np.uint16), block_table, sel, cnt, probs, int(n_ctx), fp16_lut())
+    _importance_update_blocks_kernel(importance.view(np.uint16), block_table, sel, cnt, probs,
+                                     int(n_ctx), fp16_lut(), parallel)
 
 
 def decay_importance(importance: np.ndarray, block_table: np.ndarray, n_ctx: int, decay: float,

@@ -44,45 +44,19 @@ from __future__ import annotations
 
 import enum
 
-import llvmlite.binding as llvm_binding
 import numpy as np
-from llvmlite import ir as llvm_ir
-from numba import njit, prange, types
-from numba.core import cgutils
-from numba.extending import intrinsic, overload
+from numba import prange
 
+from loaders import jit
+from pyimp import attn_kernels
+from pyimp.attn_kernels import FM as _FM, load_f32, prefetch
 from pyimp.sparse import checks
 from pyimp.sparse.anchors import AnchorType, anchor_slots, group_shared
 from pyimp.sparse.importance import fp16_lut
 
+jit.kernel_module(__file__, attn_kernels)
+
 _ORDERED = (AnchorType.QUEST, AnchorType.CUBOID_MEAN)  # slot 0 >= slot 1 per channel
-
-_FM = {"reassoc", "contract", "nsz"}  # no nnan/ninf: -inf anchors keep their meaning
-
-# llvm.prefetch is overloaded on the pointer type: opaque pointers from LLVM 15 on
-_PREFETCH_NAME = ("llvm.prefetch.p0" if llvm_binding.llvm_version_info[0] >= 15
-                  else "llvm.prefetch.p0i8")
-
-
-@intrinsic
-def _prefetch(typingctx, arr, idx):
-    """Cache-line prefetch hint for ``arr[idx]`` (no effect on results)."""
-    sig = types.void(arr, idx)
-
-    def codegen(context, builder, signature, args):
-        aryty = signature.args[0]
-        ary = context.make_array(aryty)(context, builder, args[0])
-        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
-        i8p = llvm_ir.IntType(8).as_pointer()
-        i32 = llvm_ir.IntType(32)
-        fnty = llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p, i32, i32, i32])
-        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
-        # read access, high temporal locality, data cache
-        builder.call(fn, [builder.bitcast(ptr, i8p), llvm_ir.Constant(i32, 0),
-                          llvm_ir.Constant(i32, 3), llvm_ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 class RetrievalType(enum.Enum):
@@ -95,25 +69,6 @@ def n_sets(retrieval_type: RetrievalType, n_q_heads: int, n_kv_heads: int) -> in
     """Number of block sets a granularity produces."""
     return {RetrievalType.LAYER: 1, RetrievalType.KVHEAD: n_kv_heads,
             RetrievalType.QHEAD: n_q_heads}[retrieval_type]
-
-
-def _load_f32(src, dst, lut):
-    """dst[:] = float32 value of src (fp16 bits or float32), same length."""
-    dst[:] = lut[src] if src.dtype == np.uint16 else src
-
-
-@overload(_load_f32)
-def _load_f32_ov(src, dst, lut):
-    if src.dtype == types.uint16:
-        def impl(src, dst, lut):
-            for i in range(dst.size):
-                dst[i] = lut[src[i]]
-        return impl
-
-    def impl(src, dst, lut):
-        for i in range(dst.size):
-            dst[i] = src[i]
-    return impl
 
 
 def _anchor_view(anchor):
@@ -134,26 +89,33 @@ def block_scores_ref(q, anchor, block_table, lb_start, lb_end, n_slots, G, share
     return (an * q[None, None].astype(np.float32)).max(axis=1).sum(axis=-1).astype(np.float32)
 
 
-@njit(parallel=True, cache=True, fastmath=_FM)
+@jit.njit(fastmath=_FM)
+def _load_anchors(anc, bt, lb_start, i, C, astep, a, lut, pf_step):
+    """a[j, sl] = float32 anchor slot sl of lead j (buffer head j * astep) of logical block
+    lb_start + i, every row decoded first (independent loads overlap); the next block's rows,
+    scattered lines, are prefetched."""
+    nlead, n_slots, D = a.shape
+    if i + 1 < C:
+        pn = bt[lb_start + i + 1]
+        for j in range(nlead):
+            for sl in range(n_slots):
+                for e in range(0, D, pf_step):
+                    prefetch(anc[pn, sl, j * astep], e)
+    pb = bt[lb_start + i]
+    for j in range(nlead):
+        for sl in range(n_slots):
+            load_f32(anc[pb, sl, j * astep], 0, D, a[j, sl], lut)
+
+
+@jit.njit(parallel=True, fastmath=_FM)
 def _scores_kernel(q, anc, bt, lb_start, n_slots, G, shared, astep, lut, out, pf_step):
     C, Hq = out.shape
     D = q.shape[1]
     step = G if shared else 1  # shared: the group leader's slot serves all G heads
     nlead = Hq // step         # lead j's anchor is head j * astep of the buffer
     for i in prange(C):
-        if i + 1 < C:  # the next block's rows are scattered lines: prefetch them
-            pn = bt[lb_start + i + 1]
-            for j in range(nlead):
-                for sl in range(n_slots):
-                    row = anc[pn, sl, j * astep]
-                    for e in range(0, D, pf_step):
-                        _prefetch(row, e)
-        pb = bt[lb_start + i]
-        # decode every needed anchor row of the block first (independent loads overlap)
         a = np.empty((nlead, n_slots, D), np.float32)
-        for j in range(nlead):
-            for sl in range(n_slots):
-                _load_f32(anc[pb, sl, j * astep], a[j, sl], lut)
+        _load_anchors(anc, bt, lb_start, i, C, astep, a, lut, pf_step)
         # (loops specialized per slot count so each inner loop vectorizes)
         if n_slots == 1:
             for h in range(Hq):
@@ -237,7 +199,7 @@ def _check_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared) 
 # --------------------------------------------------------------------------
 
 
-@njit(parallel=True, cache=True, fastmath=_FM)
+@jit.njit(parallel=True, fastmath=_FM)
 def _set_scores_kernel(q, anc, bt, lb_start, G, n_slots, astep, lut, out, pf_step):
     C, nsets = out.shape
     Hq, D = q.shape
@@ -257,18 +219,8 @@ def _set_scores_kernel(q, anc, bt, lb_start, G, n_slots, astep, lut, out, pf_ste
             else:
                 dst[1, d] += x
     for i in prange(C):
-        if i + 1 < C:
-            pn = bt[lb_start + i + 1]
-            for j in range(Hkv):
-                for sl in range(n_slots):
-                    row = anc[pn, sl, j * astep]
-                    for e in range(0, D, pf_step):
-                        _prefetch(row, e)
-        pb = bt[lb_start + i]
         a = np.empty((Hkv, n_slots, D), np.float32)
-        for j in range(Hkv):
-            for sl in range(n_slots):
-                _load_f32(anc[pb, sl, j * astep], a[j, sl], lut)
+        _load_anchors(anc, bt, lb_start, i, C, astep, a, lut, pf_step)
         for si in range(nsets):
             acc = np.float32(0.0)
             # kv heads touched by the set's query heads [si*hps, (si+1)*hps)
@@ -353,7 +305,7 @@ def select_blocks_ref(scores, n_ctx, block_len, init, pick, local):
     return sel, cnt
 
 
-@njit(cache=True)
+@jit.njit
 def _select_one(scores, si, init, pick, local, F, n_lb, sel, cnt):
     """Fill sel[si], cnt[si] from column si of the set scores."""
     C = scores.shape[0]
@@ -387,16 +339,14 @@ def _select_one(scores, si, init, pick, local, F, n_lb, sel, cnt):
         sel[si, j] = -1
 
 
-@njit(parallel=True, cache=True)
-def _select_kernel_par(scores, init, pick, local, F, n_lb, sel, cnt):
-    for si in prange(sel.shape[0]):
-        _select_one(scores, si, init, pick, local, F, n_lb, sel, cnt)
-
-
-@njit(cache=True)
-def _select_kernel(scores, init, pick, local, F, n_lb, sel, cnt):
-    for si in range(sel.shape[0]):
-        _select_one(scores, si, init, pick, local, F, n_lb, sel, cnt)
+@jit.njit(parallel=True)
+def _select_kernel(scores, init, pick, local, F, n_lb, sel, cnt, parallel):
+    if parallel:
+        for si in prange(sel.shape[0]):
+            _select_one(scores, si, init, pick, local, F, n_lb, sel, cnt)
+    else:
+        for si in range(sel.shape[0]):
+            _select_one(scores, si, init, pick, local, F, n_lb, sel, cnt)
 
 
 def select_blocks(scores: np.ndarray, n_ctx: int, block_len: int, init: int, pick: int,
@@ -427,9 +377,9 @@ def select_blocks(scores: np.ndarray, n_ctx: int, block_len: int, init: int, pic
     sel = np.empty((nsets, K), np.int32)
     cnt = np.empty(nsets, np.int32)
     # one set (LAYER) or little work: a parallel region costs more than it saves
-    kernel = _select_kernel_par if nsets * scores.shape[0] >= 16384 else _select_kernel
-    kernel(np.asarray(scores, dtype=np.float32), int(init), int(pick),
-           recent_blocks(n_ctx, block_len, local), F, n_lb, sel, cnt)
+    _select_kernel(np.asarray(scores, dtype=np.float32), int(init), int(pick),
+                   recent_blocks(n_ctx, block_len, local), F, n_lb, sel, cnt,
+                   nsets * scores.shape[0] >= 16384)
     return sel, cnt
 
 

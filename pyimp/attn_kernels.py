@@ -1,0 +1,367 @@
+"""The Numba attention kernels over the paged KV cache and the helpers they are built from.
+
+Layout and masks: see :mod:`pyimp.attention` (KVCACHE.md section 2). Every
+kernel is built from four steps, each one function here:
+
+1. **load**: :func:`load_keys` / :func:`load_values` decode tokens ``[t0, t1)``
+   of one physical K / V block into float32 scratch (``kb`` ``[B*D]`` token-major,
+   ``vb`` ``[D*B]`` channel-major). This is the only place that knows how a
+   cached block is stored (fp16 bits or float32 today; the per-type block
+   decoders of quantized KV plug in here).
+2. **attend**: :func:`attend_block` folds one block into a running partial
+   (max ``m``, sum ``l``, un-normalized output ``o``) with the max-stabilized
+   rule of KVCACHE.md section 7 (online softmax).
+3. **merge**: :func:`merge_splits` merges the partials of the work items that
+   split one head's blocks.
+4. the kernels: :func:`decode_blocks` (decode attention of one query over a
+   list of logical blocks per head set: dense decode passes every block of the
+   window, block-sparse decode its selection, the recall diagnostic both),
+   :func:`prefill` and :func:`prefill_mass` (importance of a prompt chunk).
+
+Kernels that are cheap at small sizes take ``parallel`` (bool): the same
+kernel runs its outer loop with ``prange`` or serially (no thread-pool wake-up).
+"""
+from __future__ import annotations
+
+import llvmlite.binding as llvm_binding
+import numba
+import numpy as np
+from llvmlite import ir as llvm_ir
+from numba import prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+from loaders import jit
+
+jit.kernel_module(__file__)
+
+# Fast-math flags without nnan/ninf: reassociation lets LLVM vectorize the dot
+# products; -inf masks and NaN checks keep their IEEE meaning.
+FM = {"reassoc", "contract", "nsz"}
+
+# llvm.prefetch is overloaded on the pointer type: opaque pointers from LLVM 15 on
+_PREFETCH_NAME = ("llvm.prefetch.p0" if llvm_binding.llvm_version_info[0] >= 15
+                  else "llvm.prefetch.p0i8")
+
+
+@intrinsic
+def prefetch(typingctx, arr, idx):
+    """Cache-line prefetch hint for ``arr[idx]`` (no effect on results)."""
+    sig = types.void(arr, idx)
+
+    def codegen(context, builder, signature, args):
+        aryty = signature.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        ptr = cgutils.get_item_pointer(context, builder, aryty, ary, [args[1]], wraparound=False)
+        i8p = llvm_ir.IntType(8).as_pointer()
+        i32 = llvm_ir.IntType(32)
+        fnty = llvm_ir.FunctionType(llvm_ir.VoidType(), [i8p, i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, _PREFETCH_NAME)
+        # read access, high temporal locality, data cache
+        builder.call(fn, [builder.bitcast(ptr, i8p), llvm_ir.Constant(i32, 0),
+                          llvm_ir.Constant(i32, 3), llvm_ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def load_f32(src, start, n, dst, lut):
+    """dst[start:start+n] = float32 value of src[start:start+n] (fp16 bits via lut, or float32);
+    jitted code only (see the overload)."""
+
+
+@overload(load_f32)
+def _load_f32_ov(src, start, n, dst, lut):
+    if src.dtype == types.uint16:
+        def impl(src, start, n, dst, lut):
+            s = src[start:start + n]
+            d = dst[start:start + n]
+            for i in range(n):
+                d[i] = lut[s[i]]
+        return impl
+
+    def impl(src, start, n, dst, lut):
+        s = src[start:start + n]
+        d = dst[start:start + n]
+        for i in range(n):
+            d[i] = s[i]
+    return impl
+
+
+def default_splits(n_blocks: int, n_units: int, min_blocks: int) -> int:
+    """Splits of each work unit's blocks so that units*splits covers the threads ~4x over,
+    with at least ``min_blocks`` blocks per split."""
+    target = 4 * numba.get_num_threads()
+    return max(1, min(-(-target // max(n_units, 1)), n_blocks // min_blocks))
+
+
+# --------------------------------------------------------------------------
+# 1. load (the one place that knows how a cached block is stored)
+# --------------------------------------------------------------------------
+
+
+@jit.njit(fastmath=FM)
+def load_keys(kc, kvh, pb, t0, t1, D, kb, lut):
+    """kb[t*D:(t+1)*D] = float32 key of token t of physical block pb (kv head kvh), t in [t0, t1)."""
+    load_f32(kc[kvh, pb], t0 * D, (t1 - t0) * D, kb, lut)
+
+
+@jit.njit(fastmath=FM)
+def load_values(vc, kvh, pb, t0, t1, D, B, vb, lut):
+    """vb[d*B + t] = float32 channel d of the value of token t of physical block pb, t in [t0, t1)."""
+    vrow = vc[kvh, pb]
+    if t1 - t0 == B:  # full block: one contiguous decode
+        load_f32(vrow, 0, D * B, vb, lut)
+    else:
+        for d in range(D):
+            load_f32(vrow, d * B + t0, t1 - t0, vb, lut)
+
+
+@jit.njit(fastmath=FM)
+def prefetch_block(kc, vc, kvh, pb, pf_step):
+    """Hint the K and V rows of physical block pb (kv head kvh) into the cache."""
+    kn = kc[kvh, pb]
+    vn = vc[kvh, pb]
+    for e in range(0, kn.size, pf_step):
+        prefetch(kn, e)
+        prefetch(vn, e)
+
+
+# --------------------------------------------------------------------------
+# 2. attend, 3. merge
+# --------------------------------------------------------------------------
+
+
+@jit.njit(fastmath=FM)
+def dot(a, b, n):
+    acc = np.float32(0.0)
+    for d in range(n):
+        acc += a[d] * b[d]
+    return acc
+
+
+@jit.njit(fastmath=FM)
+def attend_block(qh, kb, vb, t0, t1, D, B, sc, s, o, m, l, j):
+    """Fold tokens [t0, t1) of a loaded block into partial j (m[j], l[j], o [D]) of query qh.
+
+    Leaves ``exp(score - m[j])`` of token t in s[t] (s: float32 [B] scratch).
+    """
+    bm = np.float32(-np.inf)
+    for t in range(t0, t1):
+        x = dot(qh, kb[t * D:(t + 1) * D], D) * sc
+        s[t] = x
+        if x > bm:
+            bm = x
+    if bm > m[j]:
+        alpha = np.float32(0.0)
+        if m[j] > -np.inf:
+            alpha = np.exp(m[j] - bm)
+        l[j] *= alpha
+        for d in range(D):
+            o[d] *= alpha
+        m[j] = bm
+    mj = m[j]
+    ls = np.float32(0.0)
+    for t in range(t0, t1):
+        e = np.exp(s[t] - mj)
+        s[t] = e
+        ls += e
+    l[j] += ls
+    sv = s[t0:t1]
+    for d in range(D):
+        o[d] += dot(sv, vb[d * B + t0:d * B + t1], t1 - t0)
+
+
+@jit.njit(fastmath=FM)
+def merge_splits(m_part, l_part, o_part, out, lse, M, L):
+    """Merge per-split partials [Hq, nsplit] into out [Hq, D] (normalized), lse [Hq] and the
+    merged max M / sum L [Hq] (serial: Hq*nsplit*D work)."""
+    Hq, nsplit, D = o_part.shape
+    for h in range(Hq):
+        mh = np.float32(-np.inf)
+        for sp in range(nsplit):
+            if m_part[h, sp] > mh:
+                mh = m_part[h, sp]
+        lh = np.float32(0.0)
+        out[h, :] = 0.0
+        for sp in range(nsplit):
+            if m_part[h, sp] > -np.inf:
+                f = np.exp(m_part[h, sp] - mh)
+                lh += l_part[h, sp] * f
+                for d in range(D):
+                    out[h, d] += o_part[h, sp, d] * f
+        if lh > 0.0:
+            inv = np.float32(1.0) / lh
+            for d in range(D):
+                out[h, d] *= inv
+        M[h] = mh
+        L[h] = lh
+        lse[h] = mh + np.log(lh)
+
+
+# --------------------------------------------------------------------------
+# 4. kernels
+# --------------------------------------------------------------------------
+
+
+@jit.njit(parallel=True, fastmath=FM)
+def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, out, lse, store,
+                  probs, pf_step):
+    """Decode attention of q [Hq, D] (position n_ctx - 1) over the logical blocks sel[si, :cnt[si]]
+    of head set si (query head h uses set ``h // (Hq // nsets)``); blocks of a set are distinct.
+
+    Work item = (unit, split of its blocks); a unit is the query heads of one kv head that share
+    a set (G heads with one set per kv head or fewer, one head per set otherwise). With ``store``,
+    probs [Hq, K, B] receives P of token t of the k-th block of h's set (0 outside the masks).
+    """
+    Hq, D = q.shape
+    Hkv = kc.shape[0]
+    B = kc.shape[2] // D
+    G = Hq // Hkv
+    hps = Hq // sel.shape[0]
+    nh = min(hps, G)
+    lo = max(0, n_ctx - window) if window > 0 else 0
+    sc = np.float32(scale)
+    Kw = sel.shape[1]
+    m_part = np.full((Hq, nsplit), -np.inf, np.float32)
+    l_part = np.zeros((Hq, nsplit), np.float32)
+    o_part = np.zeros((Hq, nsplit, D), np.float32)
+    bmax = np.empty((Hq, Kw), np.float32)
+    for w in prange(Hq // nh * nsplit):
+        h0, sp = (w // nsplit) * nh, w % nsplit
+        kvh = h0 // G
+        si = h0 // hps
+        per = (cnt[si] + nsplit - 1) // nsplit
+        k_beg = sp * per
+        k_end = min(cnt[si], k_beg + per)
+        kb = np.empty(B * D, np.float32)
+        vb = np.empty(D * B, np.float32)
+        s = np.empty((nh, B), np.float32)
+        m = np.full(nh, -np.inf, np.float32)
+        l = np.zeros(nh, np.float32)
+        o = np.zeros((nh, D), np.float32)
+        for k in range(k_beg, k_end):
+            if k + 1 < k_end:  # physical blocks need not be adjacent: prefetch the next one
+                prefetch_block(kc, vc, kvh, bt[sel[si, k + 1]], pf_step)
+            base = sel[si, k] * B
+            t0 = max(lo - base, 0)
+            t1 = max(min(n_ctx - base, B), t0)  # a fully masked block is an empty range
+            load_keys(kc, kvh, bt[sel[si, k]], t0, t1, D, kb, lut)
+            load_values(vc, kvh, bt[sel[si, k]], t0, t1, D, B, vb, lut)
+            for g in range(nh):
+                attend_block(q[h0 + g], kb, vb, t0, t1, D, B, sc, s[g], o[g], m, l, g)
+                if store:
+                    bmax[h0 + g, k] = m[g]
+                    for t in range(t0, t1):
+                        probs[h0 + g, k, t] = s[g, t]
+        for g in range(nh):
+            m_part[h0 + g, sp] = m[g]
+            l_part[h0 + g, sp] = l[g]
+            for d in range(D):
+                o_part[h0 + g, sp, d] = o[g, d]
+    M = np.empty(Hq, np.float32)
+    L = np.empty(Hq, np.float32)
+    merge_splits(m_part, l_part, o_part, out, lse, M, L)
+    if store:  # exp(s - block max) -> P, zero outside the masks and past cnt
+        for h in prange(Hq):
+            si = h // hps
+            for k in range(Kw):
+                pk = probs[h, k]
+                t0, t1 = 0, 0
+                if k < cnt[si]:
+                    t0 = max(lo - sel[si, k] * B, 0)
+                    t1 = min(n_ctx - sel[si, k] * B, B)
+                f = np.float32(0.0)
+                if t1 > t0 and L[h] > 0.0 and bmax[h, k] > -np.inf:
+                    f = np.exp(bmax[h, k] - M[h]) / L[h]
+                for t in range(B):
+                    pk[t] = pk[t] * f if t0 <= t < t1 else 0.0
+
+
+@jit.njit(parallel=True, fastmath=FM)
+def prefill(q, kc, vc, bt, pos0, scale, window, lut, tile, out, row_m, row_l):
+    """Flash-style prefill: work item = (query-row tile, kv head), online softmax over blocks."""
+    T, Hq, D = q.shape
+    Hkv = kc.shape[0]
+    B = kc.shape[2] // D
+    G = Hq // Hkv
+    ntile = (T + tile - 1) // tile
+    sc = np.float32(scale)
+    for w in prange(ntile * Hkv):
+        # pair cheap early tiles with expensive late ones across the static thread split
+        j = w // Hkv
+        kvh = w - j * Hkv
+        it = j // 2 if j % 2 == 0 else ntile - 1 - j // 2
+        i0 = it * tile
+        R = min(T, i0 + tile) - i0
+        p_hi = pos0 + i0 + R - 1
+        p_lo = max(0, pos0 + i0 - window + 1) if window > 0 else 0
+        kb = np.empty(B * D, np.float32)
+        vb = np.empty(D * B, np.float32)
+        s = np.empty((R * G, B), np.float32)
+        m = np.full(R * G, -np.inf, np.float32)
+        l = np.zeros(R * G, np.float32)
+        o = np.zeros((R * G, D), np.float32)
+        for lb in range(p_lo // B, p_hi // B + 1):
+            base = lb * B
+            t0 = max(p_lo - base, 0)
+            t1 = min(p_hi - base + 1, B)
+            load_keys(kc, kvh, bt[lb], t0, t1, D, kb, lut)
+            load_values(vc, kvh, bt[lb], t0, t1, D, B, vb, lut)
+            for r in range(R):
+                tt0, tt1 = _row_range(pos0 + i0 + r, window, base, t0, t1)
+                for g in range(G):
+                    if tt0 < tt1:
+                        attend_block(q[i0 + r, kvh * G + g], kb, vb, tt0, tt1, D, B, sc,
+                                     s[r * G + g], o[r * G + g], m, l, r * G + g)
+        for r in range(R):
+            for g in range(G):
+                jj = r * G + g
+                inv = np.float32(1.0) / l[jj]
+                for d in range(D):
+                    out[i0 + r, kvh * G + g, d] = o[jj, d] * inv
+                row_m[i0 + r, kvh * G + g] = m[jj]
+                row_l[i0 + r, kvh * G + g] = l[jj]
+
+
+@jit.njit
+def _row_range(pq, window, base, t0, t1):
+    """Tokens of [t0, t1) (block at position base) that the query at position pq sees."""
+    rlo = max(0, pq - window + 1) if window > 0 else 0
+    return max(rlo - base, t0), min(pq - base + 1, t1)
+
+
+@jit.njit(parallel=True, fastmath=FM)
+def prefill_mass(q, kc, bt, pos0, scale, window, lut, row_m, row_l, r0, new):
+    """new[h, p] = sum over rows r >= r0 of P[r, h, p], for keys p >= the first visible one.
+
+    Recomputes the scores of the observed rows per key block (work item =
+    (kv head, key block), so every output element has exactly one writer).
+    """
+    T, Hq, D = q.shape
+    Hkv = kc.shape[0]
+    B = kc.shape[2] // D
+    G = Hq // Hkv
+    n = pos0 + T
+    p_lo = max(0, pos0 + r0 - window + 1) if window > 0 else 0
+    lbA = p_lo // B
+    nb = (n + B - 1) // B - lbA
+    sc = np.float32(scale)
+    for w in prange(Hkv * nb):
+        kvh = w // nb
+        base = (lbA + w - kvh * nb) * B
+        t0 = max(p_lo - base, 0)
+        t1 = min(n - base, B)
+        kb = np.empty(B * D, np.float32)
+        load_keys(kc, kvh, bt[base // B], t0, t1, D, kb, lut)
+        acc = np.zeros((G, B), np.float32)
+        for r in range(r0, T):
+            tt0, tt1 = _row_range(pos0 + r, window, base, t0, t1)
+            for g in range(G):
+                h = kvh * G + g
+                inv = np.float32(1.0) / row_l[r, h]
+                for t in range(tt0, tt1):
+                    acc[g, t] += np.exp(dot(q[r, h], kb[t * D:(t + 1) * D], D) * sc - row_m[r, h]) * inv
+        for g in range(G):
+            for t in range(t0, t1):
+                new[kvh * G + g, base + t] = acc[g, t]
