@@ -216,12 +216,27 @@ class AnchorBuffer:
 
 
 @dataclass
-class _Stats:
+class DecodeStats:
+    """What the sparse decode steps did, per sparse layer (see :meth:`SparseState.report`)."""
+
     steps: int = 0
     recall_sum: dict = field(default_factory=dict)      # layer -> float64[Hq]
     recall_n: dict = field(default_factory=dict)        # layer -> sparse steps measured
     attended: dict = field(default_factory=dict)        # layer -> tokens attended (sum over steps, mean over sets)
     context: dict = field(default_factory=dict)         # layer -> context tokens (sum over steps)
+
+    def add(self, il: int, n_ctx: int, block_len: int, sel: np.ndarray, cnt: np.ndarray,
+            recall: np.ndarray | None) -> None:
+        """One sparse step of layer il: real tokens attended per set (a partial tail counts its
+        valid tokens), mean over sets; the recall per head if measured."""
+        if recall is not None:
+            self.recall_sum[il] = self.recall_sum.get(il, 0.0) + recall.astype(np.float64)
+            self.recall_n[il] = self.recall_n.get(il, 0) + 1
+        live = np.arange(sel.shape[1])[None, :] < cnt[:, None]
+        ntok = np.where(live, np.minimum(block_len, n_ctx - sel.astype(np.int64) * block_len), 0)
+        self.attended[il] = self.attended.get(il, 0.0) + float(ntok.sum(axis=1).mean())
+        self.context[il] = self.context.get(il, 0) + n_ctx
+
 
 
 class SparseState:
@@ -253,7 +268,8 @@ class SparseState:
         # dense kernel (the same result, faster); False runs the block-sparse kernels over every
         # block instead (to check them against dense attention at full budget)
         self.dense_fallback = True
-        self.stats = _Stats()
+        self.stats = DecodeStats()
+        self._observers: list = []   # see observe()
         # (step, layer, sorted logical block ids attended by set 0), the last SELECTION_HISTORY
         # decode steps of every sparse layer, for heatmaps
         self.selections: deque = deque(maxlen=SELECTION_HISTORY * max(len(self.sparse_layers), 1))
@@ -280,7 +296,7 @@ class SparseState:
             d[:] = False
         self._sel.clear()
         self._prefill = None
-        self.stats = _Stats()
+        self.stats = DecodeStats()
         self.selections.clear()
 
     def warmup(self) -> None:
@@ -404,54 +420,72 @@ class SparseState:
             np.arange(n_lb0, n_lb, dtype=np.int32)[None, :]
         return out, (cnt + extra).astype(np.int32)
 
+    # ------------------------------------------------------------ public API
+    def restore_prefix(self, importance: np.ndarray, n_ctx: int) -> None:
+        """Install the ``importance_`` a prefill of ``n_ctx`` tokens left (as saved by a caller
+        that rewinds the cache to that prefix) and recompute the anchors, as a prefill ends."""
+        self.importance_[...] = importance
+        self.after_prefill(n_ctx)
+
+    def observe(self, callback) -> None:
+        """Call ``callback(il, q, n_ctx, scale, window, sparse)`` after every decode attention;
+        ``sparse`` says whether layer il took the block-sparse path."""
+        self._observers.append(callback)
+
+    def is_sparse_step(self, il: int, n_ctx: int) -> bool:
+        """Does layer il take the block-sparse path with n_ctx tokens cached (new one included)?"""
+        o = self.opts
+        every = n_ctx // self.cache.block_len <= o.init_blocks + o.topk + o.local_blocks
+        return il in self._lead and not (every and self.dense_fallback)
+
     # --------------------------------------------------------------- decode
     def decode_attention(self, il: int, q: np.ndarray, n_ctx: int, scale: float, window: int,
                          out: np.ndarray) -> None:
         """Attention of the decode query q float32[Hq, D] of layer il into out float32[Hq, D]."""
         o, c = self.opts, self.cache
-        B = c.block_len
-        kc, vc = c.k_cache_fp16_[il], c.v_cache_fp16_[il]
-        bt = c.block_table[0]
+        kc, vc, bt = c.k_cache_fp16_[il], c.v_cache_fp16_[il], c.block_table[0]
         imp = self.importance_[il]
-        F = n_ctx // B
-        n_lb = -(-n_ctx // B)
-        every = F <= o.init_blocks + o.topk + o.local_blocks   # the selection would be every block
         if il in self._dirty:
-            self._dirty[il][n_lb - 1] = True      # the newest token's key joined this block
-        if il not in self._lead or (every and self.dense_fallback):
+            self._dirty[il][-(-n_ctx // c.block_len) - 1] = True   # the newest token's key joined it
+        sparse = self.is_sparse_step(il, n_ctx)
+        if not sparse:
             attention.attention_decode(q, kc, vc, bt, n_ctx, scale, window, out, importance=imp,
                                        decay=o.decay)
             self._mark(il, n_ctx, None, None)
-            return
-        lead = self._lead[il]
-        step = self.stats.steps
-        cached = self._sel.get(lead)
-        if every:
-            nsets = n_sets(self.retrieval_type, q.shape[0], self.n_head_kv)
-            sel = np.tile(np.arange(n_lb, dtype=np.int32), (nsets, 1))
-            cnt = np.full(nsets, n_lb, np.int32)
-        elif lead == il and (cached is None or step - cached[2] >= o.token_step):
-            # anchors are brought up to date right before retrieval reads them
-            sel, cnt = retrieve_blocks(q, self._fresh_anchors(il, n_ctx), bt, n_ctx, B,
-                                       self.n_head_kv, self.retrieval_type, o.init_blocks, o.topk,
-                                       o.local_blocks, self.anchor_type)
-            self._sel[lead] = (sel, cnt, step, n_lb)
         else:
-            sel, cnt = self._extend(cached, n_lb)
-        _, rec = sparse_attention_decode(q, kc, vc, bt, n_ctx, scale, window, sel, cnt, out,
-                                         importance=imp, decay=o.decay, recall=o.report)
-        self._mark(il, n_ctx, sel, cnt)
-        st = self.stats
-        if rec is not None:
-            st.recall_sum[il] = st.recall_sum.get(il, 0.0) + rec.astype(np.float64)
-            st.recall_n[il] = st.recall_n.get(il, 0) + 1
-        # real tokens attended per set (a partial tail counts its valid tokens), mean over sets
-        live = np.arange(sel.shape[1])[None, :] < cnt[:, None]
-        ntok = np.where(live, np.minimum(B, n_ctx - sel.astype(np.int64) * B), 0)
-        st.attended[il] = st.attended.get(il, 0.0) + float(ntok.sum(axis=1).mean())
-        st.context[il] = st.context.get(il, 0) + n_ctx
-        if o.report or o.track:
-            self.selections.append((step, il, np.unique(sel[0, :cnt[0]]).tolist()))
+            sel, cnt = self._selection(il, q, n_ctx)
+            _, rec = sparse_attention_decode(q, kc, vc, bt, n_ctx, scale, window, sel, cnt, out,
+                                             importance=imp, decay=o.decay, recall=o.report)
+            self._mark(il, n_ctx, sel, cnt)
+            self.stats.add(il, n_ctx, c.block_len, sel, cnt, rec)
+            self._record_selection(il, sel, cnt)
+        for cb in self._observers:
+            cb(il, q, n_ctx, scale, window, sparse)
+
+    def _selection(self, il: int, q: np.ndarray, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+        """The blocks layer il attends: every block at full budget, else its lead layer's cached
+        selection while fresh (plus the blocks started since), else a new retrieval."""
+        o, B = self.opts, self.cache.block_len
+        n_lb = -(-n_ctx // B)
+        if n_ctx // B <= o.init_blocks + o.topk + o.local_blocks:
+            nsets = n_sets(self.retrieval_type, q.shape[0], self.n_head_kv)
+            return (np.tile(np.arange(n_lb, dtype=np.int32), (nsets, 1)),
+                    np.full(nsets, n_lb, np.int32))
+        lead, step = self._lead[il], self.stats.steps
+        cached = self._sel.get(lead)
+        if lead == il and (cached is None or step - cached[2] >= o.token_step):
+            # anchors are brought up to date right before retrieval reads them
+            sel, cnt = retrieve_blocks(q, self._fresh_anchors(il, n_ctx), self.cache.block_table[0],
+                                       n_ctx, B, self.n_head_kv, self.retrieval_type,
+                                       o.init_blocks, o.topk, o.local_blocks, self.anchor_type)
+            self._sel[lead] = (sel, cnt, step, n_lb)
+            return sel, cnt
+        return self._extend(cached, n_lb)
+
+    def _record_selection(self, il: int, sel: np.ndarray, cnt: np.ndarray) -> None:
+        """Keep set 0's blocks of this step for heatmaps (with ``report`` or ``track``)."""
+        if self.opts.report or self.opts.track:
+            self.selections.append((self.stats.steps, il, np.unique(sel[0, :cnt[0]]).tolist()))
 
     # -------------------------------------------------------------- report
     def report(self) -> dict:

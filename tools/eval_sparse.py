@@ -211,24 +211,19 @@ class PrefixRunner:
                                               if k != "sparse"})
         st = SparseState(opts, eng.cfg, eng.cache)
         st.dense_fallback = config.dense_fallback
-        st.importance_[...] = self._importance
-        st.after_prefill(self.n_prefix)
+        st.restore_prefix(self._importance, self.n_prefix)
         eng.sparse = st
 
 
 def track_oracle(state, cache, config: SparseConfig, out: list) -> None:
-    """Make ``state.decode_attention`` also append the oracle recall of each sparse layer-step to out."""
-    inner = state.decode_attention
-    layers = set(state.sparse_layers)
-
-    def decode_attention(il, q, n_ctx, scale, window, att):
-        inner(il, q, n_ctx, scale, window, att)
-        if il in layers and window <= 0 and _is_sparse_step(n_ctx, cache.block_len, config):
+    """Make ``state`` also append the oracle recall of each sparse layer-step to out."""
+    def on_decode(il, q, n_ctx, scale, window, sparse):
+        if sparse and window <= 0:
             keys, _ = cache.gather(il, n_ctx)
             out.append(oracle_recall(q, keys, scale, cache.block_len, config.init_blocks, config.topk,
                                      config.local_blocks, config.retrieval))
 
-    state.decode_attention = decode_attention
+    state.observe(on_decode)
 
 
 def _decode(eng, ids: Sequence[int]) -> np.ndarray:
