@@ -94,10 +94,13 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.extending import intrinsic
 
+from . import jit
 from .ggml_types import TypeKernels
+
+jit.kernel_module(__file__)
 
 QT = GGMLQuantizationType
 QK_K = 256
@@ -124,19 +127,19 @@ def _fma_f32(typingctx, a, b, c):
     return sig, codegen
 
 
-@njit(inline="always", cache=True)
+@jit.njit(inline="always")
 def _f16(tab, q, o):
     """fp16 stored little endian at q[o], q[o+1] -> float32."""
     return tab[np.int64(q[o]) | (np.int64(q[o + 1]) << 8)]
 
 
-@njit(inline="always", cache=True)
+@jit.njit(inline="always")
 def _i8(v):
     """uint8 value -> its int8 reading, as int64."""
     return np.int64(v) - ((np.int64(v) & 128) << 1)
 
 
-@njit(inline="always", cache=True)
+@jit.njit(inline="always")
 def _scale_min_k4(q, o, s):
     """Q4_K/Q5_K 6-bit (scale, min) of sub-block s from the 12 bytes at q[o]."""
     if s < 4:
@@ -148,7 +151,7 @@ def _scale_min_k4(q, o, s):
     return sc, mn
 
 
-@njit(inline="always", cache=True)
+@jit.njit(inline="always")
 def _scale_q3_k(q, o, s):
     """Q3_K signed scale (-32..31) of sub-block s from the 12 bytes at q[o]."""
     lo = (np.int64(q[o + (s & 7)]) >> (4 * (s >> 3))) & 15
@@ -156,13 +159,13 @@ def _scale_q3_k(q, o, s):
     return (lo | (hi << 4)) - 32
 
 
-@njit(inline="always", cache=True)
+@jit.njit(inline="always")
 def _hsum8(a):
     """Horizontal sum of 8 float32 lanes in ggml's hsum_float_8 order."""
     return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
 
 
-@njit(inline="always", cache=True)
+@jit.njit(inline="always")
 def _block_lanes(w, y, tmp, lanes):
     """Exact lane sums of one block: lanes[k] = sum of w[e] * y[e] over (e % 32) // 4 == k.
 
@@ -181,7 +184,7 @@ def _block_lanes(w, y, tmp, lanes):
                     + (np.float64(tmp[4 * k + 2]) + np.float64(tmp[4 * k + 3])))
 
 
-@njit(cache=True)
+@jit.njit
 def _xsums(x, width):
     """float32 sums of x over consecutive groups of ``width`` elements (for the min terms)."""
     ng = x.shape[0] // width
@@ -196,7 +199,7 @@ def _xsums(x, width):
 
 # ------------------------------------------------------------------ Q8_K activations
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _quantize_q8_k(x, d, qs, bsums):
     """x float32[m, n] -> d float32[m, nb], qs int8[m, nb*256], bsums int16[m, nb*16].
 
@@ -302,7 +305,7 @@ def dequantize_act_q8_k(xq: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------ Q2_K
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _dequantize_q2_k(raw, out, f16):
     rows = raw.shape[0]
     nb = raw.shape[1] // 84
@@ -325,7 +328,7 @@ def _dequantize_q2_k(raw, out, f16):
                             o[i * QK_K + 128 * j + 32 * l + b] = dl * np.float32(v) - ml
 
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _matvec_q2_k(raw, x, out, f16):
     rows = raw.shape[0]
     nb = raw.shape[1] // 84
@@ -362,7 +365,7 @@ def _matvec_q2_k(raw, x, out, f16):
         out[r] = t - accm
 
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _matmul_ggml_q2_k(raw, yd, yf, ybs, out, f16):
     rows = raw.shape[0]
     m, nb = yd.shape
@@ -411,7 +414,7 @@ def _matmul_ggml_q2_k(raw, yd, yf, ybs, out, f16):
 
 # ------------------------------------------------------------------ Q3_K
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _dequantize_q3_k(raw, out, f16):
     rows = raw.shape[0]
     nb = raw.shape[1] // 110
@@ -434,7 +437,7 @@ def _dequantize_q3_k(raw, out, f16):
                             o[i * QK_K + 128 * j + 32 * l + b] = dl * np.float32(v)
 
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _matvec_q3_k(raw, x, out, f16):
     rows = raw.shape[0]
     nb = raw.shape[1] // 110
@@ -474,7 +477,7 @@ def _matvec_q3_k(raw, x, out, f16):
         out[r] = t
 
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _matmul_ggml_q3_k(raw, yd, yf, ybs, out, f16):
     rows = raw.shape[0]
     m, nb = yd.shape
@@ -519,7 +522,7 @@ def _matmul_ggml_q3_k(raw, yd, yf, ybs, out, f16):
 
 # ------------------------------------------------------------------ Q4_K
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _dequantize_q4_k(raw, out, f16):
     rows = raw.shape[0]
     nb = raw.shape[1] // 144
@@ -545,7 +548,7 @@ def _dequantize_q4_k(raw, out, f16):
                     o[xo + 32 + b] = d1 * np.float32(v >> 4) - dm1
 
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _matvec_q4_k(raw, x, out, f16):
     rows = raw.shape[0]
     nb = raw.shape[1] // 144
@@ -579,7 +582,7 @@ def _matvec_q4_k(raw, x, out, f16):
         out[r] = t - accm
 
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _matmul_ggml_q4_k(raw, yd, yf, ybs, out, f16):
     rows = raw.shape[0]
     m, nb = yd.shape
@@ -628,7 +631,7 @@ def _matmul_ggml_q4_k(raw, yd, yf, ybs, out, f16):
 
 # ------------------------------------------------------------------ Q5_K
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _dequantize_q5_k(raw, out, f16):
     rows = raw.shape[0]
     nb = raw.shape[1] // 176
@@ -655,7 +658,7 @@ def _dequantize_q5_k(raw, out, f16):
                     o[xo + 32 + b] = d1 * np.float32((v >> 4) | ((hb & 2) << 3)) - dm1
 
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _matvec_q5_k(raw, x, out, f16):
     rows = raw.shape[0]
     nb = raw.shape[1] // 176
@@ -691,7 +694,7 @@ def _matvec_q5_k(raw, x, out, f16):
         out[r] = t - accm
 
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _matmul_ggml_q5_k(raw, yd, yf, ybs, out, f16):
     rows = raw.shape[0]
     m, nb = yd.shape
@@ -743,7 +746,7 @@ def _matmul_ggml_q5_k(raw, yd, yf, ybs, out, f16):
 
 # ------------------------------------------------------------------ Q6_K
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _dequantize_q6_k(raw, out, f16):
     rows = raw.shape[0]
     nb = raw.shape[1] // 210
@@ -766,7 +769,7 @@ def _dequantize_q6_k(raw, out, f16):
                             o[i * QK_K + 128 * j + 32 * l + b] = dl * np.float32((lo | (hi << 4)) - 32)
 
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _matvec_q6_k(raw, x, out, f16):
     rows = raw.shape[0]
     nb = raw.shape[1] // 210
@@ -808,7 +811,7 @@ def _matvec_q6_k(raw, x, out, f16):
         out[r] = t
 
 
-@njit(parallel=True, cache=True)
+@jit.njit(parallel=True)
 def _matmul_ggml_q6_k(raw, yd, yf, ybs, out, f16):
     rows = raw.shape[0]
     m, nb = yd.shape

@@ -42,11 +42,14 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType
 from llvmlite import ir
-from numba import njit, prange, types
+from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import jit
 from .ggml_types import TypeKernels
+
+jit.kernel_module(__file__)
 
 QT = GGMLQuantizationType
 
@@ -97,7 +100,7 @@ def _bits_f32(typingctx, a):
     return sig, codegen
 
 
-@njit(cache=True, inline="always")
+@jit.njit(inline="always")
 def _f32_to_f16_bits(f):
     """float32 -> IEEE half bits, round to nearest even (as F16C ``vcvtps2ph`` and NumPy)."""
     b = np.uint32(_f32_bits(np.float32(f)))
@@ -129,7 +132,7 @@ def _f32_to_f16_bits(f):
     return np.uint16(sign | h)
 
 
-@njit(cache=True, inline="always")
+@jit.njit(inline="always")
 def _f32_to_bf16_bits(f):
     """float32 -> bfloat16 bits as ggml_compute_fp32_to_bf16 (nearest even, nan made quiet)."""
     b = np.uint32(_f32_bits(np.float32(f)))
@@ -138,27 +141,27 @@ def _f32_to_bf16_bits(f):
     return np.uint16((b + (0x7FFF + ((b >> 16) & 1))) >> 16)
 
 
-@njit(cache=True, inline="always")
+@jit.njit(inline="always")
 def _i8(u):
     """uint8 byte -> signed value (int32)."""
     v = np.int32(u)
     return v - ((v & 0x80) << 1)
 
 
-@njit(cache=True, inline="always")
+@jit.njit(inline="always")
 def _u16(w, o):
     """Little-endian uint16 at byte offset o of a uint8 row."""
     return np.int32(w[o]) | (np.int32(w[o + 1]) << 8)
 
 
-@njit(cache=True, inline="always")
+@jit.njit(inline="always")
 def _u32(w, o):
     """Little-endian uint32 at byte offset o of a uint8 row."""
     return (np.uint32(w[o]) | (np.uint32(w[o + 1]) << 8)
             | (np.uint32(w[o + 2]) << 16) | (np.uint32(w[o + 3]) << 24))
 
 
-@njit(cache=True, inline="always")
+@jit.njit(inline="always")
 def _hsum8(a):
     """ggml hsum_float_8 order: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))."""
     r0 = a[4] + a[0]
@@ -168,7 +171,7 @@ def _hsum8(a):
     return (r0 + r2) + (r1 + r3)
 
 
-@njit(cache=True, inline="always")
+@jit.njit(inline="always")
 def _reduce16(a, o):
     """_mm512_reduce_add_ps order (GCC) over a[o:o+16]."""
     t0 = a[o + 8] + a[o + 0]
@@ -186,7 +189,7 @@ def _reduce16(a, o):
     return (u0 + u2) + (u1 + u3)
 
 
-@njit(cache=True, inline="always")
+@jit.njit(inline="always")
 def _lanes_sum32(acc):
     """Sum of 32 float32 lane accumulators, pairwise (fixed order)."""
     for w in (16, 8, 4, 2, 1):
@@ -200,7 +203,7 @@ def _lanes_sum32(acc):
 # ---------------------------------------------------------------------------------------
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _quantize_act_q8(x, out, with_sum):
     """x: float32[m, n] -> Q8_0 (with_sum False) or Q8_1 (True) blocks in out: uint8[m, bytes]."""
     m, n = x.shape
@@ -232,7 +235,7 @@ def _quantize_act_q8(x, out, with_sum):
                 out[i, o + 3] = np.uint8(hs >> 8)
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _convert_act_f16(x, out):
     """x: float32[m, n] -> fp16 bits uint16[m, n] (round to nearest even)."""
     m, n = x.shape
@@ -241,7 +244,7 @@ def _convert_act_f16(x, out):
             out[i, j] = _f32_to_f16_bits(x[i, j])
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _convert_act_bf16(x, out):
     """x: float32[m, n] -> bf16 bits uint16[m, n] (ggml rounding)."""
     m, n = x.shape
@@ -305,7 +308,7 @@ def convert_act_f32(x: np.ndarray) -> np.ndarray:
 # ---------------------------------------------------------------------------------------
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _dequantize_f16(h, out, f16):
     """h: uint16[rows, n] fp16 bits -> out float32[rows, n]."""
     rows, n = h.shape
@@ -314,7 +317,7 @@ def _dequantize_f16(h, out, f16):
             out[r, j] = f16[h[r, j]]
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _dequantize_bf16(h, out):
     """h: uint16[rows, n] bf16 bits -> out float32[rows, n]."""
     rows, n = h.shape
@@ -323,7 +326,7 @@ def _dequantize_bf16(h, out):
             out[r, j] = _bits_f32(np.uint32(h[r, j]) << 16)
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _matvec_f32(w, x, out):
     """w: float32[rows, n], x: float32[n] -> out float32[rows]."""
     rows, n = w.shape
@@ -341,7 +344,7 @@ def _matvec_f32(w, x, out):
         out[r] = _lanes_sum32(acc)
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _matvec_f16(h, x, out, f16):
     """h: uint16[rows, n] fp16 bits, x: float32[n] -> out float32[rows]."""
     rows, n = h.shape
@@ -359,7 +362,7 @@ def _matvec_f16(h, x, out, f16):
         out[r] = _lanes_sum32(acc)
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _matvec_bf16(h, x, out):
     """h: uint16[rows, n] bf16 bits, x: float32[n] -> out float32[rows]."""
     rows, n = h.shape
@@ -377,7 +380,7 @@ def _matvec_bf16(h, x, out):
         out[r] = _lanes_sum32(acc)
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _matmul_ggml_f32(w, xa, out):
     """ggml_vec_dot_f32 (AVX-512): 4x16 FMA lanes, reduce, tail. w: float32[rows, n], xa: float32[m, n]."""
     rows, n = w.shape
@@ -407,7 +410,7 @@ def _matmul_ggml_f32(w, xa, out):
             out[i, r] = s
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _matmul_ggml_f16(h, ha, out, f16):
     """ggml_vec_dot_f16 (AVX-512, no FP16 arithmetic): 4x16 FMA lanes, double tail.
 
@@ -433,7 +436,7 @@ def _matmul_ggml_f16(h, ha, out, f16):
             out[i, r] = np.float32(s)
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _matmul_ggml_bf16(h, ha, out):
     """ggml_vec_dot_bf16 (AVX512-BF16): two 16-lane vdpbf16ps accumulators, double tail.
 
@@ -516,7 +519,7 @@ def matmul_ggml_bf16(raw: np.ndarray, xa: np.ndarray, out: np.ndarray) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _dequantize_q4_0(raw, out, f16):
     rows = raw.shape[0]
     nb = out.shape[1] // 32
@@ -531,7 +534,7 @@ def _dequantize_q4_0(raw, out, f16):
                 out[r, b * 32 + 16 + j] = d * np.float32((v >> 4) - 8)
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _matvec_q4_0(raw, x, out, f16):
     rows = raw.shape[0]
     nb = x.shape[0] // 32
@@ -569,7 +572,7 @@ def matmul_ggml_q4_0(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _dequantize_q4_1(raw, out, f16):
     rows = raw.shape[0]
     nb = out.shape[1] // 32
@@ -585,7 +588,7 @@ def _dequantize_q4_1(raw, out, f16):
                 out[r, b * 32 + 16 + j] = d * np.float32(v >> 4) + mn
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _matvec_q4_1(raw, x, out, f16):
     rows = raw.shape[0]
     nb = x.shape[0] // 32
@@ -624,7 +627,7 @@ def matmul_ggml_q4_1(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _dequantize_q5_0(raw, out, f16):
     rows = raw.shape[0]
     nb = out.shape[1] // 32
@@ -642,7 +645,7 @@ def _dequantize_q5_0(raw, out, f16):
                 out[r, b * 32 + 16 + j] = d * np.float32(hi - 16)
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _matvec_q5_0(raw, x, out, f16):
     rows = raw.shape[0]
     nb = x.shape[0] // 32
@@ -683,7 +686,7 @@ def matmul_ggml_q5_0(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _dequantize_q5_1(raw, out, f16):
     rows = raw.shape[0]
     nb = out.shape[1] // 32
@@ -702,7 +705,7 @@ def _dequantize_q5_1(raw, out, f16):
                 out[r, b * 32 + 16 + j] = d * np.float32(hi) + mn
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _matvec_q5_1(raw, x, out, f16):
     rows = raw.shape[0]
     nb = x.shape[0] // 32
@@ -744,7 +747,7 @@ def matmul_ggml_q5_1(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
 # ---------------------------------------------------------------------------------------
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _dequantize_q8_0(raw, out, f16):
     rows = raw.shape[0]
     nb = out.shape[1] // 32
@@ -757,7 +760,7 @@ def _dequantize_q8_0(raw, out, f16):
                 out[r, b * 32 + k] = np.float32(_i8(w[o + 2 + k])) * d
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _matvec_q8_0(raw, x, out, f16):
     rows = raw.shape[0]
     nb = x.shape[0] // 32
@@ -797,7 +800,7 @@ _KIND_Q4_0, _KIND_Q4_1, _KIND_Q5_0, _KIND_Q5_1, _KIND_Q8_0 = 0, 1, 2, 3, 4
 _ROW_CHUNKS = 64
 
 
-@njit(cache=True, inline="always")
+@jit.njit(inline="always")
 def _decode_row_ints(w, kind, qw, dw, mw, f16):
     """One weight row -> integer quants qw: int8[nb*32] (as the SIMD code sees them:
     q-8 / q-16 for Q4_0 / Q5_0, raw 0..15 / 0..31 for Q4_1 / Q5_1), d: dw[nb], m: mw[nb]."""
@@ -834,7 +837,7 @@ def _decode_row_ints(w, kind, qw, dw, mw, f16):
                 q[16 + j] = ((v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4)) - off
 
 
-@njit(cache=True, inline="always")
+@jit.njit(inline="always")
 def _ggml_blocks_row(w, r, kind, with_min, aq, ad, asum, out, f16, qw, dw, mw, isum, acc):
     """One weight row of _matmul_ggml_blocks_kernel against all activation rows."""
     m = aq.shape[0]
@@ -861,7 +864,7 @@ def _ggml_blocks_row(w, r, kind, with_min, aq, ad, asum, out, f16, qw, dw, mw, i
             out[i, r] = _hsum8(acc)
 
 
-@njit(cache=True, parallel=True)
+@jit.njit(parallel=True)
 def _matmul_ggml_blocks_kernel(raw, aq, ad, asum, out, f16, kind):
     """ggml vec_dot of Q4_0/Q5_0/Q8_0 x Q8_0 and Q4_1/Q5_1 x Q8_1 (AVX2 code paths).
 
