@@ -141,9 +141,10 @@ def test_configuration_beyond_memory_is_one_error(llama, monkeypatch):
         Engine(llama, EngineOptions(n_ctx=10_000_000))
     msg = str(ei.value)
     assert "\n" not in msg and "context 10000000" in msg and "1.0 GiB" in msg and "PYIMP_MEMORY_LIMIT" in msg
+    # K/V of 2M tokens: 732 MiB, fits; DYNAMIC anchors with a slot per token double it
     with pytest.raises(InsufficientMemoryError, match="importance and anchors"):
-        Engine(llama, EngineOptions(n_ctx=64, sparse=SparseOptions(enabled=True, anchor="fixed",
-                                                                  anchor_num=100_000_000)))
+        Engine(llama, EngineOptions(n_ctx=2_000_000, sparse=SparseOptions(enabled=True, anchor="dynamic",
+                                                                         anchor_num=32)))
     monkeypatch.setenv("PYIMP_MEMORY_LIMIT", "lots")
     with pytest.raises(ValueError, match="PYIMP_MEMORY_LIMIT='lots'"):
         Engine(llama, EngineOptions(n_ctx=64))
