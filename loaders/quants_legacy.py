@@ -235,22 +235,23 @@ def _quantize_act_q8(x, out, with_sum):
                 out[i, o + 3] = np.uint8(hs >> 8)
 
 
-@jit.njit(parallel=True)
-def _convert_act_f16(x, out):
-    """x: float32[m, n] -> fp16 bits uint16[m, n] (round to nearest even)."""
+@jit.njit(inline="always")
+def _encode_elems(x, out, encode):
+    """x: float32[m, n] -> out uint16[m, n] bit patterns, element by element."""
     m, n = x.shape
     for i in prange(m):
         for j in range(n):
-            out[i, j] = _f32_to_f16_bits(x[i, j])
+            out[i, j] = encode(x[i, j])
+
+
+@jit.njit(parallel=True)
+def _convert_act_f16(x, out):
+    _encode_elems(x, out, _f32_to_f16_bits)
 
 
 @jit.njit(parallel=True)
 def _convert_act_bf16(x, out):
-    """x: float32[m, n] -> bf16 bits uint16[m, n] (ggml rounding)."""
-    m, n = x.shape
-    for i in prange(m):
-        for j in range(n):
-            out[i, j] = _f32_to_bf16_bits(x[i, j])
+    _encode_elems(x, out, _f32_to_bf16_bits)
 
 
 def _as_2d_f32(x: np.ndarray) -> np.ndarray:
@@ -262,40 +263,41 @@ def _as_2d_f32(x: np.ndarray) -> np.ndarray:
     return x
 
 
-def quantize_act_q8_0(x: np.ndarray) -> np.ndarray:
-    """float32[m, n] -> Q8_0 blocks uint8[m, n//32*34], bytes as ggml's CPU quantize_row_q8_0."""
+def _quantize_act_blocks(x: np.ndarray, with_sum: bool) -> np.ndarray:
+    name, bsz = ("Q8_1", 36) if with_sum else ("Q8_0", 34)
     x = _as_2d_f32(x)
     if x.shape[1] % 32:
-        raise ValueError(f"Q8_0 activations need n % 32 == 0, got n={x.shape[1]}")
-    out = np.empty((x.shape[0], x.shape[1] // 32 * 34), dtype=np.uint8)
-    _quantize_act_q8(x, out, False)
+        raise ValueError(f"{name} activations need n % 32 == 0, got n={x.shape[1]}")
+    out = np.empty((x.shape[0], x.shape[1] // 32 * bsz), dtype=np.uint8)
+    _quantize_act_q8(x, out, with_sum)
     return out
+
+
+def quantize_act_q8_0(x: np.ndarray) -> np.ndarray:
+    """float32[m, n] -> Q8_0 blocks uint8[m, n//32*34], bytes as ggml's CPU quantize_row_q8_0."""
+    return _quantize_act_blocks(x, False)
 
 
 def quantize_act_q8_1(x: np.ndarray) -> np.ndarray:
     """float32[m, n] -> Q8_1 blocks uint8[m, n//32*36], bytes as ggml's CPU quantize_row_q8_1."""
+    return _quantize_act_blocks(x, True)
+
+
+def _encode_act(x: np.ndarray, kernel) -> np.ndarray:
     x = _as_2d_f32(x)
-    if x.shape[1] % 32:
-        raise ValueError(f"Q8_1 activations need n % 32 == 0, got n={x.shape[1]}")
-    out = np.empty((x.shape[0], x.shape[1] // 32 * 36), dtype=np.uint8)
-    _quantize_act_q8(x, out, True)
-    return out
+    out = np.empty(x.shape, dtype=np.uint16)
+    kernel(x, out)
+    return out.view(np.uint8)
 
 
 def convert_act_f16(x: np.ndarray) -> np.ndarray:
     """float32[m, n] -> fp16 bytes uint8[m, 2n] (ggml_cpu_fp32_to_fp16: nearest even)."""
-    x = _as_2d_f32(x)
-    out = np.empty(x.shape, dtype=np.uint16)
-    _convert_act_f16(x, out)
-    return out.view(np.uint8)
+    return _encode_act(x, _convert_act_f16)
 
 
 def convert_act_bf16(x: np.ndarray) -> np.ndarray:
     """float32[m, n] -> bf16 bytes uint8[m, 2n] (ggml_cpu_fp32_to_bf16)."""
-    x = _as_2d_f32(x)
-    out = np.empty(x.shape, dtype=np.uint16)
-    _convert_act_bf16(x, out)
-    return out.view(np.uint8)
+    return _encode_act(x, _convert_act_bf16)
 
 
 def convert_act_f32(x: np.ndarray) -> np.ndarray:
@@ -304,102 +306,302 @@ def convert_act_f32(x: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------------------
-# F32 / F16 / BF16
+# Decoders: the only code that knows each type's bit layout. Every kernel below is a
+# generic driver specialized (inlined) with one type's decoder.
+#
+# Float types decode one element:  elem(h, k, f16) -> float32 value of element k of row h
+# Block types (32 elements) decode a block at byte offset o of a row w in two steps:
+#   head(w, o, f16)   -> (d, m, aux)        scale, minimum (0 for the types without one),
+#                                           per-block bits the quants need (Q5: qh)
+#   pair(w, o, aux, j) -> (q[j], q[j+16])   integer quants for j in 0..15, offsets applied
+# and element k is d * q[k] (+ m for the types with a minimum): the float32 operations
+# of gguf.quants.dequantize, so dequantization is bit-identical.
+# ---------------------------------------------------------------------------------------
+
+
+@jit.njit(inline="always")
+def _elem_f32(w, k, f16):
+    return w[k]
+
+
+@jit.njit(inline="always")
+def _elem_f16(h, k, f16):
+    return f16[h[k]]
+
+
+@jit.njit(inline="always")
+def _elem_bf16(h, k, f16):
+    return _bits_f32(np.uint32(h[k]) << 16)
+
+
+@jit.njit(inline="always")
+def _head_d(w, o, f16):
+    """Q4_0 / Q8_0: d: f16."""
+    return f16[_u16(w, o)], _F32_0, np.uint32(0)
+
+
+@jit.njit(inline="always")
+def _head_dm(w, o, f16):
+    """Q4_1: d: f16 | m: f16."""
+    return f16[_u16(w, o)], f16[_u16(w, o + 2)], np.uint32(0)
+
+
+@jit.njit(inline="always")
+def _head_d_qh(w, o, f16):
+    """Q5_0: d: f16 | qh: u32."""
+    return f16[_u16(w, o)], _F32_0, _u32(w, o + 2)
+
+
+@jit.njit(inline="always")
+def _head_dm_qh(w, o, f16):
+    """Q5_1: d: f16 | m: f16 | qh: u32."""
+    return f16[_u16(w, o)], f16[_u16(w, o + 2)], _u32(w, o + 4)
+
+
+@jit.njit(inline="always")
+def _pair_q4_0(w, o, aux, j):
+    """qs: u8[16] at o+2: low nibbles are q[0:16], high nibbles q[16:32]; minus 8."""
+    v = np.int32(w[o + 2 + j])
+    return (v & 0xF) - 8, (v >> 4) - 8
+
+
+@jit.njit(inline="always")
+def _pair_q4_1(w, o, aux, j):
+    """qs: u8[16] at o+4, nibbles as Q4_0, unsigned."""
+    v = np.int32(w[o + 4 + j])
+    return v & 0xF, v >> 4
+
+
+@jit.njit(inline="always")
+def _q5(v, qh, j):
+    """Q5 quants j and j+16 from a qs byte and the 32 high bits."""
+    return ((v & 0xF) | (np.int32((qh >> j) & 1) << 4),
+            (v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4))
+
+
+@jit.njit(inline="always")
+def _pair_q5_0(w, o, qh, j):
+    """qs: u8[16] at o+6, the fifth bit of q[k] is bit k of qh; minus 16."""
+    lo, hi = _q5(np.int32(w[o + 6 + j]), qh, j)
+    return lo - 16, hi - 16
+
+
+@jit.njit(inline="always")
+def _pair_q5_1(w, o, qh, j):
+    """qs: u8[16] at o+8, as Q5_0, unsigned."""
+    return _q5(np.int32(w[o + 8 + j]), qh, j)
+
+
+@jit.njit(inline="always")
+def _pair_q8_0(w, o, aux, j):
+    """qs: i8[32] at o+2."""
+    return _i8(w[o + 2 + j]), _i8(w[o + 18 + j])
+
+
+@jit.njit(inline="always")
+def _weight(d, m, q, has_min):
+    return d * np.float32(q) + m if has_min else d * np.float32(q)
+
+
+# ---------------------------------------------------------------------------------------
+# generic drivers (inlined into the per-type kernels)
+# ---------------------------------------------------------------------------------------
+
+
+@jit.njit(inline="always")
+def _dequantize_elems(h, out, f16, elem):
+    """h: [rows, n] elements -> out float32[rows, n]."""
+    rows, n = h.shape
+    for r in prange(rows):
+        hr = h[r]
+        for j in range(n):
+            out[r, j] = elem(hr, j, f16)
+
+
+@jit.njit(inline="always")
+def _matvec_elems(h, x, out, f16, elem):
+    """fp32 numerics, 32 lane accumulators: h [rows, n], x float32[n] -> out float32[rows]."""
+    rows, n = h.shape
+    n32 = n // 32 * 32
+    for r in prange(rows):
+        hr = h[r]
+        acc = np.zeros(32, np.float32)
+        for j0 in range(0, n32, 32):
+            hb = hr[j0:j0 + 32]
+            xb = x[j0:j0 + 32]
+            for k in range(32):
+                acc[k] += elem(hb, k, f16) * xb[k]
+        for j in range(n32, n):
+            acc[j - n32] += elem(hr, j, f16) * x[j]
+        out[r] = _lanes_sum32(acc)
+
+
+@jit.njit(inline="always")
+def _dequantize_blocks(raw, out, f16, head, pair, bsz, has_min):
+    """raw: uint8[rows, nb*bsz] -> out float32[rows, nb*32]."""
+    rows = raw.shape[0]
+    nb = out.shape[1] // 32
+    for r in prange(rows):
+        w = raw[r]
+        for b in range(nb):
+            o = b * bsz
+            d, m, aux = head(w, o, f16)
+            for j in range(16):
+                lo, hi = pair(w, o, aux, j)
+                out[r, b * 32 + j] = _weight(d, m, lo, has_min)
+                out[r, b * 32 + 16 + j] = _weight(d, m, hi, has_min)
+
+
+@jit.njit(inline="always")
+def _matvec_blocks(raw, x, out, f16, head, pair, bsz, has_min):
+    """fp32 numerics: each weight the exact dequantized value, 32 lane accumulators."""
+    rows = raw.shape[0]
+    nb = x.shape[0] // 32
+    for r in prange(rows):
+        w = raw[r]
+        acc = np.zeros(32, np.float32)
+        for b in range(nb):
+            o = b * bsz
+            d, m, aux = head(w, o, f16)
+            xo = b * 32
+            for j in range(16):
+                lo, hi = pair(w, o, aux, j)
+                acc[j] += _weight(d, m, lo, has_min) * x[xo + j]
+                acc[16 + j] += _weight(d, m, hi, has_min) * x[xo + 16 + j]
+        out[r] = _lanes_sum32(acc)
+
+
+@jit.njit(inline="always")
+def _ggml_lanes64(wr, ar, npart, acc, f16, elem):
+    """ggml_vec_dot_f32 / _f16 (AVX-512) main part: 4x16 FMA lanes over the first npart
+    elements, folded 64 -> 16 and reduced as _mm512_reduce_add_ps."""
+    acc[:] = 0
+    for j0 in range(0, npart, 64):
+        for k in range(64):
+            acc[k] = _fma32(elem(wr, j0 + k, f16), elem(ar, j0 + k, f16), acc[k])
+    for k in range(16):
+        acc[k] = acc[k] + acc[32 + k]
+        acc[16 + k] = acc[16 + k] + acc[48 + k]
+    for k in range(16):
+        acc[k] = acc[k] + acc[16 + k]
+    return _reduce16(acc, 0)
+
+
+@jit.njit(inline="always")
+def _decode_ints(w, qw, dw, mw, f16, head, pair, bsz):
+    """A weight row -> integer quants qw int8[nb*32] (as the SIMD code sees them), d, m."""
+    for b in range(dw.shape[0]):
+        o = b * bsz
+        d, mn, aux = head(w, o, f16)
+        dw[b] = d
+        mw[b] = mn
+        q = qw[b * 32:b * 32 + 32]
+        for j in range(16):
+            lo, hi = pair(w, o, aux, j)
+            q[j] = lo
+            q[16 + j] = hi
+
+
+@jit.njit(inline="always")
+def _decode_row_ints(w, kind, qw, dw, mw, f16):
+    if kind == _KIND_Q4_0:
+        _decode_ints(w, qw, dw, mw, f16, _head_d, _pair_q4_0, 18)
+    elif kind == _KIND_Q4_1:
+        _decode_ints(w, qw, dw, mw, f16, _head_dm, _pair_q4_1, 20)
+    elif kind == _KIND_Q5_0:
+        _decode_ints(w, qw, dw, mw, f16, _head_d_qh, _pair_q5_0, 22)
+    elif kind == _KIND_Q5_1:
+        _decode_ints(w, qw, dw, mw, f16, _head_dm_qh, _pair_q5_1, 24)
+    else:
+        _decode_ints(w, qw, dw, mw, f16, _head_d, _pair_q8_0, 34)
+
+
+@jit.njit(parallel=True)
+def _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, kind):
+    """ggml vec_dot of Q4_0/Q5_0/Q8_0 x Q8_0 and Q4_1/Q5_1 x Q8_1 (AVX2 code paths).
+
+    raw: uint8[rows, row_bytes]; aq: int8[m, n] activation quants; ad: float32[m, nb] their d;
+    asum: float32[m, nb] their s (Q8_1 only); out: float32[m, rows]. A weight row is decoded
+    once to integer quants, then per activation row and block: 8 int32 lanes of 4 products,
+    acc[lane] = fma(d_w * d_a, lane, acc[lane]); the result is hsum_float_8(acc), plus
+    sum_b fma(m_w, s_a) for the types with a minimum. One kernel for the five types: the
+    type (``kind``) only selects the row decoder."""
+    rows = raw.shape[0]
+    m = aq.shape[0]
+    nb = ad.shape[1]
+    has_min = kind == _KIND_Q4_1 or kind == _KIND_Q5_1
+    nchunk = min(rows, _ROW_CHUNKS)
+    for c in prange(nchunk):
+        # scratch per chunk of rows, not per row
+        qw = np.empty(nb * 32, np.int8)
+        dw = np.empty(nb, np.float32)
+        mw = np.zeros(nb, np.float32)
+        isum = np.empty(nb * 8, np.int32)
+        acc = np.empty(8, np.float32)
+        for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
+            _decode_row_ints(raw[r], kind, qw, dw, mw, f16)
+            for i in range(m):
+                a = aq[i]
+                for j in range(nb * 8):
+                    k = 4 * j
+                    isum[j] = (np.int32(qw[k]) * np.int32(a[k]) + np.int32(qw[k + 1]) * np.int32(a[k + 1])
+                               + np.int32(qw[k + 2]) * np.int32(a[k + 2])
+                               + np.int32(qw[k + 3]) * np.int32(a[k + 3]))
+                acc[:] = 0
+                summs = _F32_0
+                for b in range(nb):
+                    d = dw[b] * ad[i, b]
+                    if has_min:
+                        summs = _fma32(mw[b], asum[i, b], summs)
+                    for lane in range(8):
+                        acc[lane] = _fma32(d, np.float32(isum[8 * b + lane]), acc[lane])
+                out[i, r] = _hsum8(acc) + summs if has_min else _hsum8(acc)
+
+
+_KIND_Q4_0, _KIND_Q4_1, _KIND_Q5_0, _KIND_Q5_1, _KIND_Q8_0 = 0, 1, 2, 3, 4
+# prange work items of the ggml block kernels: contiguous row ranges sharing one scratch allocation
+_ROW_CHUNKS = 64
+
+# ---------------------------------------------------------------------------------------
+# per-type kernels: one line each, a driver with the type's decoder
 # ---------------------------------------------------------------------------------------
 
 
 @jit.njit(parallel=True)
 def _dequantize_f16(h, out, f16):
-    """h: uint16[rows, n] fp16 bits -> out float32[rows, n]."""
-    rows, n = h.shape
-    for r in prange(rows):
-        for j in range(n):
-            out[r, j] = f16[h[r, j]]
+    _dequantize_elems(h, out, f16, _elem_f16)
 
 
 @jit.njit(parallel=True)
-def _dequantize_bf16(h, out):
-    """h: uint16[rows, n] bf16 bits -> out float32[rows, n]."""
-    rows, n = h.shape
-    for r in prange(rows):
-        for j in range(n):
-            out[r, j] = _bits_f32(np.uint32(h[r, j]) << 16)
+def _dequantize_bf16(h, out, f16):
+    _dequantize_elems(h, out, f16, _elem_bf16)
 
 
 @jit.njit(parallel=True)
-def _matvec_f32(w, x, out):
-    """w: float32[rows, n], x: float32[n] -> out float32[rows]."""
-    rows, n = w.shape
-    n32 = n // 32 * 32
-    for r in prange(rows):
-        wr = w[r]
-        acc = np.zeros(32, np.float32)
-        for j0 in range(0, n32, 32):
-            wb = wr[j0:j0 + 32]
-            xb = x[j0:j0 + 32]
-            for k in range(32):
-                acc[k] += wb[k] * xb[k]
-        for j in range(n32, n):
-            acc[j - n32] += wr[j] * x[j]
-        out[r] = _lanes_sum32(acc)
+def _matvec_f32(w, x, out, f16):
+    _matvec_elems(w, x, out, f16, _elem_f32)
 
 
 @jit.njit(parallel=True)
 def _matvec_f16(h, x, out, f16):
-    """h: uint16[rows, n] fp16 bits, x: float32[n] -> out float32[rows]."""
-    rows, n = h.shape
-    n32 = n // 32 * 32
-    for r in prange(rows):
-        hr = h[r]
-        acc = np.zeros(32, np.float32)
-        for j0 in range(0, n32, 32):
-            hb = hr[j0:j0 + 32]
-            xb = x[j0:j0 + 32]
-            for k in range(32):
-                acc[k] += f16[hb[k]] * xb[k]
-        for j in range(n32, n):
-            acc[j - n32] += f16[hr[j]] * x[j]
-        out[r] = _lanes_sum32(acc)
+    _matvec_elems(h, x, out, f16, _elem_f16)
 
 
 @jit.njit(parallel=True)
-def _matvec_bf16(h, x, out):
-    """h: uint16[rows, n] bf16 bits, x: float32[n] -> out float32[rows]."""
-    rows, n = h.shape
-    n32 = n // 32 * 32
-    for r in prange(rows):
-        hr = h[r]
-        acc = np.zeros(32, np.float32)
-        for j0 in range(0, n32, 32):
-            hb = hr[j0:j0 + 32]
-            xb = x[j0:j0 + 32]
-            for k in range(32):
-                acc[k] += _bits_f32(np.uint32(hb[k]) << 16) * xb[k]
-        for j in range(n32, n):
-            acc[j - n32] += _bits_f32(np.uint32(hr[j]) << 16) * x[j]
-        out[r] = _lanes_sum32(acc)
+def _matvec_bf16(h, x, out, f16):
+    _matvec_elems(h, x, out, f16, _elem_bf16)
 
 
 @jit.njit(parallel=True)
-def _matmul_ggml_f32(w, xa, out):
-    """ggml_vec_dot_f32 (AVX-512): 4x16 FMA lanes, reduce, tail. w: float32[rows, n], xa: float32[m, n]."""
+def _matmul_ggml_f32(w, xa, out, f16):
+    """ggml_vec_dot_f32 (AVX-512): 4x16 FMA lanes, reduce; tail: whole 16-element chunks as
+    mul then add, the rest fused. w: float32[rows, n], xa: float32[m, n]."""
     rows, n = w.shape
-    m = xa.shape[0]
     npart = n & ~63
     for r in prange(rows):
         acc = np.empty(64, np.float32)
-        for i in range(m):
-            acc[:] = 0
-            for j0 in range(0, npart, 64):
-                for k in range(64):
-                    acc[k] = _fma32(w[r, j0 + k], xa[i, j0 + k], acc[k])
-            for k in range(16):
-                acc[k] = acc[k] + acc[32 + k]
-                acc[16 + k] = acc[16 + k] + acc[48 + k]
-            for k in range(16):
-                acc[k] = acc[k] + acc[16 + k]
-            s = _reduce16(acc, 0)
-            # tail: whole 16-element chunks as mul then add, the rest fused
+        for i in range(xa.shape[0]):
+            s = _ggml_lanes64(w[r], xa[i], npart, acc, f16, _elem_f32)
             j = npart
             while j + 16 <= n:
                 for k in range(16):
@@ -412,480 +614,98 @@ def _matmul_ggml_f32(w, xa, out):
 
 @jit.njit(parallel=True)
 def _matmul_ggml_f16(h, ha, out, f16):
-    """ggml_vec_dot_f16 (AVX-512, no FP16 arithmetic): 4x16 FMA lanes, double tail.
-
+    """ggml_vec_dot_f16 (AVX-512, no FP16 arithmetic): 4x16 FMA lanes, tail summed in double.
     h: uint16[rows, n], ha: uint16[m, n] fp16 bits."""
     rows, n = h.shape
-    m = ha.shape[0]
     npart = n & ~63
     for r in prange(rows):
         acc = np.empty(64, np.float32)
-        for i in range(m):
-            acc[:] = 0
-            for j0 in range(0, npart, 64):
-                for k in range(64):
-                    acc[k] = _fma32(f16[h[r, j0 + k]], f16[ha[i, j0 + k]], acc[k])
-            for k in range(16):
-                acc[k] = acc[k] + acc[32 + k]
-                acc[16 + k] = acc[16 + k] + acc[48 + k]
-            for k in range(16):
-                acc[k] = acc[k] + acc[16 + k]
-            s = np.float64(_reduce16(acc, 0))
+        for i in range(ha.shape[0]):
+            s = np.float64(_ggml_lanes64(h[r], ha[i], npart, acc, f16, _elem_f16))
             for j in range(npart, n):
                 s += np.float64(f16[h[r, j]] * f16[ha[i, j]])
             out[i, r] = np.float32(s)
 
 
 @jit.njit(parallel=True)
-def _matmul_ggml_bf16(h, ha, out):
+def _matmul_ggml_bf16(h, ha, out, f16):
     """ggml_vec_dot_bf16 (AVX512-BF16): two 16-lane vdpbf16ps accumulators, double tail.
-
     h: uint16[rows, n], ha: uint16[m, n] bf16 bits."""
     rows, n = h.shape
-    m = ha.shape[0]
     npart = n & ~63
     for r in prange(rows):
+        hr = h[r]
         acc = np.empty(32, np.float32)
-        for i in range(m):
+        for i in range(ha.shape[0]):
+            ar = ha[i]
             acc[:] = 0
             for j0 in range(0, npart, 64):
                 for c in range(2):
                     for k in range(16):
                         j = j0 + 32 * c + 2 * k
-                        p1 = (_bits_f32(np.uint32(h[r, j + 1]) << 16)
-                              * _bits_f32(np.uint32(ha[i, j + 1]) << 16))
-                        p0 = (_bits_f32(np.uint32(h[r, j]) << 16)
-                              * _bits_f32(np.uint32(ha[i, j]) << 16))
+                        p1 = _elem_bf16(hr, j + 1, f16) * _elem_bf16(ar, j + 1, f16)
+                        p0 = _elem_bf16(hr, j, f16) * _elem_bf16(ar, j, f16)
                         acc[16 * c + k] = (acc[16 * c + k] + p1) + p0
             s = np.float64(_reduce16(acc, 0))
             s += np.float64(_reduce16(acc, 16))
             for j in range(npart, n):
-                s += np.float64(_bits_f32(np.uint32(h[r, j]) << 16)
-                                * _bits_f32(np.uint32(ha[i, j]) << 16))
+                s += np.float64(_elem_bf16(hr, j, f16) * _elem_bf16(ar, j, f16))
             out[i, r] = np.float32(s)
-
-
-def _u16_view(raw: np.ndarray) -> np.ndarray:
-    return raw.view(np.uint16)
-
-
-def dequantize_f32(raw: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, 4n] -> out float32[rows, n]."""
-    out[...] = raw.view(np.float32)
-
-
-def dequantize_f16(raw: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, 2n] -> out float32[rows, n]."""
-    _dequantize_f16(_u16_view(raw), out, F16_TO_F32)
-
-
-def dequantize_bf16(raw: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, 2n] -> out float32[rows, n]."""
-    _dequantize_bf16(_u16_view(raw), out)
-
-
-def matvec_f32(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, 4n], x: float32[n] -> out float32[rows]."""
-    _matvec_f32(raw.view(np.float32), x, out)
-
-
-def matvec_f16(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, 2n], x: float32[n] -> out float32[rows]."""
-    _matvec_f16(_u16_view(raw), x, out, F16_TO_F32)
-
-
-def matvec_bf16(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, 2n], x: float32[n] -> out float32[rows]."""
-    _matvec_bf16(_u16_view(raw), x, out)
-
-
-def matmul_ggml_f32(raw: np.ndarray, xa: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, 4n], xa: float32[m, n] -> out float32[m, rows]."""
-    _matmul_ggml_f32(raw.view(np.float32), xa, out)
-
-
-def matmul_ggml_f16(raw: np.ndarray, xa: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, 2n], xa: uint8[m, 2n] fp16 bytes -> out float32[m, rows]."""
-    _matmul_ggml_f16(_u16_view(raw), _u16_view(xa), out, F16_TO_F32)
-
-
-def matmul_ggml_bf16(raw: np.ndarray, xa: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, 2n], xa: uint8[m, 2n] bf16 bytes -> out float32[m, rows]."""
-    _matmul_ggml_bf16(_u16_view(raw), _u16_view(xa), out)
-
-
-# ---------------------------------------------------------------------------------------
-# Q4_0   d: f16 | qs: u8[16]        w = d * (q - 8)
-# ---------------------------------------------------------------------------------------
 
 
 @jit.njit(parallel=True)
 def _dequantize_q4_0(raw, out, f16):
-    rows = raw.shape[0]
-    nb = out.shape[1] // 32
-    for r in prange(rows):
-        w = raw[r]
-        for b in range(nb):
-            o = b * 18
-            d = f16[_u16(w, o)]
-            for j in range(16):
-                v = np.int32(w[o + 2 + j])
-                out[r, b * 32 + j] = d * np.float32((v & 0xF) - 8)
-                out[r, b * 32 + 16 + j] = d * np.float32((v >> 4) - 8)
-
-
-@jit.njit(parallel=True)
-def _matvec_q4_0(raw, x, out, f16):
-    rows = raw.shape[0]
-    nb = x.shape[0] // 32
-    for r in prange(rows):
-        w = raw[r]
-        acc = np.zeros(32, np.float32)
-        for b in range(nb):
-            o = b * 18
-            d = f16[_u16(w, o)]
-            xo = b * 32
-            for j in range(16):
-                v = np.int32(w[o + 2 + j])
-                acc[j] += (d * np.float32((v & 0xF) - 8)) * x[xo + j]
-                acc[16 + j] += (d * np.float32((v >> 4) - 8)) * x[xo + 16 + j]
-        out[r] = _lanes_sum32(acc)
-
-
-def dequantize_q4_0(raw: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*18] -> out float32[rows, n]."""
-    _dequantize_q4_0(raw, out, F16_TO_F32)
-
-
-def matvec_q4_0(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*18], x: float32[n] -> out float32[rows] (fp32 numerics)."""
-    _matvec_q4_0(raw, x, out, F16_TO_F32)
-
-
-def matmul_ggml_q4_0(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*18], xq: Q8_0 uint8[m, n//32*34] -> out float32[m, rows]."""
-    _matmul_ggml_blocks(raw, xq, out, _KIND_Q4_0)
-
-
-# ---------------------------------------------------------------------------------------
-# Q4_1   d: f16 | m: f16 | qs: u8[16]        w = d * q + m
-# ---------------------------------------------------------------------------------------
+    _dequantize_blocks(raw, out, f16, _head_d, _pair_q4_0, 18, False)
 
 
 @jit.njit(parallel=True)
 def _dequantize_q4_1(raw, out, f16):
-    rows = raw.shape[0]
-    nb = out.shape[1] // 32
-    for r in prange(rows):
-        w = raw[r]
-        for b in range(nb):
-            o = b * 20
-            d = f16[_u16(w, o)]
-            mn = f16[_u16(w, o + 2)]
-            for j in range(16):
-                v = np.int32(w[o + 4 + j])
-                out[r, b * 32 + j] = d * np.float32(v & 0xF) + mn
-                out[r, b * 32 + 16 + j] = d * np.float32(v >> 4) + mn
-
-
-@jit.njit(parallel=True)
-def _matvec_q4_1(raw, x, out, f16):
-    rows = raw.shape[0]
-    nb = x.shape[0] // 32
-    for r in prange(rows):
-        w = raw[r]
-        acc = np.zeros(32, np.float32)
-        for b in range(nb):
-            o = b * 20
-            d = f16[_u16(w, o)]
-            mn = f16[_u16(w, o + 2)]
-            xo = b * 32
-            for j in range(16):
-                v = np.int32(w[o + 4 + j])
-                acc[j] += (d * np.float32(v & 0xF) + mn) * x[xo + j]
-                acc[16 + j] += (d * np.float32(v >> 4) + mn) * x[xo + 16 + j]
-        out[r] = _lanes_sum32(acc)
-
-
-def dequantize_q4_1(raw: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*20] -> out float32[rows, n]."""
-    _dequantize_q4_1(raw, out, F16_TO_F32)
-
-
-def matvec_q4_1(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*20], x: float32[n] -> out float32[rows] (fp32 numerics)."""
-    _matvec_q4_1(raw, x, out, F16_TO_F32)
-
-
-def matmul_ggml_q4_1(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*20], xq: Q8_1 uint8[m, n//32*36] -> out float32[m, rows]."""
-    _matmul_ggml_blocks(raw, xq, out, _KIND_Q4_1)
-
-
-# ---------------------------------------------------------------------------------------
-# Q5_0   d: f16 | qh: u32 | qs: u8[16]        w = d * (q - 16)
-# ---------------------------------------------------------------------------------------
+    _dequantize_blocks(raw, out, f16, _head_dm, _pair_q4_1, 20, True)
 
 
 @jit.njit(parallel=True)
 def _dequantize_q5_0(raw, out, f16):
-    rows = raw.shape[0]
-    nb = out.shape[1] // 32
-    for r in prange(rows):
-        w = raw[r]
-        for b in range(nb):
-            o = b * 22
-            d = f16[_u16(w, o)]
-            qh = _u32(w, o + 2)
-            for j in range(16):
-                v = np.int32(w[o + 6 + j])
-                lo = (v & 0xF) | (np.int32((qh >> j) & 1) << 4)
-                hi = (v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4)
-                out[r, b * 32 + j] = d * np.float32(lo - 16)
-                out[r, b * 32 + 16 + j] = d * np.float32(hi - 16)
-
-
-@jit.njit(parallel=True)
-def _matvec_q5_0(raw, x, out, f16):
-    rows = raw.shape[0]
-    nb = x.shape[0] // 32
-    for r in prange(rows):
-        w = raw[r]
-        acc = np.zeros(32, np.float32)
-        for b in range(nb):
-            o = b * 22
-            d = f16[_u16(w, o)]
-            qh = _u32(w, o + 2)
-            xo = b * 32
-            for j in range(16):
-                v = np.int32(w[o + 6 + j])
-                lo = (v & 0xF) | (np.int32((qh >> j) & 1) << 4)
-                hi = (v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4)
-                acc[j] += (d * np.float32(lo - 16)) * x[xo + j]
-                acc[16 + j] += (d * np.float32(hi - 16)) * x[xo + 16 + j]
-        out[r] = _lanes_sum32(acc)
-
-
-def dequantize_q5_0(raw: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*22] -> out float32[rows, n]."""
-    _dequantize_q5_0(raw, out, F16_TO_F32)
-
-
-def matvec_q5_0(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*22], x: float32[n] -> out float32[rows] (fp32 numerics)."""
-    _matvec_q5_0(raw, x, out, F16_TO_F32)
-
-
-def matmul_ggml_q5_0(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*22], xq: Q8_0 uint8[m, n//32*34] -> out float32[m, rows]."""
-    _matmul_ggml_blocks(raw, xq, out, _KIND_Q5_0)
-
-
-# ---------------------------------------------------------------------------------------
-# Q5_1   d: f16 | m: f16 | qh: u32 | qs: u8[16]        w = d * q + m
-# ---------------------------------------------------------------------------------------
+    _dequantize_blocks(raw, out, f16, _head_d_qh, _pair_q5_0, 22, False)
 
 
 @jit.njit(parallel=True)
 def _dequantize_q5_1(raw, out, f16):
-    rows = raw.shape[0]
-    nb = out.shape[1] // 32
-    for r in prange(rows):
-        w = raw[r]
-        for b in range(nb):
-            o = b * 24
-            d = f16[_u16(w, o)]
-            mn = f16[_u16(w, o + 2)]
-            qh = _u32(w, o + 4)
-            for j in range(16):
-                v = np.int32(w[o + 8 + j])
-                lo = (v & 0xF) | (np.int32((qh >> j) & 1) << 4)
-                hi = (v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4)
-                out[r, b * 32 + j] = d * np.float32(lo) + mn
-                out[r, b * 32 + 16 + j] = d * np.float32(hi) + mn
-
-
-@jit.njit(parallel=True)
-def _matvec_q5_1(raw, x, out, f16):
-    rows = raw.shape[0]
-    nb = x.shape[0] // 32
-    for r in prange(rows):
-        w = raw[r]
-        acc = np.zeros(32, np.float32)
-        for b in range(nb):
-            o = b * 24
-            d = f16[_u16(w, o)]
-            mn = f16[_u16(w, o + 2)]
-            qh = _u32(w, o + 4)
-            xo = b * 32
-            for j in range(16):
-                v = np.int32(w[o + 8 + j])
-                lo = (v & 0xF) | (np.int32((qh >> j) & 1) << 4)
-                hi = (v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4)
-                acc[j] += (d * np.float32(lo) + mn) * x[xo + j]
-                acc[16 + j] += (d * np.float32(hi) + mn) * x[xo + 16 + j]
-        out[r] = _lanes_sum32(acc)
-
-
-def dequantize_q5_1(raw: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*24] -> out float32[rows, n]."""
-    _dequantize_q5_1(raw, out, F16_TO_F32)
-
-
-def matvec_q5_1(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*24], x: float32[n] -> out float32[rows] (fp32 numerics)."""
-    _matvec_q5_1(raw, x, out, F16_TO_F32)
-
-
-def matmul_ggml_q5_1(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*24], xq: Q8_1 uint8[m, n//32*36] -> out float32[m, rows]."""
-    _matmul_ggml_blocks(raw, xq, out, _KIND_Q5_1)
-
-
-# ---------------------------------------------------------------------------------------
-# Q8_0   d: f16 | qs: i8[32]        w = d * q
-# ---------------------------------------------------------------------------------------
+    _dequantize_blocks(raw, out, f16, _head_dm_qh, _pair_q5_1, 24, True)
 
 
 @jit.njit(parallel=True)
 def _dequantize_q8_0(raw, out, f16):
-    rows = raw.shape[0]
-    nb = out.shape[1] // 32
-    for r in prange(rows):
-        w = raw[r]
-        for b in range(nb):
-            o = b * 34
-            d = f16[_u16(w, o)]
-            for k in range(32):
-                out[r, b * 32 + k] = np.float32(_i8(w[o + 2 + k])) * d
+    _dequantize_blocks(raw, out, f16, _head_d, _pair_q8_0, 34, False)
+
+
+@jit.njit(parallel=True)
+def _matvec_q4_0(raw, x, out, f16):
+    _matvec_blocks(raw, x, out, f16, _head_d, _pair_q4_0, 18, False)
+
+
+@jit.njit(parallel=True)
+def _matvec_q4_1(raw, x, out, f16):
+    _matvec_blocks(raw, x, out, f16, _head_dm, _pair_q4_1, 20, True)
+
+
+@jit.njit(parallel=True)
+def _matvec_q5_0(raw, x, out, f16):
+    _matvec_blocks(raw, x, out, f16, _head_d_qh, _pair_q5_0, 22, False)
+
+
+@jit.njit(parallel=True)
+def _matvec_q5_1(raw, x, out, f16):
+    _matvec_blocks(raw, x, out, f16, _head_dm_qh, _pair_q5_1, 24, True)
 
 
 @jit.njit(parallel=True)
 def _matvec_q8_0(raw, x, out, f16):
-    rows = raw.shape[0]
-    nb = x.shape[0] // 32
-    for r in prange(rows):
-        w = raw[r]
-        acc = np.zeros(32, np.float32)
-        for b in range(nb):
-            o = b * 34
-            d = f16[_u16(w, o)]
-            xo = b * 32
-            for k in range(32):
-                acc[k] += (np.float32(_i8(w[o + 2 + k])) * d) * x[xo + k]
-        out[r] = _lanes_sum32(acc)
-
-
-def dequantize_q8_0(raw: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*34] -> out float32[rows, n]."""
-    _dequantize_q8_0(raw, out, F16_TO_F32)
-
-
-def matvec_q8_0(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*34], x: float32[n] -> out float32[rows] (fp32 numerics)."""
-    _matvec_q8_0(raw, x, out, F16_TO_F32)
-
-
-def matmul_ggml_q8_0(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
-    """raw: uint8[rows, n//32*34], xq: Q8_0 uint8[m, n//32*34] -> out float32[m, rows]."""
-    _matmul_ggml_blocks(raw, xq, out, _KIND_Q8_0)
+    _matvec_blocks(raw, x, out, f16, _head_d, _pair_q8_0, 34, False)
 
 
 # ---------------------------------------------------------------------------------------
-# ggml numerics for the block types: one kernel, the weight row decoded once to int8
+# public wrappers: raw is uint8[rows, row_bytes]
 # ---------------------------------------------------------------------------------------
-
-_KIND_Q4_0, _KIND_Q4_1, _KIND_Q5_0, _KIND_Q5_1, _KIND_Q8_0 = 0, 1, 2, 3, 4
-# prange work items of the ggml kernels: contiguous row ranges sharing one scratch allocation
-_ROW_CHUNKS = 64
-
-
-@jit.njit(inline="always")
-def _decode_row_ints(w, kind, qw, dw, mw, f16):
-    """One weight row -> integer quants qw: int8[nb*32] (as the SIMD code sees them:
-    q-8 / q-16 for Q4_0 / Q5_0, raw 0..15 / 0..31 for Q4_1 / Q5_1), d: dw[nb], m: mw[nb]."""
-    nb = dw.shape[0]
-    for b in range(nb):
-        q = qw[b * 32:b * 32 + 32]
-        if kind == _KIND_Q8_0:
-            o = b * 34
-            dw[b] = f16[_u16(w, o)]
-            for k in range(32):
-                q[k] = _i8(w[o + 2 + k])
-        elif kind == _KIND_Q4_0 or kind == _KIND_Q4_1:
-            off = 8 if kind == _KIND_Q4_0 else 0
-            o = b * 18 if kind == _KIND_Q4_0 else b * 20
-            dw[b] = f16[_u16(w, o)]
-            if kind == _KIND_Q4_1:
-                mw[b] = f16[_u16(w, o + 2)]
-                o += 2
-            for j in range(16):
-                v = np.int32(w[o + 2 + j])
-                q[j] = (v & 0xF) - off
-                q[16 + j] = (v >> 4) - off
-        else:
-            off = 16 if kind == _KIND_Q5_0 else 0
-            o = b * 22 if kind == _KIND_Q5_0 else b * 24
-            dw[b] = f16[_u16(w, o)]
-            if kind == _KIND_Q5_1:
-                mw[b] = f16[_u16(w, o + 2)]
-                o += 2
-            qh = _u32(w, o + 2)
-            for j in range(16):
-                v = np.int32(w[o + 6 + j])
-                q[j] = ((v & 0xF) | (np.int32((qh >> j) & 1) << 4)) - off
-                q[16 + j] = ((v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4)) - off
-
-
-@jit.njit(inline="always")
-def _ggml_blocks_row(w, r, kind, with_min, aq, ad, asum, out, f16, qw, dw, mw, isum, acc):
-    """One weight row of _matmul_ggml_blocks_kernel against all activation rows."""
-    m = aq.shape[0]
-    nb = ad.shape[1]
-    _decode_row_ints(w, kind, qw, dw, mw, f16)
-    for i in range(m):
-        a = aq[i]
-        for j in range(nb * 8):
-            k = 4 * j
-            isum[j] = (np.int32(qw[k]) * np.int32(a[k]) + np.int32(qw[k + 1]) * np.int32(a[k + 1])
-                       + np.int32(qw[k + 2]) * np.int32(a[k + 2])
-                       + np.int32(qw[k + 3]) * np.int32(a[k + 3]))
-        acc[:] = 0
-        summs = _F32_0
-        for b in range(nb):
-            d = dw[b] * ad[i, b]
-            if with_min:
-                summs = _fma32(mw[b], asum[i, b], summs)
-            for lane in range(8):
-                acc[lane] = _fma32(d, np.float32(isum[8 * b + lane]), acc[lane])
-        if with_min:
-            out[i, r] = _hsum8(acc) + summs
-        else:
-            out[i, r] = _hsum8(acc)
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_blocks_kernel(raw, aq, ad, asum, out, f16, kind):
-    """ggml vec_dot of Q4_0/Q5_0/Q8_0 x Q8_0 and Q4_1/Q5_1 x Q8_1 (AVX2 code paths).
-
-    raw: uint8[rows, row_bytes]; aq: int8[m, n] activation quants; ad: float32[m, nb] their d;
-    asum: float32[m, nb] their s (Q8_1 only); out: float32[m, rows].
-    Per block: 8 int32 lanes of 4 products, acc[lane] = fma(d_w * d_a, lane, acc[lane]);
-    result hsum_float_8(acc), plus sum_b fma(m_w, s_a) for the types with a minimum."""
-    rows = raw.shape[0]
-    m = aq.shape[0]
-    nb = ad.shape[1]
-    with_min = kind == _KIND_Q4_1 or kind == _KIND_Q5_1
-    nchunk = min(rows, _ROW_CHUNKS)
-    for c in prange(nchunk):
-        # scratch per chunk of rows, not per row
-        qw = np.empty(nb * 32, np.int8)
-        dw = np.empty(nb, np.float32)
-        mw = np.zeros(nb, np.float32)
-        isum = np.empty(nb * 8, np.int32)
-        acc = np.empty(8, np.float32)
-        for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
-            _ggml_blocks_row(raw[r], r, kind, with_min, aq, ad, asum, out, f16, qw, dw, mw, isum, acc)
 
 
 def _split_act_blocks(xq: np.ndarray, with_sum: bool):
@@ -904,10 +724,39 @@ def _split_act_blocks(xq: np.ndarray, with_sum: bool):
     return aq, ad, asum
 
 
-def _matmul_ggml_blocks(raw: np.ndarray, xq: np.ndarray, out: np.ndarray, kind: int) -> None:
-    with_sum = kind in (_KIND_Q4_1, _KIND_Q5_1)
-    aq, ad, asum = _split_act_blocks(xq, with_sum)
-    _matmul_ggml_blocks_kernel(raw, aq, ad, asum, out, F16_TO_F32, kind)
+def _float_kernels(qtype: QT, dtype, deq, mv, mm) -> TypeKernels:
+    """Wrappers of one float type's kernels (rows viewed as ``dtype`` elements)."""
+    if deq is None:
+        def dequantize(raw, out):
+            out[...] = raw.view(dtype)
+    else:
+        def dequantize(raw, out):
+            deq(raw.view(dtype), out, F16_TO_F32)
+
+    def matvec(raw, x, out):
+        mv(raw.view(dtype), x, out, F16_TO_F32)
+
+    def matmul_ggml(raw, xa, out):
+        mm(raw.view(dtype), xa.view(dtype), out, F16_TO_F32)
+
+    return TypeKernels(dequantize, matvec, qtype, matmul_ggml)
+
+
+def _block_kernels(deq, mv, kind: int, act_type: QT) -> TypeKernels:
+    """Wrappers of one block type's kernels; ggml activations are Q8_0 or Q8_1 blocks."""
+    with_sum = act_type == QT.Q8_1
+
+    def dequantize(raw, out):
+        deq(raw, out, F16_TO_F32)
+
+    def matvec(raw, x, out):
+        mv(raw, x, out, F16_TO_F32)
+
+    def matmul_ggml(raw, xq, out):
+        aq, ad, asum = _split_act_blocks(xq, with_sum)
+        _matmul_ggml_blocks(raw, aq, ad, asum, out, F16_TO_F32, kind)
+
+    return TypeKernels(dequantize, matvec, act_type, matmul_ggml)
 
 
 # ---------------------------------------------------------------------------------------
@@ -915,14 +764,14 @@ def _matmul_ggml_blocks(raw: np.ndarray, xq: np.ndarray, out: np.ndarray, kind: 
 # ---------------------------------------------------------------------------------------
 
 KERNELS: dict[QT, TypeKernels] = {
-    QT.F32: TypeKernels(dequantize_f32, matvec_f32, QT.F32, matmul_ggml_f32),
-    QT.F16: TypeKernels(dequantize_f16, matvec_f16, QT.F16, matmul_ggml_f16),
-    QT.BF16: TypeKernels(dequantize_bf16, matvec_bf16, QT.BF16, matmul_ggml_bf16),
-    QT.Q4_0: TypeKernels(dequantize_q4_0, matvec_q4_0, QT.Q8_0, matmul_ggml_q4_0),
-    QT.Q4_1: TypeKernels(dequantize_q4_1, matvec_q4_1, QT.Q8_1, matmul_ggml_q4_1),
-    QT.Q5_0: TypeKernels(dequantize_q5_0, matvec_q5_0, QT.Q8_0, matmul_ggml_q5_0),
-    QT.Q5_1: TypeKernels(dequantize_q5_1, matvec_q5_1, QT.Q8_1, matmul_ggml_q5_1),
-    QT.Q8_0: TypeKernels(dequantize_q8_0, matvec_q8_0, QT.Q8_0, matmul_ggml_q8_0),
+    QT.F32: _float_kernels(QT.F32, np.float32, None, _matvec_f32, _matmul_ggml_f32),
+    QT.F16: _float_kernels(QT.F16, np.uint16, _dequantize_f16, _matvec_f16, _matmul_ggml_f16),
+    QT.BF16: _float_kernels(QT.BF16, np.uint16, _dequantize_bf16, _matvec_bf16, _matmul_ggml_bf16),
+    QT.Q4_0: _block_kernels(_dequantize_q4_0, _matvec_q4_0, _KIND_Q4_0, QT.Q8_0),
+    QT.Q4_1: _block_kernels(_dequantize_q4_1, _matvec_q4_1, _KIND_Q4_1, QT.Q8_1),
+    QT.Q5_0: _block_kernels(_dequantize_q5_0, _matvec_q5_0, _KIND_Q5_0, QT.Q8_0),
+    QT.Q5_1: _block_kernels(_dequantize_q5_1, _matvec_q5_1, _KIND_Q5_1, QT.Q8_1),
+    QT.Q8_0: _block_kernels(_dequantize_q8_0, _matvec_q8_0, _KIND_Q8_0, QT.Q8_0),
 }
 
 # activation converters by act_type: float32[m, n] -> uint8[m, act_row_bytes] (float32 for F32)
