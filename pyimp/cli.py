@@ -49,6 +49,12 @@ def _int_at_least(lo: int, name: str):
     return conv
 
 
+def _non_empty(s: str) -> str:
+    if not s:
+        raise argparse.ArgumentTypeError("-r/--reverse-prompt: an empty string would stop at once")
+    return s
+
+
 def _float_in(lo: float, hi: float, name: str):
     def conv(s: str) -> float:
         try:
@@ -116,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-sp", "--special", action="store_true",
                    help="print special tokens (e.g. <end_of_turn>) instead of hiding them")
     p.add_argument("-r", "--reverse-prompt", "--stop", dest="stop", action="append", metavar="STRING",
+                   type=_non_empty,
                    help="stop once the generated text contains STRING (printed, as llama-cli does); repeatable")
     sp = p.add_argument_group("importance-guided sparse attention")
     sp.add_argument("--sparse", action="store_true", help="block-sparse decode attention on global layers")

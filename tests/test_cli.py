@@ -165,6 +165,15 @@ def test_stop_strings(capsys, gemma_path):
     assert stop not in json.loads(out)["text"]
 
 
+def test_empty_stop_string_is_refused(capsys, tiny):
+    # "" is in every text: it would end generation after one token without saying why
+    with pytest.raises(SystemExit) as ei:      # an argparse usage error, as for other bad flags
+        main([tiny, "-p", "abc", "-r", ""])
+    out, err = capsys.readouterr()
+    assert ei.value.code == 2 and out == ""
+    assert "an empty string would stop at once" in err and "Traceback" not in err
+
+
 def test_parse_special(capsys, gemma_path):
     prompt = "<start_of_turn>user"
     code, out, _ = _run(["-p", prompt, "-n", "1", "--temp", "0", "--json"], capsys)
