@@ -89,7 +89,7 @@ def block_scores_ref(q, anchor, block_table, lb_start, lb_end, n_slots, G, share
     return (an * q[None, None].astype(np.float32)).max(axis=1).sum(axis=-1).astype(np.float32)
 
 
-@jit.njit(fastmath=_FM)
+@jit.njit(fastmath=_FM, inline="always")
 def _load_anchors(anc, bt, lb_start, i, C, astep, a, lut, pf_step):
     """a[j, sl] = float32 anchor slot sl of lead j (buffer head j * astep) of logical block
     lb_start + i, every row decoded first (independent loads overlap); the next block's rows,
