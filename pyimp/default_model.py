@@ -48,11 +48,15 @@ STALE_PART_S = 60.0
 PART_PREFIX, PART_SUFFIX = ".gemma-", ".part"
 
 
+try:
+    import fcntl
+except ImportError:   # no advisory locks here (Windows): stale parts are judged by age alone
+    fcntl = None
+
+
 def _lock(fd: int) -> bool:
     """Exclusive non-blocking lock on an open file; True when taken (or locks are unavailable)."""
-    try:
-        import fcntl
-    except ImportError:   # no advisory locks here: rely on the age alone
+    if fcntl is None:
         return True
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -69,7 +73,7 @@ def clean_stale_parts(folder: Path, max_age_s: float = STALE_PART_S) -> list[Pat
     except OSError:
         return removed
     now = time.time()
-    if not _lock_available():
+    if fcntl is None:
         max_age_s = max(max_age_s, 3600.0)   # without locks only a long-untouched file is surely stale
     for name in names:
         if not (name.startswith(PART_PREFIX) and name.endswith(PART_SUFFIX)):
@@ -88,14 +92,6 @@ def clean_stale_parts(folder: Path, max_age_s: float = STALE_PART_S) -> list[Pat
         finally:
             os.close(fd)   # releases the lock
     return removed
-
-
-def _lock_available() -> bool:
-    try:
-        import fcntl  # noqa: F401
-        return True
-    except ImportError:
-        return False
 
 
 def default_model_path() -> Path:
