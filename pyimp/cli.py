@@ -183,9 +183,10 @@ def _summary(engine) -> str:
                     sorted(info["bytes_by_type"].items(), key=lambda kv: -kv[1]))
     n = info["n_params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+    from .memory import fmt_bytes
     buf = engine.buffer_bytes
-    mem = f"KV cache {buf['kv'] / 2**20:.1f} MiB" + \
-        (f", importance + anchors {buf['sparse'] / 2**20:.1f} MiB" if buf["sparse"] else "")
+    mem = f"KV cache {fmt_bytes(buf['kv'])}" + \
+        (f", importance + anchors {fmt_bytes(buf['sparse'])}" if buf["sparse"] else "")
     return (f"{cfg.arch} '{cfg.name}': {size} params, {cfg.n_layer} layers, quant mix {mix}; "
             f"context {engine.n_ctx} (trained {cfg.n_ctx_train}), kv {engine.options.kv_type}, "
             f"numerics {engine.options.numerics}; {mem}")
