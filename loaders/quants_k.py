@@ -1,21 +1,23 @@
 """K-quant kernels: Q2_K, Q3_K, Q4_K, Q5_K, Q6_K (256-element super-blocks).
 
-Three kernels per type, all taking ``raw = uint8[rows, row_bytes]`` (one row =
-``n // 256`` consecutive blocks):
+Each type has one decoder, the only code that knows its byte layout: ``head``
+(the super-block scales and the per-sub-block scales and mins) and ``quad``
+(four quants at once, see the decoders section). Three generic drivers, inlined
+into one small kernel per type and operation, build every kernel from it. All
+take ``raw = uint8[rows, row_bytes]`` (one row = ``n // 256`` consecutive blocks):
 
-``dequantize_<type>(raw, out)``
+``dequantize``
     ``out = float32[rows, n]``, bit-identical to ``gguf.quants.dequantize``
     (same float32 operations in the same order).
-``matvec_<type>(raw, x, out)``
+``matvec``
     fp32 numerics, ``out[r] = sum_j w[r, j] * x[j]`` with ``x = float32[n]``,
     ``out = float32[rows]``; parallel over rows. Reads the quantized bytes
     directly (the fp32 matrix never exists). Per sub-block the factors
     ``d * scale`` and ``dmin * min`` are formed once; the min term is applied
     once per sub-block through precomputed sums of ``x``; the inner loop
-    decodes 32 quants and adds ``(d * scale) * (q * x)`` into 32 lane
-    accumulators, summed once per row (cheaper in Numba than a horizontal
-    reduction per sub-block).
-``matmul_ggml_<type>(raw, xq, out)``
+    decodes quants and adds ``(d * scale) * (q * x)`` into 32 lane
+    accumulators, summed once per row.
+``matmul_ggml``
     ggml numerics: ``xq = uint8[m, n // 256 * 292]`` holds the activations as
     Q8_K blocks (from :func:`quantize_act_q8_k`); ``out = float32[m, rows]``.
     Exact integer dot products per block (computed in float32/float64, where
@@ -93,14 +95,13 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType
-from llvmlite import ir
-from numba import prange, types
-from numba.extending import intrinsic
+from numba import prange
 
-from . import jit
+from . import jit, quants_legacy
 from .ggml_types import TypeKernels
+from .quants_legacy import _ROW_CHUNKS, F16_TO_F32, _fma32, _hsum8, _i8, _lanes_sum32, _u16
 
-jit.kernel_module(__file__)
+jit.kernel_module(__file__, quants_legacy)
 
 QT = GGMLQuantizationType
 QK_K = 256
@@ -108,72 +109,21 @@ Q8_K_BYTES = 292  # float32 d + int8 qs[256] + int16 bsums[16]
 
 BLOCK_BYTES = {QT.Q2_K: 84, QT.Q3_K: 110, QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}
 
-# fp16 bit pattern -> float32 value, passed to every kernel
-F16_TABLE = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)
+_F32_0 = np.float32(0.0)
+_F32_32 = np.float32(32.0)
 
 
-# ------------------------------------------------------------------ helpers
-
-@intrinsic
-def _fma_f32(typingctx, a, b, c):
-    """float32 fused multiply-add a * b + c with one rounding (llvm.fma.f32)."""
-    sig = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, signature, args):
-        flt = ir.FloatType()
-        fn = builder.module.declare_intrinsic("llvm.fma", [flt], ir.FunctionType(flt, [flt, flt, flt]))
-        return builder.call(fn, args)
-
-    return sig, codegen
-
-
-@jit.njit(inline="always")
-def _f16(tab, q, o):
-    """fp16 stored little endian at q[o], q[o+1] -> float32."""
-    return tab[np.int64(q[o]) | (np.int64(q[o + 1]) << 8)]
-
-
-@jit.njit(inline="always")
-def _i8(v):
-    """uint8 value -> its int8 reading, as int64."""
-    return np.int64(v) - ((np.int64(v) & 128) << 1)
-
-
-@jit.njit(inline="always")
-def _scale_min_k4(q, o, s):
-    """Q4_K/Q5_K 6-bit (scale, min) of sub-block s from the 12 bytes at q[o]."""
-    if s < 4:
-        sc = np.int64(q[o + s]) & 63
-        mn = np.int64(q[o + s + 4]) & 63
-    else:
-        sc = (np.int64(q[o + s + 4]) & 15) | ((np.int64(q[o + s - 4]) >> 6) << 4)
-        mn = (np.int64(q[o + s + 4]) >> 4) | ((np.int64(q[o + s]) >> 6) << 4)
-    return sc, mn
-
-
-@jit.njit(inline="always")
-def _scale_q3_k(q, o, s):
-    """Q3_K signed scale (-32..31) of sub-block s from the 12 bytes at q[o]."""
-    lo = (np.int64(q[o + (s & 7)]) >> (4 * (s >> 3))) & 15
-    hi = (np.int64(q[o + 8 + (s & 3)]) >> (2 * (s >> 2))) & 3
-    return (lo | (hi << 4)) - 32
-
-
-@jit.njit(inline="always")
-def _hsum8(a):
-    """Horizontal sum of 8 float32 lanes in ggml's hsum_float_8 order."""
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))
-
+# ------------------------------------------------------------------ shared pieces
 
 @jit.njit(inline="always")
 def _block_lanes(w, y, tmp, lanes):
     """Exact lane sums of one block: lanes[k] = sum of w[e] * y[e] over (e % 32) // 4 == k.
 
     w float32[256] (scale * quant), y float32[256] (Q8_K quants), tmp float32[32]
-    scratch, lanes float64[8] out. Every product is an integer below 2**24 in
-    magnitude and so is every partial sum of the 8 products per tmp entry
-    (worst case Q6_K: 8 * 128 * 63 * 127 < 2**23), so the float32 arithmetic is
-    exact; the 4-term lane sums are exact in float64.
+    scratch, lanes float64[8] out. Every product is an integer below 2**19 in
+    magnitude (worst case Q6_K: 128 * 32 * 127) and every partial sum of the 8
+    products per tmp entry below 2**22, so the float32 arithmetic is exact; the
+    4-term lane sums are exact in float64.
     """
     for b in range(32):
         tmp[b] = (((w[b] * y[b] + w[32 + b] * y[32 + b]) + (w[64 + b] * y[64 + b] + w[96 + b] * y[96 + b]))
@@ -185,15 +135,12 @@ def _block_lanes(w, y, tmp, lanes):
 
 
 @jit.njit
-def _xsums(x, width):
-    """float32 sums of x over consecutive groups of ``width`` elements (for the min terms)."""
-    ng = x.shape[0] // width
-    s = np.empty(ng, np.float32)
-    for t in range(ng):
-        acc = np.float32(0.0)
-        for b in range(width):
-            acc += x[width * t + b]
-        s[t] = acc
+def _xsums(x, sub):
+    """float32 sums of x over consecutive ``sub``-element sub-blocks (for the min terms)."""
+    s = np.zeros(x.shape[0] // sub, np.float32)
+    for t in range(s.shape[0]):
+        for b in range(sub):
+            s[t] += x[sub * t + b]
     return s
 
 
@@ -303,643 +250,344 @@ def dequantize_act_q8_k(xq: np.ndarray) -> np.ndarray:
     return (d[:, :, None] * qs.reshape(m, nb, QK_K).astype(np.float32)).reshape(m, nb * QK_K)
 
 
-# ------------------------------------------------------------------ Q2_K
+# ------------------------------------------------------------------ decoders (the only code that knows the layouts)
+#
+# head(q, f16, sc, mn) -> (d, dmin) of the block q (its bytes), and fills sc, mn
+#   int32[16] with the scale and min of each sub-block (16 of 16 elements, or 8 of 32
+#   for Q4_K/Q5_K); types without a min return dmin = 0 and leave mn alone.
+# quad(q, j, b) -> the float32 quants of elements 128*j + 32*l + b, l = 0..3
+#   (j = 0, 1; b = 0..31), the q of w = d * scale * q - dmin * min: signed for Q3_K
+#   and Q6_K (offsets applied), else unsigned.
+# Element 128*j + 32*l + b is in sub-block 8*j + 2*l + (b >= 16) of 16 elements, or
+# 4*j + l of 32. The drivers take ``sub``, the elements per sub-block; with 32 their inner
+# loops run over all 32 b at once.
+
+
+@jit.njit(inline="always")
+def _head_q2_k(q, f16, sc, mn):
+    for s in range(16):
+        v = np.int32(q[s])
+        sc[s] = v & 15
+        mn[s] = v >> 4
+    return f16[_u16(q, 80)], f16[_u16(q, 82)]
+
+
+@jit.njit(inline="always")
+def _quad_q2_k(q, j, b):
+    v = q[16 + 32 * j + b]
+    return (np.float32(np.uint8(v & 3)), np.float32(np.uint8((v >> 2) & 3)),
+            np.float32(np.uint8((v >> 4) & 3)), np.float32(np.uint8(v >> 6)))
+
+
+@jit.njit(inline="always")
+def _head_q3_k(q, f16, sc, mn):
+    for s in range(16):
+        lo = (np.int32(q[96 + (s & 7)]) >> (4 * (s >> 3))) & 15
+        hi = (np.int32(q[104 + (s & 3)]) >> (2 * (s >> 2))) & 3
+        sc[s] = (lo | (hi << 4)) - 32
+    return f16[_u16(q, 108)], _F32_0
+
+
+@jit.njit(inline="always")
+def _quad_q3_k(q, j, b):
+    v = q[32 + 32 * j + b]
+    hb = q[b]
+    # the hmask bit of element 128*j + 32*l + b is bit 4*j + l
+    mk0, mk1, mk2, mk3 = (np.uint8(1 << (4 * j)), np.uint8(2 << (4 * j)),
+                          np.uint8(4 << (4 * j)), np.uint8(8 << (4 * j)))
+    return (np.float32(np.int8((v & 3) - (0 if hb & mk0 else 4))),
+            np.float32(np.int8(((v >> 2) & 3) - (0 if hb & mk1 else 4))),
+            np.float32(np.int8(((v >> 4) & 3) - (0 if hb & mk2 else 4))),
+            np.float32(np.int8((v >> 6) - (0 if hb & mk3 else 4))))
+
+
+@jit.njit(inline="always")
+def _head_q4_k(q, f16, sc, mn):
+    """Q4_K and Q5_K: eight 6-bit (scale, min) pairs of 32-element sub-blocks."""
+    for g in range(4):
+        sc[g] = np.int32(q[4 + g]) & 63
+        mn[g] = np.int32(q[8 + g]) & 63
+        sc[4 + g] = (np.int32(q[12 + g]) & 15) | ((np.int32(q[4 + g]) >> 6) << 4)
+        mn[4 + g] = (np.int32(q[12 + g]) >> 4) | ((np.int32(q[8 + g]) >> 6) << 4)
+    return f16[_u16(q, 0)], f16[_u16(q, 2)]
+
+
+@jit.njit(inline="always")
+def _quad_q4_k(q, j, b):
+    v0 = q[16 + 64 * j + b]
+    v1 = q[48 + 64 * j + b]
+    return (np.float32(np.uint8(v0 & 15)), np.float32(np.uint8(v0 >> 4)),
+            np.float32(np.uint8(v1 & 15)), np.float32(np.uint8(v1 >> 4)))
+
+
+@jit.njit(inline="always")
+def _quad_q5_k(q, j, b):
+    v0 = q[48 + 64 * j + b]
+    v1 = q[80 + 64 * j + b]
+    hb = q[16 + b]
+    # the qh bit of element 32*g + b is bit g (g = 4*j + l)
+    mk0, mk1, mk2, mk3 = (np.uint8(1 << (4 * j)), np.uint8(2 << (4 * j)),
+                          np.uint8(4 << (4 * j)), np.uint8(8 << (4 * j)))
+    return (np.float32(np.uint8((v0 & 15) | (16 if hb & mk0 else 0))),
+            np.float32(np.uint8((v0 >> 4) | (16 if hb & mk1 else 0))),
+            np.float32(np.uint8((v1 & 15) | (16 if hb & mk2 else 0))),
+            np.float32(np.uint8((v1 >> 4) | (16 if hb & mk3 else 0))))
+
+
+@jit.njit(inline="always")
+def _head_q6_k(q, f16, sc, mn):
+    for s in range(16):
+        sc[s] = _i8(q[192 + s])
+    return f16[_u16(q, 208)], _F32_0
+
+
+@jit.njit(inline="always")
+def _quad_q6_k(q, j, b):
+    v0 = q[64 * j + b]
+    v1 = q[64 * j + 32 + b]
+    hb = q[128 + 32 * j + b]
+    # truncating to int8 keeps the vectorized integer work 8 bits wide
+    return (np.float32(np.int8(((v0 & 15) | ((hb & 3) << 4)) - 32)),
+            np.float32(np.int8(((v1 & 15) | ((hb & 12) << 2)) - 32)),
+            np.float32(np.int8(((v0 >> 4) | (hb & 48)) - 32)),
+            np.float32(np.int8(((v1 >> 4) | ((hb & 192) >> 2)) - 32)))
+
+
+# ------------------------------------------------------------------ generic drivers (inlined into the per-type kernels)
+
+@jit.njit(inline="always")
+def _dequantize_k(raw, out, f16, head, quad, bsz, sub):
+    """w = (d * scale) * q - dmin * min, as gguf.quants (dmin = 0 for Q3_K/Q6_K: x - 0.0 == x)."""
+    rows = raw.shape[0]
+    nb = out.shape[1] // QK_K
+    st = 32 // sub  # sub-blocks per 32 elements
+    nchunk = min(rows, _ROW_CHUNKS)
+    for c in prange(nchunk):
+        sc = np.empty(16, np.int32)
+        mn = np.zeros(16, np.int32)
+        for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
+            for i in range(nb):
+                q = raw[r, i * bsz:(i + 1) * bsz]
+                o = out[r, i * QK_K:(i + 1) * QK_K]
+                d, dmin = head(q, f16, sc, mn)
+                for j in range(2):
+                    for h in range(32 // sub):
+                        s = 4 * j * st + h
+                        d0, d1, d2, d3 = (d * np.float32(sc[s]), d * np.float32(sc[s + st]),
+                                          d * np.float32(sc[s + 2 * st]), d * np.float32(sc[s + 3 * st]))
+                        m0, m1, m2, m3 = (dmin * np.float32(mn[s]), dmin * np.float32(mn[s + st]),
+                                          dmin * np.float32(mn[s + 2 * st]), dmin * np.float32(mn[s + 3 * st]))
+                        for b in range(sub * h, sub * h + sub):
+                            q0, q1, q2, q3 = quad(q, j, b)
+                            o[128 * j + b] = d0 * q0 - m0
+                            o[128 * j + 32 + b] = d1 * q1 - m1
+                            o[128 * j + 64 + b] = d2 * q2 - m2
+                            o[128 * j + 96 + b] = d3 * q3 - m3
+
+
+@jit.njit(inline="always")
+def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min):
+    """fp32 numerics: per sub-block d * scale formed once, the min term once per sub-block
+    through the sums of x, 32 lane accumulators summed once per row."""
+    rows = raw.shape[0]
+    nb = x.shape[0] // QK_K
+    nsub = QK_K // sub
+    st = 32 // sub  # sub-blocks per 32 elements
+    xs = _xsums(x, sub)
+    nchunk = min(rows, _ROW_CHUNKS)
+    for c in prange(nchunk):
+        sc = np.empty(16, np.int32)
+        mn = np.zeros(16, np.int32)
+        acc = np.empty(32, np.float32)
+        for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
+            acc[:] = 0
+            accm = _F32_0
+            for i in range(nb):
+                q = raw[r, i * bsz:(i + 1) * bsz]
+                xb = x[i * QK_K:(i + 1) * QK_K]
+                d, dmin = head(q, f16, sc, mn)
+                if has_min:
+                    for t in range(nsub):
+                        accm += (dmin * np.float32(mn[t])) * xs[nsub * i + t]
+                for j in range(2):
+                    for h in range(32 // sub):
+                        s = 4 * j * st + h
+                        a0, a1, a2, a3 = (d * np.float32(sc[s]), d * np.float32(sc[s + st]),
+                                          d * np.float32(sc[s + 2 * st]), d * np.float32(sc[s + 3 * st]))
+                        for b in range(sub * h, sub * h + sub):
+                            q0, q1, q2, q3 = quad(q, j, b)
+                            acc[b] += (a0 * (q0 * xb[128 * j + b]) + a1 * (q1 * xb[128 * j + 32 + b])
+                                       + a2 * (q2 * xb[128 * j + 64 + b]) + a3 * (q3 * xb[128 * j + 96 + b]))
+            out[r] = _lanes_sum32(acc) - accm
+
+
+@jit.njit(inline="always")
+def _matmul_ggml_k(raw, yd, yf, ybs, out, f16, head, quad, bsz, sub, nmin, off):
+    """ggml numerics. ``nmin`` is how the type's AVX2 kernel accumulates the
+    ``dmin * min * bsums`` terms: 0 none (Q3_K, Q6_K), 8 into the quant lanes, before
+    them (Q2_K), 4 in four extra lanes (Q4_K), 1 in a scalar (Q5_K). Q6_K's ``off``
+    (32) is added back to its quants and taken off lane k as ``off * scale * bsums``
+    of sub-blocks 2k and 2k + 1, as ggml does (exact in float64)."""
+    rows = raw.shape[0]
+    m, nb = yd.shape
+    st = 32 // sub  # sub-blocks per 32 elements
+    nchunk = min(rows, _ROW_CHUNKS)
+    for c in prange(nchunk):
+        acc = np.empty((m, 8), np.float32)
+        accm = np.empty((m, 4), np.float32)
+        wf = np.empty(QK_K, np.float32)
+        sc = np.empty(16, np.int32)
+        mn = np.zeros(16, np.int32)
+        tmp = np.empty(32, np.float32)
+        lanes = np.empty(8, np.float64)
+        for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
+            acc[:] = 0
+            accm[:] = 0
+            for i in range(nb):
+                q = raw[r, i * bsz:(i + 1) * bsz]
+                dw, dmw = head(q, f16, sc, mn)
+                for j in range(2):
+                    for h in range(32 // sub):
+                        s = 4 * j * st + h
+                        a0, a1, a2, a3 = (np.float32(sc[s]), np.float32(sc[s + st]),
+                                          np.float32(sc[s + 2 * st]), np.float32(sc[s + 3 * st]))
+                        for b in range(sub * h, sub * h + sub):
+                            q0, q1, q2, q3 = quad(q, j, b)
+                            wf[128 * j + b] = a0 * (q0 + off)
+                            wf[128 * j + 32 + b] = a1 * (q1 + off)
+                            wf[128 * j + 64 + b] = a2 * (q2 + off)
+                            wf[128 * j + 96 + b] = a3 * (q3 + off)
+                for a in range(m):
+                    dy = yd[a, i]
+                    bs = ybs[a, 16 * i:16 * i + 16]
+                    dmin = (-dy) * dmw
+                    for k in range(nmin):
+                        pm = 0
+                        for t in range(16 // nmin * k, 16 // nmin * (k + 1)):
+                            pm += np.int64(mn[t * 16 // sub]) * np.int64(bs[t])
+                        if nmin == 8:
+                            acc[a, k] = _fma32(dmin, np.float32(pm), acc[a, k])
+                        else:
+                            accm[a, k] = _fma32(dmin, np.float32(pm), accm[a, k])
+                    _block_lanes(wf, yf[a, i * QK_K:(i + 1) * QK_K], tmp, lanes)
+                    if off:
+                        for k in range(8):
+                            lanes[k] -= np.float64(off) * np.float64(np.int64(bs[2 * k]) * sc[2 * k]
+                                                                     + np.int64(bs[2 * k + 1]) * sc[2 * k + 1])
+                    d = dy * dw
+                    for k in range(8):
+                        acc[a, k] = _fma32(d, np.float32(lanes[k]), acc[a, k])
+            for a in range(m):
+                if nmin == 4:
+                    out[a, r] = _hsum8(acc[a]) + ((accm[a, 0] + accm[a, 2]) + (accm[a, 1] + accm[a, 3]))
+                elif nmin == 1:
+                    out[a, r] = _hsum8(acc[a]) + accm[a, 0]
+                else:
+                    out[a, r] = _hsum8(acc[a])
+
+
+# ------------------------------------------------------------------ per-type kernels: a driver with the type's decoder
 
 @jit.njit(parallel=True)
 def _dequantize_q2_k(raw, out, f16):
-    rows = raw.shape[0]
-    nb = raw.shape[1] // 84
-    for r in prange(rows):
-        q = raw[r]
-        o = out[r]
-        for i in range(nb):
-            bo = i * 84
-            d = _f16(f16, q, bo + 80)
-            dmin = _f16(f16, q, bo + 82)
-            for j in range(2):
-                for l in range(4):
-                    for h in range(2):
-                        s = 8 * j + 2 * l + h
-                        sc = np.int64(q[bo + s])
-                        dl = d * np.float32(sc & 15)
-                        ml = dmin * np.float32(sc >> 4)
-                        for b in range(16 * h, 16 * h + 16):
-                            v = (np.int64(q[bo + 16 + 32 * j + b]) >> (2 * l)) & 3
-                            o[i * QK_K + 128 * j + 32 * l + b] = dl * np.float32(v) - ml
+    _dequantize_k(raw, out, f16, _head_q2_k, _quad_q2_k, 84, 16)
+
+
+@jit.njit(parallel=True)
+def _dequantize_q3_k(raw, out, f16):
+    _dequantize_k(raw, out, f16, _head_q3_k, _quad_q3_k, 110, 16)
+
+
+@jit.njit(parallel=True)
+def _dequantize_q4_k(raw, out, f16):
+    _dequantize_k(raw, out, f16, _head_q4_k, _quad_q4_k, 144, 32)
+
+
+@jit.njit(parallel=True)
+def _dequantize_q5_k(raw, out, f16):
+    _dequantize_k(raw, out, f16, _head_q4_k, _quad_q5_k, 176, 32)
+
+
+@jit.njit(parallel=True)
+def _dequantize_q6_k(raw, out, f16):
+    _dequantize_k(raw, out, f16, _head_q6_k, _quad_q6_k, 210, 16)
 
 
 @jit.njit(parallel=True)
 def _matvec_q2_k(raw, x, out, f16):
-    rows = raw.shape[0]
-    nb = raw.shape[1] // 84
-    xs = _xsums(x, 16)
-    for r in prange(rows):
-        q = raw[r]
-        acc = np.zeros(32, np.float32)
-        accm = np.float32(0.0)
-        for i in range(nb):
-            bo = i * 84
-            d = _f16(f16, q, bo + 80)
-            dmin = _f16(f16, q, bo + 82)
-            for s in range(16):
-                accm += (dmin * np.float32(np.int64(q[bo + s]) >> 4)) * xs[16 * i + s]
-            for j in range(2):
-                qo = bo + 16 + 32 * j
-                xo = i * QK_K + 128 * j
-                for h in range(2):
-                    # sub-block of element 128*j + 32*l + b (b in this half) is 8*j + 2*l + h
-                    so = bo + 8 * j + h
-                    a0 = d * np.float32(np.int64(q[so]) & 15)
-                    a1 = d * np.float32(np.int64(q[so + 2]) & 15)
-                    a2 = d * np.float32(np.int64(q[so + 4]) & 15)
-                    a3 = d * np.float32(np.int64(q[so + 6]) & 15)
-                    for b in range(16 * h, 16 * h + 16):
-                        v = q[qo + b]
-                        acc[b] += (a0 * (np.float32(np.uint8(v & 3)) * x[xo + b])
-                                   + a1 * (np.float32(np.uint8((v >> 2) & 3)) * x[xo + 32 + b])
-                                   + a2 * (np.float32(np.uint8((v >> 4) & 3)) * x[xo + 64 + b])
-                                   + a3 * (np.float32(np.uint8(v >> 6)) * x[xo + 96 + b]))
-        t = np.float32(0.0)
-        for b in range(32):
-            t += acc[b]
-        out[r] = t - accm
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q2_k(raw, yd, yf, ybs, out, f16):
-    rows = raw.shape[0]
-    m, nb = yd.shape
-    for r in prange(rows):
-        q = raw[r]
-        acc = np.zeros((m, 8), np.float32)
-        w = np.empty(QK_K, np.float32)
-        mins = np.empty(16, np.int64)
-        tmp = np.empty(32, np.float32)
-        lanes = np.empty(8, np.float64)
-        for i in range(nb):
-            bo = i * 84
-            dw = _f16(f16, q, bo + 80)
-            dmw = _f16(f16, q, bo + 82)
-            for s in range(16):
-                mins[s] = np.int64(q[bo + s]) >> 4
-            for j in range(2):
-                qs = q[bo + 16 + 32 * j:bo + 48 + 32 * j]
-                wj = w[128 * j:128 * j + 128]
-                for h in range(2):
-                    so = bo + 8 * j + h
-                    a0 = np.float32(np.int64(q[so]) & 15)
-                    a1 = np.float32(np.int64(q[so + 2]) & 15)
-                    a2 = np.float32(np.int64(q[so + 4]) & 15)
-                    a3 = np.float32(np.int64(q[so + 6]) & 15)
-                    for b in range(16 * h, 16 * h + 16):
-                        v = qs[b]
-                        wj[b] = a0 * np.float32(np.uint8(v & 3))
-                        wj[32 + b] = a1 * np.float32(np.uint8((v >> 2) & 3))
-                        wj[64 + b] = a2 * np.float32(np.uint8((v >> 4) & 3))
-                        wj[96 + b] = a3 * np.float32(np.uint8(v >> 6))
-            for a in range(m):
-                dy = yd[a, i]
-                d = dy * dw
-                dmin = (-dy) * dmw
-                bs = ybs[a, 16 * i:16 * i + 16]
-                _block_lanes(w, yf[a, i * QK_K:(i + 1) * QK_K], tmp, lanes)
-                for k in range(8):
-                    # mins first (lane k = sub-blocks 2k, 2k+1), then the scaled quants
-                    pm = mins[2 * k] * np.int64(bs[2 * k]) + mins[2 * k + 1] * np.int64(bs[2 * k + 1])
-                    acc[a, k] = _fma_f32(dmin, np.float32(pm), acc[a, k])
-                    acc[a, k] = _fma_f32(d, np.float32(lanes[k]), acc[a, k])
-        for a in range(m):
-            out[a, r] = _hsum8(acc[a])
-
-
-# ------------------------------------------------------------------ Q3_K
-
-@jit.njit(parallel=True)
-def _dequantize_q3_k(raw, out, f16):
-    rows = raw.shape[0]
-    nb = raw.shape[1] // 110
-    for r in prange(rows):
-        q = raw[r]
-        o = out[r]
-        for i in range(nb):
-            bo = i * 110
-            d = _f16(f16, q, bo + 108)
-            for j in range(2):
-                for l in range(4):
-                    bit = 4 * j + l
-                    for h in range(2):
-                        s = 8 * j + 2 * l + h
-                        dl = d * np.float32(_scale_q3_k(q, bo + 96, s))
-                        for b in range(16 * h, 16 * h + 16):
-                            lo = (np.int64(q[bo + 32 + 32 * j + b]) >> (2 * l)) & 3
-                            hb = (np.int64(q[bo + b]) >> bit) & 1
-                            v = lo - ((hb ^ 1) << 2)
-                            o[i * QK_K + 128 * j + 32 * l + b] = dl * np.float32(v)
+    _matvec_k(raw, x, out, f16, _head_q2_k, _quad_q2_k, 84, 16, True)
 
 
 @jit.njit(parallel=True)
 def _matvec_q3_k(raw, x, out, f16):
-    rows = raw.shape[0]
-    nb = raw.shape[1] // 110
-    for r in prange(rows):
-        q = raw[r]
-        acc = np.zeros(32, np.float32)
-        for i in range(nb):
-            bo = i * 110
-            d = _f16(f16, q, bo + 108)
-            for j in range(2):
-                qo = bo + 32 + 32 * j
-                xo = i * QK_K + 128 * j
-                mk0 = np.uint8(1 << (4 * j))     # hmask bit of l = 0..3
-                mk1 = np.uint8(2 << (4 * j))
-                mk2 = np.uint8(4 << (4 * j))
-                mk3 = np.uint8(8 << (4 * j))
-                for h in range(2):
-                    s = 8 * j + h
-                    a0 = d * np.float32(_scale_q3_k(q, bo + 96, s))
-                    a1 = d * np.float32(_scale_q3_k(q, bo + 96, s + 2))
-                    a2 = d * np.float32(_scale_q3_k(q, bo + 96, s + 4))
-                    a3 = d * np.float32(_scale_q3_k(q, bo + 96, s + 6))
-                    for b in range(16 * h, 16 * h + 16):
-                        v = q[qo + b]
-                        hb = q[bo + b]
-                        q0 = np.int8((v & 3) - (0 if hb & mk0 else 4))
-                        q1 = np.int8(((v >> 2) & 3) - (0 if hb & mk1 else 4))
-                        q2 = np.int8(((v >> 4) & 3) - (0 if hb & mk2 else 4))
-                        q3 = np.int8((v >> 6) - (0 if hb & mk3 else 4))
-                        acc[b] += (a0 * (np.float32(q0) * x[xo + b])
-                                   + a1 * (np.float32(q1) * x[xo + 32 + b])
-                                   + a2 * (np.float32(q2) * x[xo + 64 + b])
-                                   + a3 * (np.float32(q3) * x[xo + 96 + b]))
-        t = np.float32(0.0)
-        for b in range(32):
-            t += acc[b]
-        out[r] = t
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q3_k(raw, yd, yf, ybs, out, f16):
-    rows = raw.shape[0]
-    m, nb = yd.shape
-    for r in prange(rows):
-        q = raw[r]
-        acc = np.zeros((m, 8), np.float32)
-        w = np.empty(QK_K, np.float32)
-        tmp = np.empty(32, np.float32)
-        lanes = np.empty(8, np.float64)
-        for i in range(nb):
-            bo = i * 110
-            dw = _f16(f16, q, bo + 108)
-            hm = q[bo:bo + 32]
-            for j in range(2):
-                qs = q[bo + 32 + 32 * j:bo + 64 + 32 * j]
-                wj = w[128 * j:128 * j + 128]
-                mk0 = np.uint8(1 << (4 * j))
-                mk1 = np.uint8(2 << (4 * j))
-                mk2 = np.uint8(4 << (4 * j))
-                mk3 = np.uint8(8 << (4 * j))
-                for h in range(2):
-                    s = 8 * j + h
-                    a0 = np.float32(_scale_q3_k(q, bo + 96, s))
-                    a1 = np.float32(_scale_q3_k(q, bo + 96, s + 2))
-                    a2 = np.float32(_scale_q3_k(q, bo + 96, s + 4))
-                    a3 = np.float32(_scale_q3_k(q, bo + 96, s + 6))
-                    for b in range(16 * h, 16 * h + 16):
-                        v = qs[b]
-                        hb = hm[b]
-                        wj[b] = a0 * np.float32(np.int8((v & 3) - (0 if hb & mk0 else 4)))
-                        wj[32 + b] = a1 * np.float32(np.int8(((v >> 2) & 3) - (0 if hb & mk1 else 4)))
-                        wj[64 + b] = a2 * np.float32(np.int8(((v >> 4) & 3) - (0 if hb & mk2 else 4)))
-                        wj[96 + b] = a3 * np.float32(np.int8((v >> 6) - (0 if hb & mk3 else 4)))
-            for a in range(m):
-                d = yd[a, i] * dw
-                _block_lanes(w, yf[a, i * QK_K:(i + 1) * QK_K], tmp, lanes)
-                for k in range(8):
-                    acc[a, k] = _fma_f32(d, np.float32(lanes[k]), acc[a, k])
-        for a in range(m):
-            out[a, r] = _hsum8(acc[a])
-
-
-# ------------------------------------------------------------------ Q4_K
-
-@jit.njit(parallel=True)
-def _dequantize_q4_k(raw, out, f16):
-    rows = raw.shape[0]
-    nb = raw.shape[1] // 144
-    for r in prange(rows):
-        q = raw[r]
-        o = out[r]
-        for i in range(nb):
-            bo = i * 144
-            d = _f16(f16, q, bo)
-            dmin = _f16(f16, q, bo + 2)
-            for j in range(4):
-                sc0, m0 = _scale_min_k4(q, bo + 4, 2 * j)
-                sc1, m1 = _scale_min_k4(q, bo + 4, 2 * j + 1)
-                d0 = d * np.float32(sc0)
-                dm0 = dmin * np.float32(m0)
-                d1 = d * np.float32(sc1)
-                dm1 = dmin * np.float32(m1)
-                qo = bo + 16 + 32 * j
-                xo = i * QK_K + 64 * j
-                for b in range(32):
-                    v = np.int64(q[qo + b])
-                    o[xo + b] = d0 * np.float32(v & 15) - dm0
-                    o[xo + 32 + b] = d1 * np.float32(v >> 4) - dm1
+    _matvec_k(raw, x, out, f16, _head_q3_k, _quad_q3_k, 110, 16, False)
 
 
 @jit.njit(parallel=True)
 def _matvec_q4_k(raw, x, out, f16):
-    rows = raw.shape[0]
-    nb = raw.shape[1] // 144
-    xs = _xsums(x, 32)
-    for r in prange(rows):
-        q = raw[r]
-        acc = np.zeros(32, np.float32)
-        accm = np.float32(0.0)
-        for i in range(nb):
-            bo = i * 144
-            d = _f16(f16, q, bo)
-            dmin = _f16(f16, q, bo + 2)
-            for j in range(4):
-                sc0, m0 = _scale_min_k4(q, bo + 4, 2 * j)
-                sc1, m1 = _scale_min_k4(q, bo + 4, 2 * j + 1)
-                d0 = d * np.float32(sc0)
-                d1 = d * np.float32(sc1)
-                accm += ((dmin * np.float32(m0)) * xs[8 * i + 2 * j]
-                         + (dmin * np.float32(m1)) * xs[8 * i + 2 * j + 1])
-                qo = bo + 16 + 32 * j
-                xo = i * QK_K + 64 * j
-                for b in range(32):
-                    # nibbles split in float32 (exact for 0..255; vectorizes better than int64 ops)
-                    fv = np.float32(q[qo + b])
-                    hi = np.floor(fv * np.float32(0.0625))
-                    lo = fv - np.float32(16.0) * hi
-                    acc[b] += d0 * (lo * x[xo + b]) + d1 * (hi * x[xo + 32 + b])
-        t = np.float32(0.0)
-        for b in range(32):
-            t += acc[b]
-        out[r] = t - accm
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q4_k(raw, yd, yf, ybs, out, f16):
-    rows = raw.shape[0]
-    m, nb = yd.shape
-    for r in prange(rows):
-        q = raw[r]
-        acc = np.zeros((m, 8), np.float32)
-        accm = np.zeros((m, 4), np.float32)
-        w = np.empty(QK_K, np.float32)
-        mins = np.empty(8, np.int64)
-        tmp = np.empty(32, np.float32)
-        lanes = np.empty(8, np.float64)
-        for i in range(nb):
-            bo = i * 144
-            dw = _f16(f16, q, bo)
-            dmw = _f16(f16, q, bo + 2)
-            for j in range(4):
-                sc0, m0 = _scale_min_k4(q, bo + 4, 2 * j)
-                sc1, m1 = _scale_min_k4(q, bo + 4, 2 * j + 1)
-                mins[2 * j] = m0
-                mins[2 * j + 1] = m1
-                s0 = np.float32(sc0)
-                s1 = np.float32(sc1)
-                qs = q[bo + 16 + 32 * j:bo + 48 + 32 * j]
-                wj = w[64 * j:64 * j + 64]
-                for b in range(32):
-                    fv = np.float32(qs[b])
-                    hi = np.floor(fv * np.float32(0.0625))
-                    wj[b] = s0 * (fv - np.float32(16.0) * hi)
-                    wj[32 + b] = s1 * hi
-            for a in range(m):
-                dy = yd[a, i]
-                d = dy * dw
-                dmin = (-dy) * dmw
-                bs = ybs[a, 16 * i:16 * i + 16]
-                # mins: 4 lanes, lane k = 32-element sub-blocks 2k, 2k+1 (bsums added in pairs)
-                for k in range(4):
-                    pm = (mins[2 * k] * (np.int64(bs[4 * k]) + np.int64(bs[4 * k + 1]))
-                          + mins[2 * k + 1] * (np.int64(bs[4 * k + 2]) + np.int64(bs[4 * k + 3])))
-                    accm[a, k] = _fma_f32(dmin, np.float32(pm), accm[a, k])
-                _block_lanes(w, yf[a, i * QK_K:(i + 1) * QK_K], tmp, lanes)
-                for k in range(8):
-                    acc[a, k] = _fma_f32(d, np.float32(lanes[k]), acc[a, k])
-        for a in range(m):
-            out[a, r] = _hsum8(acc[a]) + ((accm[a, 0] + accm[a, 2]) + (accm[a, 1] + accm[a, 3]))
-
-
-# ------------------------------------------------------------------ Q5_K
-
-@jit.njit(parallel=True)
-def _dequantize_q5_k(raw, out, f16):
-    rows = raw.shape[0]
-    nb = raw.shape[1] // 176
-    for r in prange(rows):
-        q = raw[r]
-        o = out[r]
-        for i in range(nb):
-            bo = i * 176
-            d = _f16(f16, q, bo)
-            dmin = _f16(f16, q, bo + 2)
-            for j in range(4):
-                sc0, m0 = _scale_min_k4(q, bo + 4, 2 * j)
-                sc1, m1 = _scale_min_k4(q, bo + 4, 2 * j + 1)
-                d0 = d * np.float32(sc0)
-                dm0 = dmin * np.float32(m0)
-                d1 = d * np.float32(sc1)
-                dm1 = dmin * np.float32(m1)
-                qo = bo + 48 + 32 * j
-                xo = i * QK_K + 64 * j
-                for b in range(32):
-                    v = np.int64(q[qo + b])
-                    hb = np.int64(q[bo + 16 + b]) >> (2 * j)
-                    o[xo + b] = d0 * np.float32((v & 15) | ((hb & 1) << 4)) - dm0
-                    o[xo + 32 + b] = d1 * np.float32((v >> 4) | ((hb & 2) << 3)) - dm1
+    _matvec_k(raw, x, out, f16, _head_q4_k, _quad_q4_k, 144, 32, True)
 
 
 @jit.njit(parallel=True)
 def _matvec_q5_k(raw, x, out, f16):
-    rows = raw.shape[0]
-    nb = raw.shape[1] // 176
-    xs = _xsums(x, 32)
-    for r in prange(rows):
-        q = raw[r]
-        acc = np.zeros(32, np.float32)
-        accm = np.float32(0.0)
-        for i in range(nb):
-            bo = i * 176
-            d = _f16(f16, q, bo)
-            dmin = _f16(f16, q, bo + 2)
-            for j in range(4):
-                sc0, m0 = _scale_min_k4(q, bo + 4, 2 * j)
-                sc1, m1 = _scale_min_k4(q, bo + 4, 2 * j + 1)
-                d0 = d * np.float32(sc0)
-                d1 = d * np.float32(sc1)
-                accm += ((dmin * np.float32(m0)) * xs[8 * i + 2 * j]
-                         + (dmin * np.float32(m1)) * xs[8 * i + 2 * j + 1])
-                qo = bo + 48 + 32 * j
-                xo = i * QK_K + 64 * j
-                mk0 = np.uint8(1 << (2 * j))     # qh bit of sub-block 2j
-                mk1 = np.uint8(2 << (2 * j))     # qh bit of sub-block 2j + 1
-                for b in range(32):
-                    v = q[qo + b]
-                    hb = q[bo + 16 + b]
-                    q0 = np.uint8((v & 15) | (16 if hb & mk0 else 0))
-                    q1 = np.uint8((v >> 4) | (16 if hb & mk1 else 0))
-                    acc[b] += d0 * (np.float32(q0) * x[xo + b]) + d1 * (np.float32(q1) * x[xo + 32 + b])
-        t = np.float32(0.0)
-        for b in range(32):
-            t += acc[b]
-        out[r] = t - accm
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q5_k(raw, yd, yf, ybs, out, f16):
-    rows = raw.shape[0]
-    m, nb = yd.shape
-    for r in prange(rows):
-        q = raw[r]
-        acc = np.zeros((m, 8), np.float32)
-        summs = np.zeros(m, np.float32)
-        w = np.empty(QK_K, np.float32)
-        mins = np.empty(8, np.int64)
-        tmp = np.empty(32, np.float32)
-        lanes = np.empty(8, np.float64)
-        for i in range(nb):
-            bo = i * 176
-            dw = _f16(f16, q, bo)
-            dmw = _f16(f16, q, bo + 2)
-            qh = q[bo + 16:bo + 48]
-            for j in range(4):
-                sc0, m0 = _scale_min_k4(q, bo + 4, 2 * j)
-                sc1, m1 = _scale_min_k4(q, bo + 4, 2 * j + 1)
-                mins[2 * j] = m0
-                mins[2 * j + 1] = m1
-                s0 = np.float32(sc0)
-                s1 = np.float32(sc1)
-                mk0 = np.uint8(1 << (2 * j))
-                mk1 = np.uint8(2 << (2 * j))
-                qs = q[bo + 48 + 32 * j:bo + 80 + 32 * j]
-                wj = w[64 * j:64 * j + 64]
-                for b in range(32):
-                    v = qs[b]
-                    hb = qh[b]
-                    wj[b] = s0 * np.float32(np.uint8((v & 15) | (16 if hb & mk0 else 0)))
-                    wj[32 + b] = s1 * np.float32(np.uint8((v >> 4) | (16 if hb & mk1 else 0)))
-            for a in range(m):
-                dy = yd[a, i]
-                d = dy * dw
-                dmin = (-dy) * dmw
-                bs = ybs[a, 16 * i:16 * i + 16]
-                # mins: one integer sum per block, then summs = fma(dmin, float(sum), summs)
-                pm = 0
-                for s in range(8):
-                    pm += mins[s] * (np.int64(bs[2 * s]) + np.int64(bs[2 * s + 1]))
-                summs[a] = _fma_f32(dmin, np.float32(pm), summs[a])
-                _block_lanes(w, yf[a, i * QK_K:(i + 1) * QK_K], tmp, lanes)
-                for k in range(8):
-                    acc[a, k] = _fma_f32(d, np.float32(lanes[k]), acc[a, k])
-        for a in range(m):
-            out[a, r] = _hsum8(acc[a]) + summs[a]
-
-
-# ------------------------------------------------------------------ Q6_K
-
-@jit.njit(parallel=True)
-def _dequantize_q6_k(raw, out, f16):
-    rows = raw.shape[0]
-    nb = raw.shape[1] // 210
-    for r in prange(rows):
-        q = raw[r]
-        o = out[r]
-        for i in range(nb):
-            bo = i * 210
-            d = _f16(f16, q, bo + 208)
-            for j in range(2):
-                for l in range(4):
-                    lo_o = bo + 64 * j + 32 * (l & 1)
-                    lo_sh = 4 * (l >> 1)
-                    for h in range(2):
-                        s = 8 * j + 2 * l + h
-                        dl = d * np.float32(_i8(q[bo + 192 + s]))
-                        for b in range(16 * h, 16 * h + 16):
-                            lo = (np.int64(q[lo_o + b]) >> lo_sh) & 15
-                            hi = (np.int64(q[bo + 128 + 32 * j + b]) >> (2 * l)) & 3
-                            o[i * QK_K + 128 * j + 32 * l + b] = dl * np.float32((lo | (hi << 4)) - 32)
+    _matvec_k(raw, x, out, f16, _head_q4_k, _quad_q5_k, 176, 32, True)
 
 
 @jit.njit(parallel=True)
 def _matvec_q6_k(raw, x, out, f16):
-    rows = raw.shape[0]
-    nb = raw.shape[1] // 210
-    for r in prange(rows):
-        q = raw[r]
-        acc = np.zeros(32, np.float32)
-        ds = np.empty(8, np.float32)
-        for i in range(nb):
-            bo = i * 210
-            d = _f16(f16, q, bo + 208)
-            for j in range(2):
-                so = bo + 192 + 8 * j
-                for t in range(8):
-                    ds[t] = d * np.float32(_i8(q[so + t]))
-                qo = bo + 64 * j
-                ho = bo + 128 + 32 * j
-                xo = i * QK_K + 128 * j
-                for h in range(2):
-                    a0 = ds[h]
-                    a1 = ds[2 + h]
-                    a2 = ds[4 + h]
-                    a3 = ds[6 + h]
-                    for b in range(16 * h, 16 * h + 16):
-                        v0 = q[qo + b]
-                        v1 = q[qo + 32 + b]
-                        hb = q[ho + b]
-                        # truncating to int8 keeps the vectorized integer work 8 bits wide
-                        q0 = np.int8(((v0 & 15) | ((hb & 3) << 4)) - 32)
-                        q1 = np.int8(((v1 & 15) | ((hb & 12) << 2)) - 32)
-                        q2 = np.int8(((v0 >> 4) | (hb & 48)) - 32)
-                        q3 = np.int8(((v1 >> 4) | ((hb & 192) >> 2)) - 32)
-                        acc[b] += (a0 * (np.float32(q0) * x[xo + b])
-                                   + a1 * (np.float32(q1) * x[xo + 32 + b])
-                                   + a2 * (np.float32(q2) * x[xo + 64 + b])
-                                   + a3 * (np.float32(q3) * x[xo + 96 + b]))
-        t = np.float32(0.0)
-        for b in range(32):
-            t += acc[b]
-        out[r] = t
+    _matvec_k(raw, x, out, f16, _head_q6_k, _quad_q6_k, 210, 16, False)
+
+
+@jit.njit(parallel=True)
+def _matmul_ggml_q2_k(raw, yd, yf, ybs, out, f16):
+    _matmul_ggml_k(raw, yd, yf, ybs, out, f16, _head_q2_k, _quad_q2_k, 84, 16, 8, _F32_0)
+
+
+@jit.njit(parallel=True)
+def _matmul_ggml_q3_k(raw, yd, yf, ybs, out, f16):
+    _matmul_ggml_k(raw, yd, yf, ybs, out, f16, _head_q3_k, _quad_q3_k, 110, 16, 0, _F32_0)
+
+
+@jit.njit(parallel=True)
+def _matmul_ggml_q4_k(raw, yd, yf, ybs, out, f16):
+    _matmul_ggml_k(raw, yd, yf, ybs, out, f16, _head_q4_k, _quad_q4_k, 144, 32, 4, _F32_0)
+
+
+@jit.njit(parallel=True)
+def _matmul_ggml_q5_k(raw, yd, yf, ybs, out, f16):
+    _matmul_ggml_k(raw, yd, yf, ybs, out, f16, _head_q4_k, _quad_q5_k, 176, 32, 1, _F32_0)
 
 
 @jit.njit(parallel=True)
 def _matmul_ggml_q6_k(raw, yd, yf, ybs, out, f16):
-    rows = raw.shape[0]
-    m, nb = yd.shape
-    for r in prange(rows):
-        q = raw[r]
-        acc = np.zeros((m, 8), np.float32)
-        w = np.empty(QK_K, np.float32)
-        sc = np.empty(16, np.int64)
-        tmp = np.empty(32, np.float32)
-        lanes = np.empty(8, np.float64)
-        for i in range(nb):
-            bo = i * 210
-            dw = _f16(f16, q, bo + 208)
-            for s in range(16):
-                sc[s] = _i8(q[bo + 192 + s])
-            # unsigned 6-bit quants times scale; the -32 offset goes through bsums below
-            for j in range(2):
-                ql = q[bo + 64 * j:bo + 64 * j + 64]
-                qh = q[bo + 128 + 32 * j:bo + 160 + 32 * j]
-                wj = w[128 * j:128 * j + 128]
-                for h in range(2):
-                    a0 = np.float32(sc[8 * j + h])
-                    a1 = np.float32(sc[8 * j + 2 + h])
-                    a2 = np.float32(sc[8 * j + 4 + h])
-                    a3 = np.float32(sc[8 * j + 6 + h])
-                    for b in range(16 * h, 16 * h + 16):
-                        v0 = ql[b]
-                        v1 = ql[32 + b]
-                        hb = qh[b]
-                        wj[b] = a0 * np.float32(np.uint8((v0 & 15) | ((hb & 3) << 4)))
-                        wj[32 + b] = a1 * np.float32(np.uint8((v1 & 15) | ((hb & 12) << 2)))
-                        wj[64 + b] = a2 * np.float32(np.uint8((v0 >> 4) | (hb & 48)))
-                        wj[96 + b] = a3 * np.float32(np.uint8((v1 >> 4) | ((hb & 192) >> 2)))
-            for a in range(m):
-                d = yd[a, i] * dw
-                bs = ybs[a, 16 * i:16 * i + 16]
-                _block_lanes(w, yf[a, i * QK_K:(i + 1) * QK_K], tmp, lanes)
-                for k in range(8):
-                    # lane k's offset term uses the bsums of sub-blocks 2k, 2k+1 (exact in float64)
-                    sub = 32 * (np.int64(bs[2 * k]) * sc[2 * k] + np.int64(bs[2 * k + 1]) * sc[2 * k + 1])
-                    acc[a, k] = _fma_f32(d, np.float32(lanes[k] - np.float64(sub)), acc[a, k])
-        for a in range(m):
-            out[a, r] = _hsum8(acc[a])
+    _matmul_ggml_k(raw, yd, yf, ybs, out, f16, _head_q6_k, _quad_q6_k, 210, 16, 0, _F32_32)
 
 
-# ------------------------------------------------------------------ public wrappers
+# ------------------------------------------------------------------ kernel table
 
-def dequantize_q2_k(raw: np.ndarray, out: np.ndarray) -> None:
-    """Q2_K uint8[rows, n/256*84] -> out float32[rows, n]."""
-    _dequantize_q2_k(raw, out, F16_TABLE)
+def _k_kernels(qtype: QT, deq, mv, mm) -> TypeKernels:
+    """Wrappers of one K type's kernels (named ``matvec_q4_k`` etc. for profiles and
+    tracebacks); ggml activations are Q8_K blocks."""
+    def dequantize(raw, out):
+        deq(raw, out, F16_TO_F32)
 
+    def matvec(raw, x, out):
+        mv(raw, x, out, F16_TO_F32)
 
-def dequantize_q3_k(raw: np.ndarray, out: np.ndarray) -> None:
-    """Q3_K uint8[rows, n/256*110] -> out float32[rows, n]."""
-    _dequantize_q3_k(raw, out, F16_TABLE)
+    def matmul_ggml(raw, xq, out):
+        mm(raw, *_ggml_act(xq), out, F16_TO_F32)
 
-
-def dequantize_q4_k(raw: np.ndarray, out: np.ndarray) -> None:
-    """Q4_K uint8[rows, n/256*144] -> out float32[rows, n]."""
-    _dequantize_q4_k(raw, out, F16_TABLE)
-
-
-def dequantize_q5_k(raw: np.ndarray, out: np.ndarray) -> None:
-    """Q5_K uint8[rows, n/256*176] -> out float32[rows, n]."""
-    _dequantize_q5_k(raw, out, F16_TABLE)
-
-
-def dequantize_q6_k(raw: np.ndarray, out: np.ndarray) -> None:
-    """Q6_K uint8[rows, n/256*210] -> out float32[rows, n]."""
-    _dequantize_q6_k(raw, out, F16_TABLE)
-
-
-def matvec_q2_k(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out float32[rows] = Q2_K weights @ x float32[n], fp32 numerics."""
-    _matvec_q2_k(raw, x, out, F16_TABLE)
-
-
-def matvec_q3_k(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out float32[rows] = Q3_K weights @ x float32[n], fp32 numerics."""
-    _matvec_q3_k(raw, x, out, F16_TABLE)
-
-
-def matvec_q4_k(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out float32[rows] = Q4_K weights @ x float32[n], fp32 numerics."""
-    _matvec_q4_k(raw, x, out, F16_TABLE)
-
-
-def matvec_q5_k(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out float32[rows] = Q5_K weights @ x float32[n], fp32 numerics."""
-    _matvec_q5_k(raw, x, out, F16_TABLE)
-
-
-def matvec_q6_k(raw: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out float32[rows] = Q6_K weights @ x float32[n], fp32 numerics."""
-    _matvec_q6_k(raw, x, out, F16_TABLE)
-
-
-def matmul_ggml_q2_k(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
-    """out float32[m, rows] = Q8_K activations xq uint8[m, n/256*292] @ Q2_K weights.T, ggml numerics."""
-    _matmul_ggml_q2_k(raw, *_ggml_act(xq), out, F16_TABLE)
-
-
-def matmul_ggml_q3_k(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
-    """out float32[m, rows] = Q8_K activations xq uint8[m, n/256*292] @ Q3_K weights.T, ggml numerics."""
-    _matmul_ggml_q3_k(raw, *_ggml_act(xq), out, F16_TABLE)
-
-
-def matmul_ggml_q4_k(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
-    """out float32[m, rows] = Q8_K activations xq uint8[m, n/256*292] @ Q4_K weights.T, ggml numerics."""
-    _matmul_ggml_q4_k(raw, *_ggml_act(xq), out, F16_TABLE)
-
-
-def matmul_ggml_q5_k(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
-    """out float32[m, rows] = Q8_K activations xq uint8[m, n/256*292] @ Q5_K weights.T, ggml numerics."""
-    _matmul_ggml_q5_k(raw, *_ggml_act(xq), out, F16_TABLE)
-
-
-def matmul_ggml_q6_k(raw: np.ndarray, xq: np.ndarray, out: np.ndarray) -> None:
-    """out float32[m, rows] = Q8_K activations xq uint8[m, n/256*292] @ Q6_K weights.T, ggml numerics."""
-    _matmul_ggml_q6_k(raw, *_ggml_act(xq), out, F16_TABLE)
+    for f in (dequantize, matvec, matmul_ggml):
+        f.__name__ = f.__qualname__ = f"{f.__name__}_{qtype.name.lower()}"
+    return TypeKernels(dequantize, matvec, QT.Q8_K, matmul_ggml)
 
 
 KERNELS: dict[QT, TypeKernels] = {
-    QT.Q2_K: TypeKernels(dequantize_q2_k, matvec_q2_k, QT.Q8_K, matmul_ggml_q2_k),
-    QT.Q3_K: TypeKernels(dequantize_q3_k, matvec_q3_k, QT.Q8_K, matmul_ggml_q3_k),
-    QT.Q4_K: TypeKernels(dequantize_q4_k, matvec_q4_k, QT.Q8_K, matmul_ggml_q4_k),
-    QT.Q5_K: TypeKernels(dequantize_q5_k, matvec_q5_k, QT.Q8_K, matmul_ggml_q5_k),
-    QT.Q6_K: TypeKernels(dequantize_q6_k, matvec_q6_k, QT.Q8_K, matmul_ggml_q6_k),
+    QT.Q2_K: _k_kernels(QT.Q2_K, _dequantize_q2_k, _matvec_q2_k, _matmul_ggml_q2_k),
+    QT.Q3_K: _k_kernels(QT.Q3_K, _dequantize_q3_k, _matvec_q3_k, _matmul_ggml_q3_k),
+    QT.Q4_K: _k_kernels(QT.Q4_K, _dequantize_q4_k, _matvec_q4_k, _matmul_ggml_q4_k),
+    QT.Q5_K: _k_kernels(QT.Q5_K, _dequantize_q5_k, _matvec_q5_k, _matmul_ggml_q5_k),
+    QT.Q6_K: _k_kernels(QT.Q6_K, _dequantize_q6_k, _matvec_q6_k, _matmul_ggml_q6_k),
 }
 
 

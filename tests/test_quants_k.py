@@ -216,7 +216,7 @@ def test_dequantize_detects_a_flipped_scale_bit():
     ref = gguf_dequantize(raw, QT.Q4_K)
     raw[0, 4] ^= 1
     out = np.empty_like(ref)
-    K.dequantize_q4_k(raw, out)
+    K.KERNELS[QT.Q4_K].dequantize(raw, out)
     assert not np.array_equal(out, ref)
 
 
@@ -255,7 +255,7 @@ def test_matvec_bound_catches_a_wrong_scale():
     bad = raw.copy()
     bad[:, 4] ^= 0x20  # flip one bit of sub-block 0's scale in block 0
     out = np.empty(4, np.float32)
-    K.matvec_q4_k(bad, x, out)
+    K.KERNELS[QT.Q4_K].matvec(bad, x, out)
     ref = K.matvec_reference(QT.Q4_K, raw, x)
     tol = (1024 // 16 + 36) * U32 * term_magnitude(QT.Q4_K, raw, x)[0]
     assert np.any(np.abs(out - ref) > tol)
