@@ -488,8 +488,8 @@ def _ggml_lanes64(wr, ar, npart, acc, f16, elem):
 
 
 @jit.njit(inline="always")
-def _decode_ints(w, qw, dw, mw, f16, head, pair, bsz):
-    """A weight row -> integer quants qw int8[nb*32] (as the SIMD code sees them), d, m."""
+def _decode_ints(w, qw, dw, mw, f16, head, pair, bsz, off):
+    """A weight row -> integer quants minus ``off``, qw int8[nb*32], d, m."""
     for b in range(dw.shape[0]):
         o = b * bsz
         d, mn, aux = head(w, o, f16)
@@ -498,38 +498,29 @@ def _decode_ints(w, qw, dw, mw, f16, head, pair, bsz):
         q = qw[b * 32:b * 32 + 32]
         for j in range(16):
             lo, hi = pair(w, o, aux, j)
-            q[j] = lo
-            q[16 + j] = hi
+            q[j] = lo - off
+            q[16 + j] = hi - off
 
 
 @jit.njit(inline="always")
-def _decode_row_ints(w, kind, qw, dw, mw, f16):
-    if kind == _KIND_Q4_0:
-        _decode_ints(w, qw, dw, mw, f16, _head_d, _pair_q4_0, 18)
-    elif kind == _KIND_Q4_1:
-        _decode_ints(w, qw, dw, mw, f16, _head_dm, _pair_q4_1, 20)
-    elif kind == _KIND_Q5_0:
-        _decode_ints(w, qw, dw, mw, f16, _head_d_qh, _pair_q5_0, 22)
-    elif kind == _KIND_Q5_1:
-        _decode_ints(w, qw, dw, mw, f16, _head_dm_qh, _pair_q5_1, 24)
-    else:
-        _decode_ints(w, qw, dw, mw, f16, _head_d, _pair_q8_0, 34)
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, kind):
+def _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, head, pair, bsz, has_min, off):
     """ggml vec_dot of Q4_0/Q5_0/Q8_0 x Q8_0 and Q4_1/Q5_1 x Q8_1 (AVX2 code paths).
 
     raw: uint8[rows, row_bytes]; aq: int8[m, n] activation quants; ad: float32[m, nb] their d;
     asum: float32[m, nb] their s (Q8_1 only); out: float32[m, rows]. A weight row is decoded
     once to integer quants, then per activation row and block: 8 int32 lanes of 4 products,
     acc[lane] = fma(d_w * d_a, lane, acc[lane]); the result is hsum_float_8(acc), plus
-    sum_b fma(m_w, s_a) for the types with a minimum. One kernel for the five types: the
-    type (``kind``) only selects the row decoder."""
+    sum_b fma(m_w, s_a) for the types with a minimum. Quants decoded minus ``off`` get
+    ``off * (sum of the lane's 4 activation quants)`` back in each exact integer lane sum."""
     rows = raw.shape[0]
     m = aq.shape[0]
     nb = ad.shape[1]
-    has_min = kind == _KIND_Q4_1 or kind == _KIND_Q5_1
+    alanes = np.zeros((m, nb * 8), np.int32)
+    if off:
+        for i in range(m):
+            for j in range(nb * 8):
+                alanes[i, j] = (np.int32(aq[i, 4 * j]) + np.int32(aq[i, 4 * j + 1])
+                                + np.int32(aq[i, 4 * j + 2]) + np.int32(aq[i, 4 * j + 3]))
     nchunk = min(rows, _ROW_CHUNKS)
     for c in prange(nchunk):
         # scratch per chunk of rows, not per row
@@ -539,14 +530,14 @@ def _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, kind):
         isum = np.empty(nb * 8, np.int32)
         acc = np.empty(8, np.float32)
         for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
-            _decode_row_ints(raw[r], kind, qw, dw, mw, f16)
+            _decode_ints(raw[r], qw, dw, mw, f16, head, pair, bsz, off)
             for i in range(m):
                 a = aq[i]
                 for j in range(nb * 8):
                     k = 4 * j
                     isum[j] = (np.int32(qw[k]) * np.int32(a[k]) + np.int32(qw[k + 1]) * np.int32(a[k + 1])
                                + np.int32(qw[k + 2]) * np.int32(a[k + 2])
-                               + np.int32(qw[k + 3]) * np.int32(a[k + 3]))
+                               + np.int32(qw[k + 3]) * np.int32(a[k + 3]) + off * alanes[i, j])
                 acc[:] = 0
                 summs = _F32_0
                 for b in range(nb):
@@ -558,7 +549,6 @@ def _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, kind):
                 out[i, r] = _hsum8(acc) + summs if has_min else _hsum8(acc)
 
 
-_KIND_Q4_0, _KIND_Q4_1, _KIND_Q5_0, _KIND_Q5_1, _KIND_Q8_0 = 0, 1, 2, 3, 4
 # prange work items of the ggml block kernels: contiguous row ranges sharing one scratch allocation
 _ROW_CHUNKS = 64
 
@@ -703,6 +693,32 @@ def _matvec_q8_0(raw, x, out, f16):
     _matvec_blocks(raw, x, out, f16, _head_d, _pair_q8_0, 34, False)
 
 
+@jit.njit(parallel=True)
+def _matmul_ggml_q4_0(raw, aq, ad, asum, out, f16):
+    _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, _head_d, _pair_q4_0, 18, False, 0)
+
+
+@jit.njit(parallel=True)
+def _matmul_ggml_q4_1(raw, aq, ad, asum, out, f16):
+    _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, _head_dm, _pair_q4_1, 20, True, 0)
+
+
+@jit.njit(parallel=True)
+def _matmul_ggml_q5_0(raw, aq, ad, asum, out, f16):
+    _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, _head_d_qh, _pair_q5_0, 22, False, 0)
+
+
+@jit.njit(parallel=True)
+def _matmul_ggml_q5_1(raw, aq, ad, asum, out, f16):
+    # quants decoded as q - 16: LLVM vectorizes that signed decode, not the unsigned one
+    _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, _head_dm_qh, _pair_q5_1, 24, True, 16)
+
+
+@jit.njit(parallel=True)
+def _matmul_ggml_q8_0(raw, aq, ad, asum, out, f16):
+    _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, _head_d, _pair_q8_0, 34, False, 0)
+
+
 # ---------------------------------------------------------------------------------------
 # public wrappers: raw is uint8[rows, row_bytes]
 # ---------------------------------------------------------------------------------------
@@ -742,7 +758,7 @@ def _float_kernels(qtype: QT, dtype, deq, mv, mm) -> TypeKernels:
     return TypeKernels(dequantize, matvec, qtype, matmul_ggml)
 
 
-def _block_kernels(deq, mv, kind: int, act_type: QT) -> TypeKernels:
+def _block_kernels(deq, mv, mm, act_type: QT) -> TypeKernels:
     """Wrappers of one block type's kernels; ggml activations are Q8_0 or Q8_1 blocks."""
     with_sum = act_type == QT.Q8_1
 
@@ -754,7 +770,7 @@ def _block_kernels(deq, mv, kind: int, act_type: QT) -> TypeKernels:
 
     def matmul_ggml(raw, xq, out):
         aq, ad, asum = _split_act_blocks(xq, with_sum)
-        _matmul_ggml_blocks(raw, aq, ad, asum, out, F16_TO_F32, kind)
+        mm(raw, aq, ad, asum, out, F16_TO_F32)
 
     return TypeKernels(dequantize, matvec, act_type, matmul_ggml)
 
@@ -767,11 +783,11 @@ KERNELS: dict[QT, TypeKernels] = {
     QT.F32: _float_kernels(QT.F32, np.float32, None, _matvec_f32, _matmul_ggml_f32),
     QT.F16: _float_kernels(QT.F16, np.uint16, _dequantize_f16, _matvec_f16, _matmul_ggml_f16),
     QT.BF16: _float_kernels(QT.BF16, np.uint16, _dequantize_bf16, _matvec_bf16, _matmul_ggml_bf16),
-    QT.Q4_0: _block_kernels(_dequantize_q4_0, _matvec_q4_0, _KIND_Q4_0, QT.Q8_0),
-    QT.Q4_1: _block_kernels(_dequantize_q4_1, _matvec_q4_1, _KIND_Q4_1, QT.Q8_1),
-    QT.Q5_0: _block_kernels(_dequantize_q5_0, _matvec_q5_0, _KIND_Q5_0, QT.Q8_0),
-    QT.Q5_1: _block_kernels(_dequantize_q5_1, _matvec_q5_1, _KIND_Q5_1, QT.Q8_1),
-    QT.Q8_0: _block_kernels(_dequantize_q8_0, _matvec_q8_0, _KIND_Q8_0, QT.Q8_0),
+    QT.Q4_0: _block_kernels(_dequantize_q4_0, _matvec_q4_0, _matmul_ggml_q4_0, QT.Q8_0),
+    QT.Q4_1: _block_kernels(_dequantize_q4_1, _matvec_q4_1, _matmul_ggml_q4_1, QT.Q8_1),
+    QT.Q5_0: _block_kernels(_dequantize_q5_0, _matvec_q5_0, _matmul_ggml_q5_0, QT.Q8_0),
+    QT.Q5_1: _block_kernels(_dequantize_q5_1, _matvec_q5_1, _matmul_ggml_q5_1, QT.Q8_1),
+    QT.Q8_0: _block_kernels(_dequantize_q8_0, _matvec_q8_0, _matmul_ggml_q8_0, QT.Q8_0),
 }
 
 # activation converters by act_type: float32[m, n] -> uint8[m, act_row_bytes] (float32 for F32)
