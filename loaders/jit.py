@@ -28,6 +28,12 @@ and other libraries' caches are untouched: only dispatchers made by
 A module that calls into another must declare it *before* its first kernel
 compiles (at import, next to its imports); :func:`njit` refuses a module that
 was never declared, so a dependency cannot be forgotten silently.
+
+Per-type kernels are one call of an inlined generic driver with that type's
+decoder and constants. :func:`specialize` defines such a kernel from a table
+row: the function is compiled as if written in the module (its file, its
+globals), so it is cached exactly like a hand-written one. (A closure over the
+decoder, or the decoder passed as an argument, would never be a cache hit.)
 """
 from __future__ import annotations
 
@@ -122,3 +128,17 @@ def njit(*args, cache: bool = True, **options):
             return wrap(args[0])
         raise TypeError("loaders.jit.njit takes no signatures (kernels compile lazily)")
     return wrap
+
+
+def specialize(namespace: dict, name: str, params: str, call: str, **options):
+    """Define ``def name(params): call`` in the module whose globals are ``namespace``,
+    jitted with :func:`njit` (``options``), and return it. ``call`` is one statement,
+    typically a generic driver applied to a type's decoder, e.g.
+    ``specialize(globals(), "_matvec_q4_0", "raw, x, out, f16",
+    "_matvec_blocks(raw, x, out, f16, _head_d, _pair_q4_0, 18, False)", parallel=True)``.
+    The cache entry is keyed by ``name``; tracebacks show the module's file at line 1."""
+    if not name.isidentifier() or name in namespace:
+        raise ValueError(f"specialize: {name!r} is not a new identifier of {namespace.get('__name__')}")
+    exec(compile(f"def {name}({params}):\n    {call}\n", namespace["__file__"], "exec"), namespace)
+    namespace[name] = disp = njit(**options)(namespace[name])
+    return disp

@@ -99,7 +99,7 @@ from numba import prange
 
 from . import jit, quants_legacy
 from .ggml_types import TypeKernels
-from .quants_legacy import _ROW_CHUNKS, F16_TO_F32, _fma32, _hsum8, _i8, _lanes_sum32, _u16
+from .quants_legacy import _ROW_CHUNKS, _fma32, _hsum8, _i8, _lanes_sum32, _quant_kernels, _u16
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -110,7 +110,6 @@ Q8_K_BYTES = 292  # float32 d + int8 qs[256] + int16 bsums[16]
 BLOCK_BYTES = {QT.Q2_K: 84, QT.Q3_K: 110, QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}
 
 _F32_0 = np.float32(0.0)
-_F32_32 = np.float32(32.0)
 
 
 # ------------------------------------------------------------------ shared pieces
@@ -488,107 +487,26 @@ def _matmul_ggml_k(raw, yd, yf, ybs, out, f16, head, quad, bsz, sub, nmin, off):
 
 # ------------------------------------------------------------------ per-type kernels: a driver with the type's decoder
 
-@jit.njit(parallel=True)
-def _dequantize_q2_k(raw, out, f16):
-    _dequantize_k(raw, out, f16, _head_q2_k, _quad_q2_k, 84, 16)
-
-
-@jit.njit(parallel=True)
-def _dequantize_q3_k(raw, out, f16):
-    _dequantize_k(raw, out, f16, _head_q3_k, _quad_q3_k, 110, 16)
-
-
-@jit.njit(parallel=True)
-def _dequantize_q4_k(raw, out, f16):
-    _dequantize_k(raw, out, f16, _head_q4_k, _quad_q4_k, 144, 32)
-
-
-@jit.njit(parallel=True)
-def _dequantize_q5_k(raw, out, f16):
-    _dequantize_k(raw, out, f16, _head_q4_k, _quad_q5_k, 176, 32)
-
-
-@jit.njit(parallel=True)
-def _dequantize_q6_k(raw, out, f16):
-    _dequantize_k(raw, out, f16, _head_q6_k, _quad_q6_k, 210, 16)
-
-
-@jit.njit(parallel=True)
-def _matvec_q2_k(raw, x, out, f16):
-    _matvec_k(raw, x, out, f16, _head_q2_k, _quad_q2_k, 84, 16, True)
-
-
-@jit.njit(parallel=True)
-def _matvec_q3_k(raw, x, out, f16):
-    _matvec_k(raw, x, out, f16, _head_q3_k, _quad_q3_k, 110, 16, False)
-
-
-@jit.njit(parallel=True)
-def _matvec_q4_k(raw, x, out, f16):
-    _matvec_k(raw, x, out, f16, _head_q4_k, _quad_q4_k, 144, 32, True)
-
-
-@jit.njit(parallel=True)
-def _matvec_q5_k(raw, x, out, f16):
-    _matvec_k(raw, x, out, f16, _head_q4_k, _quad_q5_k, 176, 32, True)
-
-
-@jit.njit(parallel=True)
-def _matvec_q6_k(raw, x, out, f16):
-    _matvec_k(raw, x, out, f16, _head_q6_k, _quad_q6_k, 210, 16, False)
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q2_k(raw, yd, yf, ybs, out, f16):
-    _matmul_ggml_k(raw, yd, yf, ybs, out, f16, _head_q2_k, _quad_q2_k, 84, 16, 8, _F32_0)
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q3_k(raw, yd, yf, ybs, out, f16):
-    _matmul_ggml_k(raw, yd, yf, ybs, out, f16, _head_q3_k, _quad_q3_k, 110, 16, 0, _F32_0)
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q4_k(raw, yd, yf, ybs, out, f16):
-    _matmul_ggml_k(raw, yd, yf, ybs, out, f16, _head_q4_k, _quad_q4_k, 144, 32, 4, _F32_0)
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q5_k(raw, yd, yf, ybs, out, f16):
-    _matmul_ggml_k(raw, yd, yf, ybs, out, f16, _head_q4_k, _quad_q5_k, 176, 32, 1, _F32_0)
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q6_k(raw, yd, yf, ybs, out, f16):
-    _matmul_ggml_k(raw, yd, yf, ybs, out, f16, _head_q6_k, _quad_q6_k, 210, 16, 0, _F32_32)
-
-
-# ------------------------------------------------------------------ kernel table
-
-def _k_kernels(qtype: QT, deq, mv, mm) -> TypeKernels:
-    """Wrappers of one K type's kernels (named ``matvec_q4_k`` etc. for profiles and
-    tracebacks); ggml activations are Q8_K blocks."""
-    def dequantize(raw, out):
-        deq(raw, out, F16_TO_F32)
-
-    def matvec(raw, x, out):
-        mv(raw, x, out, F16_TO_F32)
-
-    def matmul_ggml(raw, xq, out):
-        mm(raw, *_ggml_act(xq), out, F16_TO_F32)
-
-    for f in (dequantize, matvec, matmul_ggml):
-        f.__name__ = f.__qualname__ = f"{f.__name__}_{qtype.name.lower()}"
-    return TypeKernels(dequantize, matvec, QT.Q8_K, matmul_ggml)
-
-
-KERNELS: dict[QT, TypeKernels] = {
-    QT.Q2_K: _k_kernels(QT.Q2_K, _dequantize_q2_k, _matvec_q2_k, _matmul_ggml_q2_k),
-    QT.Q3_K: _k_kernels(QT.Q3_K, _dequantize_q3_k, _matvec_q3_k, _matmul_ggml_q3_k),
-    QT.Q4_K: _k_kernels(QT.Q4_K, _dequantize_q4_k, _matvec_q4_k, _matmul_ggml_q4_k),
-    QT.Q5_K: _k_kernels(QT.Q5_K, _dequantize_q5_k, _matvec_q5_k, _matmul_ggml_q5_k),
-    QT.Q6_K: _k_kernels(QT.Q6_K, _dequantize_q6_k, _matvec_q6_k, _matmul_ggml_q6_k),
+# type: decoder (head, quad), bytes per block, elements per sub-block, ggml min lanes
+# (0: the type has no min), ggml quant offset
+_TYPES = {
+    QT.Q2_K: ("_head_q2_k", "_quad_q2_k", 84, 16, 8, 0),
+    QT.Q3_K: ("_head_q3_k", "_quad_q3_k", 110, 16, 0, 0),
+    QT.Q4_K: ("_head_q4_k", "_quad_q4_k", 144, 32, 4, 0),
+    QT.Q5_K: ("_head_q4_k", "_quad_q5_k", 176, 32, 1, 0),
+    QT.Q6_K: ("_head_q6_k", "_quad_q6_k", 210, 16, 0, 32),
 }
+
+
+def _k_kernels(qtype: QT, head: str, quad: str, bsz: int, sub: int, nmin: int, off: int) -> TypeKernels:
+    """A K type's kernels; ggml activations are Q8_K blocks."""
+    dec = f"{head}, {quad}, {bsz}, {sub}"
+    return _quant_kernels(globals(), qtype, QT.Q8_K, _ggml_act,
+                          f"_dequantize_k(raw, out, f16, {dec})", f"_matvec_k(raw, x, out, f16, {dec}, {nmin > 0})",
+                          "yd, yf, ybs", f"_matmul_ggml_k(raw, yd, yf, ybs, out, f16, {dec}, {nmin}, np.float32({off}))")
+
+
+KERNELS: dict[QT, TypeKernels] = {qt: _k_kernels(qt, *row) for qt, row in _TYPES.items()}
 
 
 # ------------------------------------------------------------------ NumPy references

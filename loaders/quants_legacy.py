@@ -553,33 +553,8 @@ def _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, head, pair, bsz, has_min, o
 _ROW_CHUNKS = 64
 
 # ---------------------------------------------------------------------------------------
-# per-type kernels: one line each, a driver with the type's decoder
+# ggml numerics of the float types (their own code: ggml's float dot products)
 # ---------------------------------------------------------------------------------------
-
-
-@jit.njit(parallel=True)
-def _dequantize_f16(h, out, f16):
-    _dequantize_elems(h, out, f16, _elem_f16)
-
-
-@jit.njit(parallel=True)
-def _dequantize_bf16(h, out, f16):
-    _dequantize_elems(h, out, f16, _elem_bf16)
-
-
-@jit.njit(parallel=True)
-def _matvec_f32(w, x, out, f16):
-    _matvec_elems(w, x, out, f16, _elem_f32)
-
-
-@jit.njit(parallel=True)
-def _matvec_f16(h, x, out, f16):
-    _matvec_elems(h, x, out, f16, _elem_f16)
-
-
-@jit.njit(parallel=True)
-def _matvec_bf16(h, x, out, f16):
-    _matvec_elems(h, x, out, f16, _elem_bf16)
 
 
 @jit.njit(parallel=True)
@@ -643,82 +618,6 @@ def _matmul_ggml_bf16(h, ha, out, f16):
             out[i, r] = np.float32(s)
 
 
-@jit.njit(parallel=True)
-def _dequantize_q4_0(raw, out, f16):
-    _dequantize_blocks(raw, out, f16, _head_d, _pair_q4_0, 18, False)
-
-
-@jit.njit(parallel=True)
-def _dequantize_q4_1(raw, out, f16):
-    _dequantize_blocks(raw, out, f16, _head_dm, _pair_q4_1, 20, True)
-
-
-@jit.njit(parallel=True)
-def _dequantize_q5_0(raw, out, f16):
-    _dequantize_blocks(raw, out, f16, _head_d_qh, _pair_q5_0, 22, False)
-
-
-@jit.njit(parallel=True)
-def _dequantize_q5_1(raw, out, f16):
-    _dequantize_blocks(raw, out, f16, _head_dm_qh, _pair_q5_1, 24, True)
-
-
-@jit.njit(parallel=True)
-def _dequantize_q8_0(raw, out, f16):
-    _dequantize_blocks(raw, out, f16, _head_d, _pair_q8_0, 34, False)
-
-
-@jit.njit(parallel=True)
-def _matvec_q4_0(raw, x, out, f16):
-    _matvec_blocks(raw, x, out, f16, _head_d, _pair_q4_0, 18, False)
-
-
-@jit.njit(parallel=True)
-def _matvec_q4_1(raw, x, out, f16):
-    _matvec_blocks(raw, x, out, f16, _head_dm, _pair_q4_1, 20, True)
-
-
-@jit.njit(parallel=True)
-def _matvec_q5_0(raw, x, out, f16):
-    _matvec_blocks(raw, x, out, f16, _head_d_qh, _pair_q5_0, 22, False)
-
-
-@jit.njit(parallel=True)
-def _matvec_q5_1(raw, x, out, f16):
-    _matvec_blocks(raw, x, out, f16, _head_dm_qh, _pair_q5_1, 24, True)
-
-
-@jit.njit(parallel=True)
-def _matvec_q8_0(raw, x, out, f16):
-    _matvec_blocks(raw, x, out, f16, _head_d, _pair_q8_0, 34, False)
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q4_0(raw, aq, ad, asum, out, f16):
-    _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, _head_d, _pair_q4_0, 18, False, 0)
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q4_1(raw, aq, ad, asum, out, f16):
-    _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, _head_dm, _pair_q4_1, 20, True, 0)
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q5_0(raw, aq, ad, asum, out, f16):
-    _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, _head_d_qh, _pair_q5_0, 22, False, 0)
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q5_1(raw, aq, ad, asum, out, f16):
-    # quants decoded as q - 16: LLVM vectorizes that signed decode, not the unsigned one
-    _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, _head_dm_qh, _pair_q5_1, 24, True, 16)
-
-
-@jit.njit(parallel=True)
-def _matmul_ggml_q8_0(raw, aq, ad, asum, out, f16):
-    _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, _head_d, _pair_q8_0, 34, False, 0)
-
-
 # ---------------------------------------------------------------------------------------
 # public wrappers: raw is uint8[rows, row_bytes]
 # ---------------------------------------------------------------------------------------
@@ -740,12 +639,18 @@ def _split_act_blocks(xq: np.ndarray, with_sum: bool):
     return aq, ad, asum
 
 
-def _float_kernels(qtype: QT, dtype, deq, mv, mm) -> TypeKernels:
-    """Wrappers of one float type's kernels (rows viewed as ``dtype`` elements)."""
-    if deq is None:
+def _float_kernels(qtype: QT, elem: str, dtype, mm) -> TypeKernels:
+    """One float type's kernels (``_matvec_f16`` etc.) and wrappers (rows viewed as ``dtype``)."""
+    t = qtype.name.lower()
+    mv = jit.specialize(globals(), f"_matvec_{t}", "h, x, out, f16",
+                        f"_matvec_elems(h, x, out, f16, {elem})", parallel=True)
+    if qtype == QT.F32:
         def dequantize(raw, out):
             out[...] = raw.view(dtype)
     else:
+        deq = jit.specialize(globals(), f"_dequantize_{t}", "h, out, f16",
+                             f"_dequantize_elems(h, out, f16, {elem})", parallel=True)
+
         def dequantize(raw, out):
             deq(raw.view(dtype), out, F16_TO_F32)
 
@@ -755,12 +660,19 @@ def _float_kernels(qtype: QT, dtype, deq, mv, mm) -> TypeKernels:
     def matmul_ggml(raw, xa, out):
         mm(raw.view(dtype), xa.view(dtype), out, F16_TO_F32)
 
-    return TypeKernels(dequantize, matvec, qtype, matmul_ggml)
+    return _named(t, TypeKernels(dequantize, matvec, qtype, matmul_ggml))
 
 
-def _block_kernels(deq, mv, mm, act_type: QT) -> TypeKernels:
-    """Wrappers of one block type's kernels; ggml activations are Q8_0 or Q8_1 blocks."""
-    with_sum = act_type == QT.Q8_1
+def _quant_kernels(ns: dict, qtype: QT, act_type: QT, split_act, deq_call: str, mv_call: str,
+                   mm_params: str, mm_call: str) -> TypeKernels:
+    """One quantized type's three kernels (``_dequantize_q4_0``, ``_matvec_q4_0``,
+    ``_matmul_ggml_q4_0``), specialized in the module of globals ``ns`` from one driver call
+    each, and their wrappers; ``split_act`` turns ggml activation bytes into the arrays the
+    ggml kernel takes before ``out``."""
+    t = qtype.name.lower()
+    deq = jit.specialize(ns, f"_dequantize_{t}", "raw, out, f16", deq_call, parallel=True)
+    mv = jit.specialize(ns, f"_matvec_{t}", "raw, x, out, f16", mv_call, parallel=True)
+    mm = jit.specialize(ns, f"_matmul_ggml_{t}", f"raw, {mm_params}, out, f16", mm_call, parallel=True)
 
     def dequantize(raw, out):
         deq(raw, out, F16_TO_F32)
@@ -769,25 +681,52 @@ def _block_kernels(deq, mv, mm, act_type: QT) -> TypeKernels:
         mv(raw, x, out, F16_TO_F32)
 
     def matmul_ggml(raw, xq, out):
-        aq, ad, asum = _split_act_blocks(xq, with_sum)
-        mm(raw, aq, ad, asum, out, F16_TO_F32)
+        mm(raw, *split_act(xq), out, F16_TO_F32)
 
-    return TypeKernels(dequantize, matvec, act_type, matmul_ggml)
+    return _named(t, TypeKernels(dequantize, matvec, act_type, matmul_ggml))
+
+
+def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off: int,
+                   act_type: QT) -> TypeKernels:
+    """A block type's kernels; ggml activations are Q8_0 or Q8_1 blocks."""
+    dec = f"{head}, {pair}, {bsz}, {has_min}"
+    with_sum = act_type == QT.Q8_1
+    return _quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
+                          f"_dequantize_blocks(raw, out, f16, {dec})", f"_matvec_blocks(raw, x, out, f16, {dec})",
+                          "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
+
+
+def _named(t: str, k: TypeKernels) -> TypeKernels:
+    """Name the wrappers ``matvec_q4_0`` etc. (profiles, tracebacks)."""
+    for f in (k.dequantize, k.matvec, k.matmul_ggml):
+        f.__name__ = f.__qualname__ = f"{f.__name__}_{t}"
+    return k
 
 
 # ---------------------------------------------------------------------------------------
 # kernel table
 # ---------------------------------------------------------------------------------------
 
+# float type: element decoder, element dtype of a row view, ggml-numerics kernel
+_FLOAT_TYPES = {
+    QT.F32: ("_elem_f32", np.float32, _matmul_ggml_f32),
+    QT.F16: ("_elem_f16", np.uint16, _matmul_ggml_f16),
+    QT.BF16: ("_elem_bf16", np.uint16, _matmul_ggml_bf16),
+}
+# block type: decoder (head, pair), bytes per block, minimum, ggml quant offset (Q5_1's
+# quants are decoded as q - 16: LLVM vectorizes that signed decode, not the unsigned one),
+# ggml activation type
+_BLOCK_TYPES = {
+    QT.Q4_0: ("_head_d", "_pair_q4_0", 18, False, 0, QT.Q8_0),
+    QT.Q4_1: ("_head_dm", "_pair_q4_1", 20, True, 0, QT.Q8_1),
+    QT.Q5_0: ("_head_d_qh", "_pair_q5_0", 22, False, 0, QT.Q8_0),
+    QT.Q5_1: ("_head_dm_qh", "_pair_q5_1", 24, True, 16, QT.Q8_1),
+    QT.Q8_0: ("_head_d", "_pair_q8_0", 34, False, 0, QT.Q8_0),
+}
+
 KERNELS: dict[QT, TypeKernels] = {
-    QT.F32: _float_kernels(QT.F32, np.float32, None, _matvec_f32, _matmul_ggml_f32),
-    QT.F16: _float_kernels(QT.F16, np.uint16, _dequantize_f16, _matvec_f16, _matmul_ggml_f16),
-    QT.BF16: _float_kernels(QT.BF16, np.uint16, _dequantize_bf16, _matvec_bf16, _matmul_ggml_bf16),
-    QT.Q4_0: _block_kernels(_dequantize_q4_0, _matvec_q4_0, _matmul_ggml_q4_0, QT.Q8_0),
-    QT.Q4_1: _block_kernels(_dequantize_q4_1, _matvec_q4_1, _matmul_ggml_q4_1, QT.Q8_1),
-    QT.Q5_0: _block_kernels(_dequantize_q5_0, _matvec_q5_0, _matmul_ggml_q5_0, QT.Q8_0),
-    QT.Q5_1: _block_kernels(_dequantize_q5_1, _matvec_q5_1, _matmul_ggml_q5_1, QT.Q8_1),
-    QT.Q8_0: _block_kernels(_dequantize_q8_0, _matvec_q8_0, _matmul_ggml_q8_0, QT.Q8_0),
+    **{qt: _float_kernels(qt, *row) for qt, row in _FLOAT_TYPES.items()},
+    **{qt: _block_kernels(qt, *row) for qt, row in _BLOCK_TYPES.items()},
 }
 
 # activation converters by act_type: float32[m, n] -> uint8[m, act_row_bytes] (float32 for F32)

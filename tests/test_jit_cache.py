@@ -31,6 +31,20 @@ def kernel(x):
     return x + helper.value()
 """
 
+SPECIALIZED = """
+from loaders import jit
+import helper
+jit.kernel_module(__file__, helper)
+
+@jit.njit(inline="always")
+def _driver(x, k):
+    return x * k + helper.value()
+
+for _k in (2, 3):
+    jit.specialize(globals(), f"kernel{_k}", "x", f"return _driver(x, {_k})")
+kernel = kernel3
+"""
+
 PLAIN_HELPER = """
 from numba import njit
 
@@ -76,6 +90,24 @@ def test_editing_a_dependency_recompiles_the_kernel(tmp_path):
     _write(tmp_path, HELPER, KERNEL, 2)                           # only the helper changes
     assert _run(tmp_path, tmp_path / "cache") == (12, 0, 1)       # stale entry not used
     assert _run(tmp_path, tmp_path / "cache") == (12, 1, 0)
+
+
+def test_specialized_kernels_are_cached_and_go_stale(tmp_path):
+    # per-type kernels defined from a table row: cached like hand-written ones
+    _write(tmp_path, HELPER, SPECIALIZED, 1)
+    assert _run(tmp_path, tmp_path / "cache") == (31, 0, 1)
+    assert _run(tmp_path, tmp_path / "cache") == (31, 1, 0)
+    _write(tmp_path, HELPER, SPECIALIZED, 2)
+    assert _run(tmp_path, tmp_path / "cache") == (32, 0, 1)
+    assert _run(tmp_path, tmp_path / "cache") == (32, 1, 0)
+
+
+def test_specialize_refuses_a_name_in_use():
+    ns = {"__file__": __file__, "__name__": "m", "taken": 1}
+    with pytest.raises(ValueError, match="taken"):
+        jit.specialize(ns, "taken", "x", "return x")
+    with pytest.raises(ValueError, match="not a new identifier"):
+        jit.specialize(ns, "no good", "x", "return x")
 
 
 def test_plain_numba_cache_is_what_goes_stale(tmp_path):
