@@ -254,9 +254,10 @@ def dequantize_act_q8_k(xq: np.ndarray) -> np.ndarray:
 # head(q, f16, sc, mn) -> (d, dmin) of the block q (its bytes), and fills sc, mn
 #   int32[16] with the scale and min of each sub-block (16 of 16 elements, or 8 of 32
 #   for Q4_K/Q5_K); types without a min return dmin = 0 and leave mn alone.
-# quad(q, j, b) -> the float32 quants of elements 128*j + 32*l + b, l = 0..3
+# quad(q, j, b, stored) -> the float32 quants of elements 128*j + 32*l + b, l = 0..3
 #   (j = 0, 1; b = 0..31), the q of w = d * scale * q - dmin * min: signed for Q3_K
-#   and Q6_K (offsets applied), else unsigned.
+#   and Q6_K (offsets applied), else unsigned; with ``stored`` Q6_K's as stored (0..63,
+#   what ggml multiplies before it takes the offset off; the ggml driver asks for that).
 # Element 128*j + 32*l + b is in sub-block 8*j + 2*l + (b >= 16) of 16 elements, or
 # 4*j + l of 32. The drivers take ``sub``, the elements per sub-block; with 32 their inner
 # loops run over all 32 b at once.
@@ -272,7 +273,7 @@ def _head_q2_k(q, f16, sc, mn):
 
 
 @jit.njit(inline="always")
-def _quad_q2_k(q, j, b):
+def _quad_q2_k(q, j, b, stored):
     v = q[16 + 32 * j + b]
     return (np.float32(np.uint8(v & 3)), np.float32(np.uint8((v >> 2) & 3)),
             np.float32(np.uint8((v >> 4) & 3)), np.float32(np.uint8(v >> 6)))
@@ -288,7 +289,7 @@ def _head_q3_k(q, f16, sc, mn):
 
 
 @jit.njit(inline="always")
-def _quad_q3_k(q, j, b):
+def _quad_q3_k(q, j, b, stored):
     v = q[32 + 32 * j + b]
     hb = q[b]
     # the hmask bit of element 128*j + 32*l + b is bit 4*j + l
@@ -312,7 +313,7 @@ def _head_q4_k(q, f16, sc, mn):
 
 
 @jit.njit(inline="always")
-def _quad_q4_k(q, j, b):
+def _quad_q4_k(q, j, b, stored):
     v0 = q[16 + 64 * j + b]
     v1 = q[48 + 64 * j + b]
     return (np.float32(np.uint8(v0 & 15)), np.float32(np.uint8(v0 >> 4)),
@@ -320,7 +321,7 @@ def _quad_q4_k(q, j, b):
 
 
 @jit.njit(inline="always")
-def _quad_q5_k(q, j, b):
+def _quad_q5_k(q, j, b, stored):
     v0 = q[48 + 64 * j + b]
     v1 = q[80 + 64 * j + b]
     hb = q[16 + b]
@@ -341,15 +342,19 @@ def _head_q6_k(q, f16, sc, mn):
 
 
 @jit.njit(inline="always")
-def _quad_q6_k(q, j, b):
+def _quad_q6_k(q, j, b, stored):
     v0 = q[64 * j + b]
     v1 = q[64 * j + 32 + b]
     hb = q[128 + 32 * j + b]
+    q0 = np.uint8((v0 & 15) | ((hb & 3) << 4))
+    q1 = np.uint8((v1 & 15) | ((hb & 12) << 2))
+    q2 = np.uint8((v0 >> 4) | (hb & 48))
+    q3 = np.uint8((v1 >> 4) | ((hb & 192) >> 2))
+    if stored:
+        return np.float32(q0), np.float32(q1), np.float32(q2), np.float32(q3)
     # truncating to int8 keeps the vectorized integer work 8 bits wide
-    return (np.float32(np.int8(((v0 & 15) | ((hb & 3) << 4)) - 32)),
-            np.float32(np.int8(((v1 & 15) | ((hb & 12) << 2)) - 32)),
-            np.float32(np.int8(((v0 >> 4) | (hb & 48)) - 32)),
-            np.float32(np.int8(((v1 >> 4) | ((hb & 192) >> 2)) - 32)))
+    return (np.float32(np.int8(q0 - 32)), np.float32(np.int8(q1 - 32)),
+            np.float32(np.int8(q2 - 32)), np.float32(np.int8(q3 - 32)))
 
 
 # ------------------------------------------------------------------ generic drivers (inlined into the per-type kernels)
@@ -359,7 +364,7 @@ def _dequantize_k(raw, out, f16, head, quad, bsz, sub):
     """w = (d * scale) * q - dmin * min, as gguf.quants (dmin = 0 for Q3_K/Q6_K: x - 0.0 == x)."""
     rows = raw.shape[0]
     nb = out.shape[1] // QK_K
-    st = 32 // sub  # sub-blocks per 32 elements
+    st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
     nchunk = min(rows, _ROW_CHUNKS)
     for c in prange(nchunk):
         sc = np.empty(16, np.int32)
@@ -370,14 +375,14 @@ def _dequantize_k(raw, out, f16, head, quad, bsz, sub):
                 o = out[r, i * QK_K:(i + 1) * QK_K]
                 d, dmin = head(q, f16, sc, mn)
                 for j in range(2):
-                    for h in range(32 // sub):
+                    for h in range(st):
                         s = 4 * j * st + h
                         d0, d1, d2, d3 = (d * np.float32(sc[s]), d * np.float32(sc[s + st]),
                                           d * np.float32(sc[s + 2 * st]), d * np.float32(sc[s + 3 * st]))
                         m0, m1, m2, m3 = (dmin * np.float32(mn[s]), dmin * np.float32(mn[s + st]),
                                           dmin * np.float32(mn[s + 2 * st]), dmin * np.float32(mn[s + 3 * st]))
                         for b in range(sub * h, sub * h + sub):
-                            q0, q1, q2, q3 = quad(q, j, b)
+                            q0, q1, q2, q3 = quad(q, j, b, False)
                             o[128 * j + b] = d0 * q0 - m0
                             o[128 * j + 32 + b] = d1 * q1 - m1
                             o[128 * j + 64 + b] = d2 * q2 - m2
@@ -390,46 +395,48 @@ def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min):
     through the sums of x, 32 lane accumulators summed once per row."""
     rows = raw.shape[0]
     nb = x.shape[0] // QK_K
-    nsub = QK_K // sub
-    st = 32 // sub  # sub-blocks per 32 elements
+    st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
+    nsub = 8 * st
     xs = _xsums(x, sub)
     nchunk = min(rows, _ROW_CHUNKS)
     for c in prange(nchunk):
         sc = np.empty(16, np.int32)
         mn = np.zeros(16, np.int32)
         acc = np.empty(32, np.float32)
+        accm = np.empty(nsub, np.float32)    # min terms, one lane per sub-block position
         for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
             acc[:] = 0
-            accm = _F32_0
+            accm[:] = 0
             for i in range(nb):
                 q = raw[r, i * bsz:(i + 1) * bsz]
                 xb = x[i * QK_K:(i + 1) * QK_K]
                 d, dmin = head(q, f16, sc, mn)
                 if has_min:
                     for t in range(nsub):
-                        accm += (dmin * np.float32(mn[t])) * xs[nsub * i + t]
+                        accm[t] += (dmin * np.float32(mn[t])) * xs[nsub * i + t]
                 for j in range(2):
-                    for h in range(32 // sub):
+                    for h in range(st):
                         s = 4 * j * st + h
                         a0, a1, a2, a3 = (d * np.float32(sc[s]), d * np.float32(sc[s + st]),
                                           d * np.float32(sc[s + 2 * st]), d * np.float32(sc[s + 3 * st]))
                         for b in range(sub * h, sub * h + sub):
-                            q0, q1, q2, q3 = quad(q, j, b)
+                            q0, q1, q2, q3 = quad(q, j, b, False)
                             acc[b] += (a0 * (q0 * xb[128 * j + b]) + a1 * (q1 * xb[128 * j + 32 + b])
                                        + a2 * (q2 * xb[128 * j + 64 + b]) + a3 * (q3 * xb[128 * j + 96 + b]))
-            out[r] = _lanes_sum32(acc) - accm
+            out[r] = _lanes_sum32(acc) - (accm.sum() if has_min else _F32_0)
 
 
 @jit.njit(inline="always")
 def _matmul_ggml_k(raw, yd, yf, ybs, out, f16, head, quad, bsz, sub, nmin, off):
     """ggml numerics. ``nmin`` is how the type's AVX2 kernel accumulates the
     ``dmin * min * bsums`` terms: 0 none (Q3_K, Q6_K), 8 into the quant lanes, before
-    them (Q2_K), 4 in four extra lanes (Q4_K), 1 in a scalar (Q5_K). Q6_K's ``off``
-    (32) is added back to its quants and taken off lane k as ``off * scale * bsums``
-    of sub-blocks 2k and 2k + 1, as ggml does (exact in float64)."""
+    them (Q2_K), 4 in four extra lanes (Q4_K), 1 in a scalar (Q5_K). Q6_K (``off`` 32)
+    multiplies its stored quants and takes ``off * scale * bsums`` of sub-blocks 2k and
+    2k + 1 off lane k, as ggml does (exact in float64)."""
     rows = raw.shape[0]
     m, nb = yd.shape
-    st = 32 // sub  # sub-blocks per 32 elements
+    per = 2 if nmin == 8 else (4 if nmin == 4 else 16)  # 16-element bsums per min lane
+    st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
     nchunk = min(rows, _ROW_CHUNKS)
     for c in prange(nchunk):
         acc = np.empty((m, 8), np.float32)
@@ -446,24 +453,24 @@ def _matmul_ggml_k(raw, yd, yf, ybs, out, f16, head, quad, bsz, sub, nmin, off):
                 q = raw[r, i * bsz:(i + 1) * bsz]
                 dw, dmw = head(q, f16, sc, mn)
                 for j in range(2):
-                    for h in range(32 // sub):
+                    for h in range(st):
                         s = 4 * j * st + h
                         a0, a1, a2, a3 = (np.float32(sc[s]), np.float32(sc[s + st]),
                                           np.float32(sc[s + 2 * st]), np.float32(sc[s + 3 * st]))
                         for b in range(sub * h, sub * h + sub):
-                            q0, q1, q2, q3 = quad(q, j, b)
-                            wf[128 * j + b] = a0 * (q0 + off)
-                            wf[128 * j + 32 + b] = a1 * (q1 + off)
-                            wf[128 * j + 64 + b] = a2 * (q2 + off)
-                            wf[128 * j + 96 + b] = a3 * (q3 + off)
+                            q0, q1, q2, q3 = quad(q, j, b, off != 0)
+                            wf[128 * j + b] = a0 * q0
+                            wf[128 * j + 32 + b] = a1 * q1
+                            wf[128 * j + 64 + b] = a2 * q2
+                            wf[128 * j + 96 + b] = a3 * q3
                 for a in range(m):
                     dy = yd[a, i]
                     bs = ybs[a, 16 * i:16 * i + 16]
                     dmin = (-dy) * dmw
                     for k in range(nmin):
                         pm = 0
-                        for t in range(16 // nmin * k, 16 // nmin * (k + 1)):
-                            pm += np.int64(mn[t * 16 // sub]) * np.int64(bs[t])
+                        for t in range(per * k, per * (k + 1)):
+                            pm += np.int64(mn[t if st == 2 else t >> 1]) * np.int64(bs[t])
                         if nmin == 8:
                             acc[a, k] = _fma32(dmin, np.float32(pm), acc[a, k])
                         else:
