@@ -476,13 +476,13 @@ def _matmul_ggml_k(raw, yd, yf, ybs, out, f16, head, quad, bsz, sub, nmin, off):
                         else:
                             accm[a, k] = _fma32(dmin, np.float32(pm), accm[a, k])
                     _block_lanes(wf, yf[a, i * QK_K:(i + 1) * QK_K], tmp, lanes)
-                    if off:
-                        for k in range(8):
-                            lanes[k] -= np.float64(off) * np.float64(np.int64(bs[2 * k]) * sc[2 * k]
-                                                                     + np.int64(bs[2 * k + 1]) * sc[2 * k + 1])
                     d = dy * dw
                     for k in range(8):
-                        acc[a, k] = _fma32(d, np.float32(lanes[k]), acc[a, k])
+                        lk = lanes[k]
+                        if off:
+                            lk -= np.float64(off) * np.float64(np.int64(bs[2 * k]) * sc[2 * k]
+                                                               + np.int64(bs[2 * k + 1]) * sc[2 * k + 1])
+                        acc[a, k] = _fma32(d, np.float32(lk), acc[a, k])
             for a in range(m):
                 if nmin == 4:
                     out[a, r] = _hsum8(acc[a]) + ((accm[a, 0] + accm[a, 2]) + (accm[a, 1] + accm[a, 3]))
