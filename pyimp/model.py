@@ -46,12 +46,28 @@ class Linear:
         self.qtype = t.qtype
         self.n_in = t.shape[0]
         self.n_out = t.n_rows
+        self._rows = None          # checked uint8 row view and kernels, made at the first decode
 
     def __call__(self, x: np.ndarray, numerics: str) -> np.ndarray:
         """x float32[T, n_in] -> float32[T, n_out]."""
+        if x.shape[0] == 1 and numerics == "fp32":
+            return self._matvec(x)
         if x.shape[0] == 1:
             return quants.matvec(self.raw, self.qtype, self.n_in, x[0], numerics)[None, :]
         return quants.matmul(self.raw, self.qtype, self.n_in, x, numerics)
+
+    def _matvec(self, x: np.ndarray) -> np.ndarray:
+        """A decode step's fused matvec, as quants.matvec does it, with the weight checks done
+        once (they cost more than a small layer matrix's kernel)."""
+        if self._rows is None:
+            self._rows = (quants.as_raw(self.raw, self.qtype, self.n_in), quants.kernels(self.qtype))
+        raw, k = self._rows
+        if x.shape != (1, self.n_in):
+            raise ValueError(f"{self.name}: input must be float32[1, {self.n_in}], got shape {x.shape}")
+        out = np.empty((1, self.n_out), np.float32)
+        with quants.threads_for(raw.nbytes):
+            k.matvec(raw, np.ascontiguousarray(x[0], dtype=np.float32), out[0])
+        return out
 
     @property
     def nbytes(self) -> int:

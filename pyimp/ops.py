@@ -10,14 +10,42 @@ import functools
 
 import numpy as np
 
+from loaders import jit
+
+jit.kernel_module(__file__)
+
 F32 = np.float32
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """RMSNorm over the last axis times ``weight``; x float32[..., n].
+@jit.njit
+def _rms_norm_rows(x, w, eps, out):
+    """ggml's rms_norm then mul, per row of x float32[rows, n]: float32 squares summed in
+    float64 in element order, mean rounded to float32, scale = 1 / sqrt(mean + eps)."""
+    n = x.shape[1]
+    e = np.float32(eps)
+    for r in range(x.shape[0]):
+        ss = 0.0
+        for i in range(n):
+            ss += np.float64(x[r, i] * x[r, i])
+        scale = np.float32(1.0) / np.sqrt(np.float32(ss / n) + e)
+        for i in range(n):
+            out[r, i] = (x[r, i] * scale) * w[i]
 
-    Sum of squares in float64 as ggml does; the scale is float32.
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """RMSNorm over the last axis times ``weight``; x float32[..., n], weight float32[n].
+
+    Sum of squares in float64 in element order, as ggml does; the scale is float32. One
+    compiled call (a NumPy version costs ~30 us of dispatch per call, 100+ calls a token).
     """
+    x2 = np.ascontiguousarray(x, dtype=F32).reshape(-1, x.shape[-1])
+    out = np.empty_like(x2)
+    _rms_norm_rows(x2, np.ascontiguousarray(weight, dtype=F32), float(eps), out)
+    return out.reshape(x.shape)
+
+
+def rms_norm_ref(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """NumPy reference of :func:`rms_norm` (its float64 sum is pairwise, not in order)."""
     n = x.shape[-1]
     ss = np.sum(np.square(x).astype(np.float64), axis=-1, keepdims=True)
     mean = (ss / n).astype(F32)
