@@ -117,6 +117,27 @@ def tinyllama_path(n_ctx: int = 2048) -> str:
     return str(p)
 
 
+def cpu_model() -> str:
+    """The CPU's model name from /proc/cpuinfo ("unknown CPU" where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def read_bandwidth() -> float:
+    """tools.bench_kernels.read_bandwidth in a subprocess: its 1 GB array must not raise the
+    peak RSS that the engines' subprocesses inherit from this one."""
+    code = "from tools.bench_kernels import read_bandwidth; print(read_bandwidth())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return float(r.stdout.split()[-1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["gemma", "tinyllama"],
@@ -143,6 +164,8 @@ def main(argv=None) -> int:
         paths["tinyllama"] = tinyllama_path()
     if "tinyllama-32k" in a.models:
         paths["tinyllama-32k"] = tinyllama_path(32768)
+    print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; single-thread read bandwidth "
+          f"{read_bandwidth():.1f} GB/s (NumPy sum over 1 GB, best of 4)")
     print(f"threads {a.threads}, decode {a.decode} tokens after the prefill, numerics {a.numerics}, "
           f"llama.cpp with flash_attn, both f16 KV")
     hdr = (f"{'model':10} {'ctx':>5} | {'pyimp pf':>9} {'llama pf':>9} {'ratio':>6} | {'pyimp dec':>9} "
