@@ -9,7 +9,7 @@ from pyimp import ops
 
 
 @settings(deadline=None, max_examples=60)
-@given(rows=st.integers(1, 5), n=st.sampled_from([1, 7, 64, 640]), scale=st.floats(1e-3, 1e3),
+@given(rows=st.integers(1, 9), n=st.sampled_from([1, 7, 64, 640]), scale=st.floats(1e-3, 1e3),
        eps=st.sampled_from([1e-6, 1e-5]), seed=st.integers(0, 2**31 - 1))
 def test_rms_norm_matches_numpy_reference(rows, n, scale, eps, seed):
     rng = np.random.default_rng(seed)
@@ -29,16 +29,17 @@ def test_rms_norm_is_ggmls_arithmetic_bit_for_bit():
     # ggml: sum += (double)(x*x) in element order; mean = (float)(sum/n);
     # scale = 1.0f/sqrtf(mean + eps); y = x*scale; then the mul by the weight
     rng = np.random.default_rng(3)
-    x = (rng.standard_normal((3, 640)) * 5).astype(np.float32)
+    x = (rng.standard_normal((6, 640)) * 5).astype(np.float32)   # a group of 4 rows and 2 more
     w = rng.standard_normal(640).astype(np.float32)
     want = np.empty_like(x)
-    for r in range(3):
+    for r in range(6):
         ss = 0.0
         for v in x[r]:
             ss += float(np.float32(v * v))
         scale = np.float32(1.0) / np.sqrt(np.float32(ss / 640) + np.float32(1e-6))
         want[r] = (x[r] * scale) * w
     np.testing.assert_array_equal(ops.rms_norm(x, w, 1e-6), want)
+    np.testing.assert_array_equal(ops.rms_norm(x[5:], w, 1e-6), want[5:])
 
 
 def test_rms_norm_propagates_non_finite_values():
