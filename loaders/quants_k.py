@@ -119,10 +119,10 @@ def _block_lanes(w, y, tmp, lanes):
     """Exact lane sums of one block: lanes[k] = sum of w[e] * y[e] over (e % 32) // 4 == k.
 
     w float32[256] (scale * quant), y float32[256] (Q8_K quants), tmp float32[32]
-    scratch, lanes float64[8] out. Every product is an integer below 2**19 in
-    magnitude (worst case Q6_K: 128 * 32 * 127) and every partial sum of the 8
-    products per tmp entry below 2**22, so the float32 arithmetic is exact; the
-    4-term lane sums are exact in float64.
+    scratch, lanes float64[8] out. Every product is an integer below 2**20 in
+    magnitude (worst case Q6_K, whose stored quants go in: 128 * 63 * 127) and every
+    partial sum of the 8 products per tmp entry below 2**23, so the float32 arithmetic
+    is exact; the 4-term lane sums are exact in float64.
     """
     for b in range(32):
         tmp[b] = (((w[b] * y[b] + w[32 + b] * y[32 + b]) + (w[64 + b] * y[64 + b] + w[96 + b] * y[96 + b]))
