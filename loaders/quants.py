@@ -174,12 +174,20 @@ def matvec(raw: np.ndarray, qtype: int, n: int, x: np.ndarray, numerics: str = "
     if x.shape != (n,):
         raise ValueError(f"x must be float32[{n}], got shape {x.shape}")
     res = _out(out, (r.shape[0],))
-    with threads_for(r.nbytes):
-        if numerics == "fp32":
-            k.matvec(r, x, res)
-        else:
+    if numerics == "fp32":
+        matvec_rows(r, k, x, res)
+    else:
+        with threads_for(r.nbytes):
             k.matmul_ggml(r, quantize_activations(x, k.act_type), res.reshape(1, -1))
     return res
+
+
+def matvec_rows(r: np.ndarray, k: TypeKernels, x: np.ndarray, out: np.ndarray) -> None:
+    """The fp32 matvec of :func:`matvec` on rows ``r`` already checked by :func:`as_raw`, with
+    ``k = kernels(qtype)``, x contiguous float32[n] and out float32[rows]: what a caller that
+    checked its weights once (a decode step's layers) repeats per call."""
+    with threads_for(r.nbytes):
+        k.matvec(r, x, out)
 
 
 def matmul(raw: np.ndarray, qtype: int, n: int, X: np.ndarray, numerics: str = "fp32",

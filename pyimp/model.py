@@ -57,16 +57,15 @@ class Linear:
         return quants.matmul(self.raw, self.qtype, self.n_in, x, numerics)
 
     def _matvec(self, x: np.ndarray) -> np.ndarray:
-        """A decode step's fused matvec, as quants.matvec does it, with the weight checks done
-        once (they cost more than a small layer matrix's kernel)."""
+        """A decode step's fused matvec (quants.matvec_rows) with the weight checks of
+        quants.matvec done once: they cost more than a small layer matrix's kernel."""
         if self._rows is None:
             self._rows = (quants.as_raw(self.raw, self.qtype, self.n_in), quants.kernels(self.qtype))
         raw, k = self._rows
         if x.shape != (1, self.n_in):
             raise ValueError(f"{self.name}: input must be float32[1, {self.n_in}], got shape {x.shape}")
         out = np.empty((1, self.n_out), np.float32)
-        with quants.threads_for(raw.nbytes):
-            k.matvec(raw, np.ascontiguousarray(x[0], dtype=np.float32), out[0])
+        quants.matvec_rows(raw, k, np.ascontiguousarray(x[0], dtype=np.float32), out[0])
         return out
 
     @property
