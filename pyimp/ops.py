@@ -29,26 +29,27 @@ def _rms_norm_rows(x, w, eps, out):
     four at a time (four independent sums in flight instead of one latency-bound chain)."""
     rows, n = x.shape
     e = np.float32(eps)
+    ss = np.empty(4)
     for r0 in range(0, rows, 4):
-        if r0 + 4 <= rows:
+        g = min(4, rows - r0)
+        if g == 4:
             s0 = s1 = s2 = s3 = 0.0
             for i in range(n):
                 s0 += np.float64(x[r0, i] * x[r0, i])
                 s1 += np.float64(x[r0 + 1, i] * x[r0 + 1, i])
                 s2 += np.float64(x[r0 + 2, i] * x[r0 + 2, i])
                 s3 += np.float64(x[r0 + 3, i] * x[r0 + 3, i])
-            sc = (_rms_scale(s0, n, e), _rms_scale(s1, n, e), _rms_scale(s2, n, e), _rms_scale(s3, n, e))
-            for k in range(4):
-                for i in range(n):
-                    out[r0 + k, i] = (x[r0 + k, i] * sc[k]) * w[i]
+            ss[0], ss[1], ss[2], ss[3] = s0, s1, s2, s3
         else:
-            for r in range(r0, rows):
-                ss = 0.0
+            for k in range(g):
+                s = 0.0
                 for i in range(n):
-                    ss += np.float64(x[r, i] * x[r, i])
-                scale = _rms_scale(ss, n, e)
-                for i in range(n):
-                    out[r, i] = (x[r, i] * scale) * w[i]
+                    s += np.float64(x[r0 + k, i] * x[r0 + k, i])
+                ss[k] = s
+        for k in range(g):
+            scale = np.float32(1.0) / np.sqrt(np.float32(ss[k] / n) + e)
+            for i in range(n):
+                out[r0 + k, i] = (x[r0 + k, i] * scale) * w[i]
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
