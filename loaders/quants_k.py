@@ -397,7 +397,7 @@ def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min):
     nb = x.shape[0] // QK_K
     st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
     nsub = 8 * st
-    xs = _xsums(x, sub)
+    xs = _xsums(x, sub) if has_min else np.zeros(0, np.float32)   # only the min terms read them
     nchunk = min(rows, _ROW_CHUNKS)
     for c in prange(nchunk):
         sc = np.empty(16, np.int32)
