@@ -1,0 +1,54 @@
+"""Row quantizers (loaders.quantize) against gguf.quants, byte for byte."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as QT
+from gguf import quants as gq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from loaders.quantize import CODES, quantize_rows
+
+TYPES = sorted(CODES, key=lambda t: t.name)
+
+# float32 values as KV caches hold them (finite; fp16 range for the scales to stay finite).
+# -0.0 is folded to +0.0: on a block whose minimum is a tie between 0.0 and -0.0 the sign of
+# the stored fp16 minimum depends on which one NumPy's min reduction returns (value-identical).
+# Magnitudes below 1e-30 are folded to 0: a block whose scale is an fp32 subnormal has an
+# infinite 1/d, and the conversion of inf / NaN quants to integers is undefined in C and NumPy.
+_vals = st.floats(-6.0e4, 6.0e4, width=32, allow_nan=False, allow_infinity=False).map(
+    lambda v: v if abs(v) >= 1e-30 else 0.0)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@settings(deadline=None, max_examples=60)
+@given(data=st.data())
+def test_quantize_rows_bytes_equal_gguf(qtype, data):
+    rows = data.draw(st.integers(1, 3))
+    nb = data.draw(st.integers(1, 4))
+    x = data.draw(hnp.arrays(np.float32, (rows, nb * 32), elements=_vals)) + np.float32(0.0)
+    # also blocks with repeated extremes (ties of the signed max / of min and max)
+    if data.draw(st.booleans()):
+        x[:, 5] = x[:, 0]
+        x[:, 9] = -x[:, 0]
+    ours = quantize_rows(x, qtype)
+    ref = gq.quantize(x, qtype)
+    assert np.array_equal(ours, ref)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_quantize_rows_real_scale(qtype):
+    """Gaussian rows of the scale keys and values have, and an all-zero block (d = 0)."""
+    rng = np.random.default_rng(int(CODES[qtype]))
+    x = (rng.standard_normal((64, 256)) * rng.uniform(0.01, 30, (64, 1))).astype(np.float32)
+    x[3, 32:64] = 0.0
+    assert np.array_equal(quantize_rows(x, qtype), gq.quantize(x, qtype))
+
+
+def test_quantize_rows_refuses():
+    with pytest.raises(ValueError, match="Q4_K"):
+        quantize_rows(np.zeros((1, 256), np.float32), QT.Q4_K)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_rows(np.zeros((1, 48), np.float32), QT.Q8_0)
