@@ -18,7 +18,10 @@ The reference quantizer here is the one ``gguf`` and ggml's ``quantize_row_*_ref
 
 ``quantize_block(code, x, xo, w, wo)`` writes the block of x[xo:xo+32] at w[wo:] for the
 type with code ``code`` (see :data:`CODES`); it is meant to be inlined into other kernels
-(the KV cache's writer). :func:`quantize_rows` is the array entry point.
+(the KV cache's writer); ``decode_block(code, w, wo, out, oo, step, f16)`` is its inverse,
+through the per-type decoders of :mod:`loaders.quants_legacy` (bit-identical to
+``gguf.quants.dequantize``), writing element j at ``out[oo + j * step]``.
+:func:`quantize_rows` is the array entry point.
 """
 from __future__ import annotations
 
@@ -27,7 +30,8 @@ from gguf import GGMLQuantizationType
 from numba import prange
 
 from . import jit, quants_legacy
-from .quants_legacy import _f32_to_f16_bits
+from .quants_legacy import (_f32_to_f16_bits, _head_d, _head_d_qh, _head_dm, _head_dm_qh,
+                            _pair_q4_0, _pair_q4_1, _pair_q5_0, _pair_q5_1, _pair_q8_0, _weight)
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -165,6 +169,31 @@ def quantize_block(code, x, xo, w, wo):
         _symmetric(x, xo, w, wo, 16, 31, 6, True)
     else:
         _affine(x, xo, w, wo, 31, 8, True)
+
+
+@jit.njit(inline="always")
+def _decode(w, wo, out, oo, step, f16, head, pair, has_min):
+    d, m, aux = head(w, wo, f16)
+    for j in range(16):
+        lo, hi = pair(w, wo, aux, j)
+        out[oo + j * step] = _weight(d, m, lo, has_min)
+        out[oo + (j + 16) * step] = _weight(d, m, hi, has_min)
+
+
+@jit.njit(inline="always")
+def decode_block(code, w, wo, out, oo, step, f16):
+    """out[oo + j*step] = element j (0..31) of the block of type ``code`` at w[wo:] (uint8);
+    f16: the fp16 -> float32 table."""
+    if code == 0:
+        _decode(w, wo, out, oo, step, f16, _head_d, _pair_q8_0, False)
+    elif code == 1:
+        _decode(w, wo, out, oo, step, f16, _head_d, _pair_q4_0, False)
+    elif code == 2:
+        _decode(w, wo, out, oo, step, f16, _head_dm, _pair_q4_1, True)
+    elif code == 3:
+        _decode(w, wo, out, oo, step, f16, _head_d_qh, _pair_q5_0, False)
+    else:
+        _decode(w, wo, out, oo, step, f16, _head_dm_qh, _pair_q5_1, True)
 
 
 @jit.njit(parallel=True)

@@ -4,7 +4,9 @@ Layer-slice buffers (KVCACHE.md section 2), as the engine passes them:
 
 - ``k_cache`` ``[Hkv][NB][B*D]``: row t of a block is the key of token t.
 - ``v_cache`` ``[Hkv][NB][D*B]``: transposed, channel d of token t at ``[d*B + t]``.
-- both float16 (kernels get ``.view(np.uint16)`` plus the fp16 table) or float32.
+- float16 (kernels get ``.view(np.uint16)`` plus the fp16 table), float32, or a
+  quantized layer (:class:`pyimp.kvcache.QuantizedKV`, read block by block by the
+  kernels; the NumPy references dequantize it first). K and V types may differ.
 - ``block_table`` int32 ``[NB_logical]``: logical block -> physical block; the
   token at absolute position p is row ``p % B`` of block ``block_table[p // B]``.
 - ``importance`` float16 ``[NB][B][Hq]`` (optional), see ``pyimp.sparse.importance``.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from pyimp import attn_kernels as K
+from pyimp.kvcache import as_float
 from pyimp.sparse.importance import fp16_lut, importance_update, kernel_view
 from pyimp.sparse.sparse_attention import check_args, decode_over_blocks, every_block
 
@@ -55,6 +58,7 @@ def gather_kv(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
 def attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window, out,
                           importance=None, obs_start=0, decay=1.0):
     """NumPy reference of :func:`attention_prefill` (float32 throughout)."""
+    k_cache, v_cache = as_float(k_cache), as_float(v_cache)
     T, Hq, D = q.shape
     Hkv = k_cache.shape[0]
     G = Hq // Hkv

@@ -6,8 +6,10 @@ kernel is built from four steps, each one function here:
 1. **load**: :func:`load_keys` / :func:`load_values` decode tokens ``[t0, t1)``
    of one physical K / V block into float32 scratch (``kb`` ``[B*D]`` token-major,
    ``vb`` ``[D*B]`` channel-major). This is the only place that knows how a
-   cached block is stored (fp16 bits or float32 today; the per-type block
-   decoders of quantized KV plug in here).
+   cached block is stored: fp16 bits, float32, or a quantized layer given as the
+   tuple ``(data, tail, meta)`` of :class:`pyimp.kvcache.QuantizedKV` (the block
+   being filled read from the float tail, every other block decoded in place by
+   the per-type block decoders of :mod:`loaders.quantize`; no dequantized copy).
 2. **attend**: :func:`attend_block` folds one block into a running partial
    (max ``m``, sum ``l``, un-normalized output ``o``) with the max-stabilized
    rule of KVCACHE.md section 7 (online softmax).
@@ -31,9 +33,10 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from loaders import jit
+from loaders import jit, quantize
+from loaders.quantize import decode_block
 
-jit.kernel_module(__file__)
+jit.kernel_module(__file__, quantize)
 
 # Fast-math flags without nnan/ninf: reassociation lets LLVM vectorize the dot
 # products; -inf masks and NaN checks keep their IEEE meaning.
@@ -100,16 +103,50 @@ def default_splits(n_blocks: int, n_units: int, min_blocks: int) -> int:
 # --------------------------------------------------------------------------
 
 
-@jit.njit(fastmath=FM)
+def kv_dims(c):
+    """(Hkv, NB, B*D) of a cache operand (float array or quantized tuple); jitted code only."""
+
+
+@overload(kv_dims)
+def _kv_dims_ov(c):
+    if isinstance(c, types.BaseTuple):
+        def impl(c):
+            return c[0].shape[0], c[0].shape[1], c[1].shape[1]
+        return impl
+
+    def impl(c):
+        return c.shape[0], c.shape[1], c.shape[2]
+    return impl
+
+
 def load_keys(kc, kvh, pb, t0, t1, D, kb, lut):
-    """kb[t*D:(t+1)*D] = float32 key of token t of physical block pb (kv head kvh), t in [t0, t1)."""
-    load_f32(kc[kvh, pb], t0 * D, (t1 - t0) * D, kb, lut)
+    """kb[t*D:(t+1)*D] = float32 key of token t of physical block pb (kv head kvh), t in [t0, t1);
+    jitted code only (see the overload)."""
+
+
+@overload(load_keys)
+def _load_keys_ov(kc, kvh, pb, t0, t1, D, kb, lut):
+    if isinstance(kc, types.BaseTuple):   # quantized: (data, tail, meta), see pyimp.kvcache
+        def impl(kc, kvh, pb, t0, t1, D, kb, lut):
+            data, tail, meta = kc
+            if pb == meta[0]:
+                load_f32(tail[kvh], t0 * D, (t1 - t0) * D, kb, lut)
+                return
+            w = data[kvh, pb]
+            code, bsz = meta[1], meta[2]
+            nb = D // 32
+            for t in range(t0, t1):
+                for b in range(nb):
+                    decode_block(code, w, (t * nb + b) * bsz, kb, t * D + b * 32, 1, lut)
+        return impl
+
+    def impl(kc, kvh, pb, t0, t1, D, kb, lut):
+        load_f32(kc[kvh, pb], t0 * D, (t1 - t0) * D, kb, lut)
+    return impl
 
 
 @jit.njit(fastmath=FM)
-def load_values(vc, kvh, pb, t0, t1, D, B, vb, lut):
-    """vb[d*B + t] = float32 channel d of the value of token t of physical block pb, t in [t0, t1)."""
-    vrow = vc[kvh, pb]
+def _load_values_float(vrow, t0, t1, D, B, vb, lut):
     if t1 - t0 == B:  # full block: one contiguous decode
         load_f32(vrow, 0, D * B, vb, lut)
     else:
@@ -117,14 +154,57 @@ def load_values(vc, kvh, pb, t0, t1, D, B, vb, lut):
             load_f32(vrow, d * B + t0, t1 - t0, vb, lut)
 
 
-@jit.njit(fastmath=FM)
-def prefetch_block(kc, vc, kvh, pb, pf_step):
-    """Hint the K and V rows of physical block pb (kv head kvh) into the cache."""
-    kn = kc[kvh, pb]
-    vn = vc[kvh, pb]
-    for e in range(0, kn.size, pf_step):
-        prefetch(kn, e)
-        prefetch(vn, e)
+def load_values(vc, kvh, pb, t0, t1, D, B, vb, lut):
+    """vb[d*B + t] = float32 channel d of the value of token t of physical block pb, t in
+    [t0, t1) (entries outside the range may be written too); jitted code only."""
+
+
+@overload(load_values)
+def _load_values_ov(vc, kvh, pb, t0, t1, D, B, vb, lut):
+    if isinstance(vc, types.BaseTuple):
+        def impl(vc, kvh, pb, t0, t1, D, B, vb, lut):
+            data, tail, meta = vc
+            if pb == meta[0]:
+                _load_values_float(tail[kvh], t0, t1, D, B, vb, lut)
+                return
+            w = data[kvh, pb]
+            code, bsz = meta[1], meta[2]
+            if meta[3]:                        # rows by token, along head_dim
+                nb = D // 32
+                for t in range(t0, t1):
+                    for b in range(nb):
+                        decode_block(code, w, (t * nb + b) * bsz, vb, b * 32 * B + t, B, lut)
+            else:                              # rows by channel, along the token axis
+                nb = B // 32
+                for d in range(D):
+                    for b in range(t0 // 32, (t1 + 31) // 32):
+                        decode_block(code, w, (d * nb + b) * bsz, vb, d * B + b * 32, 1, lut)
+        return impl
+
+    def impl(vc, kvh, pb, t0, t1, D, B, vb, lut):
+        _load_values_float(vc[kvh, pb], t0, t1, D, B, vb, lut)
+    return impl
+
+
+def prefetch_row(c, kvh, pb):
+    """Hint the stored row of physical block pb (kv head kvh) into the cache; jitted code only."""
+
+
+@overload(prefetch_row)
+def _prefetch_row_ov(c, kvh, pb):
+    if isinstance(c, types.BaseTuple):
+        def impl(c, kvh, pb):
+            row = c[0][kvh, pb]
+            for e in range(0, row.size, 64):
+                prefetch(row, e)
+        return impl
+    step = max(1, 64 // (c.dtype.bitwidth // 8))
+
+    def impl(c, kvh, pb):
+        row = c[kvh, pb]
+        for e in range(0, row.size, step):
+            prefetch(row, e)
+    return impl
 
 
 # --------------------------------------------------------------------------
@@ -206,7 +286,7 @@ def merge_splits(m_part, l_part, o_part, out, lse, M, L):
 
 @jit.njit(parallel=True, fastmath=FM)
 def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, out, lse, store,
-                  probs, pf_step):
+                  probs):
     """Decode attention of q [Hq, D] (position n_ctx - 1) over the logical blocks sel[si, :cnt[si]]
     of head set si (query head h uses set ``h // (Hq // nsets)``); blocks of a set are distinct.
 
@@ -215,8 +295,8 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
     probs [Hq, K, B] receives P of token t of the k-th block of h's set (0 outside the masks).
     """
     Hq, D = q.shape
-    Hkv = kc.shape[0]
-    B = kc.shape[2] // D
+    Hkv, _, BD = kv_dims(kc)
+    B = BD // D
     G = Hq // Hkv
     hps = Hq // sel.shape[0]
     nh = min(hps, G)
@@ -242,7 +322,8 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
         o = np.zeros((nh, D), np.float32)
         for k in range(k_beg, k_end):
             if k + 1 < k_end:  # physical blocks need not be adjacent: prefetch the next one
-                prefetch_block(kc, vc, kvh, bt[sel[si, k + 1]], pf_step)
+                prefetch_row(kc, kvh, bt[sel[si, k + 1]])
+                prefetch_row(vc, kvh, bt[sel[si, k + 1]])
             base = sel[si, k] * B
             t0 = max(lo - base, 0)
             t1 = max(min(n_ctx - base, B), t0)  # a fully masked block is an empty range
@@ -282,8 +363,8 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
 def prefill(q, kc, vc, bt, pos0, scale, window, lut, tile, out, row_m, row_l):
     """Flash-style prefill: work item = (query-row tile, kv head), online softmax over blocks."""
     T, Hq, D = q.shape
-    Hkv = kc.shape[0]
-    B = kc.shape[2] // D
+    Hkv, _, BD = kv_dims(kc)
+    B = BD // D
     G = Hq // Hkv
     ntile = (T + tile - 1) // tile
     sc = np.float32(scale)
@@ -339,8 +420,8 @@ def prefill_mass(q, kc, bt, pos0, scale, window, lut, row_m, row_l, r0, new):
     (kv head, key block), so every output element has exactly one writer).
     """
     T, Hq, D = q.shape
-    Hkv = kc.shape[0]
-    B = kc.shape[2] // D
+    Hkv, _, BD = kv_dims(kc)
+    B = BD // D
     G = Hq // Hkv
     n = pos0 + T
     p_lo = max(0, pos0 + r0 - window + 1) if window > 0 else 0

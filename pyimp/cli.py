@@ -115,7 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="threads (0 = all cores)")
     p.add_argument("--numerics", choices=("fp32", "ggml"), default="fp32",
                    help="fp32: exact weights, fp32 activations; ggml: activations quantized as ggml's CPU does")
-    p.add_argument("--kv-type", choices=("f16", "f32"), default="f16", help="KV cache element type")
+    kv_types = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+    p.add_argument("--kv-type", choices=kv_types, default="f16",
+                   help="KV cache type of K and V (shorthand for -ctk and -ctv)")
+    p.add_argument("-ctk", "--cache-type-k", choices=kv_types, default=None,
+                   help="K cache type (default: --kv-type)")
+    p.add_argument("-ctv", "--cache-type-v", choices=kv_types, default=None,
+                   help="V cache type (default: --kv-type)")
+    p.add_argument("--kv-rotate", action="store_true",
+                   help="Hadamard rotation of keys, values and queries along the head dim before "
+                        "the cache (spreads outlier channels; meant for quantized caches)")
     p.add_argument("--no-bos", action="store_true", help="do not add the BOS token")
     p.add_argument("--parse-special", action="store_true",
                    help="turn control-token text in the prompt, such as <start_of_turn>, into those tokens")
@@ -188,7 +197,8 @@ def _summary(engine) -> str:
     mem = f"KV cache {fmt_bytes(buf['kv'])}" + \
         (f", importance + anchors {fmt_bytes(buf['sparse'])}" if buf["sparse"] else "")
     return (f"{cfg.arch} '{cfg.name}': {size} params, {cfg.n_layer} layers, quant mix {mix}; "
-            f"context {engine.n_ctx} (trained {cfg.n_ctx_train}), kv {engine.options.kv_type}, "
+            f"context {engine.n_ctx} (trained {cfg.n_ctx_train}), kv {engine.options.type_k}/"
+            f"{engine.options.type_v}{' rotated' if engine.options.kv_rotate else ''}, "
             f"numerics {engine.options.numerics}; {mem}")
 
 
@@ -288,7 +298,10 @@ def run(args: argparse.Namespace) -> int:
             warnings.simplefilter("always")
             engine = Engine(path, EngineOptions(n_ctx=args.ctx_size, block_len=args.block_len,
                                                 batch_size=args.batch_size, n_threads=args.threads,
-                                                numerics=args.numerics, kv_type=args.kv_type, sparse=sparse))
+                                                numerics=args.numerics, kv_type=args.kv_type,
+                                                cache_type_k=args.cache_type_k,
+                                                cache_type_v=args.cache_type_v,
+                                                kv_rotate=args.kv_rotate, sparse=sparse))
     except (GGUFError, DefaultModelError, ValueError, MemoryError) as e:
         return _error(str(e) if str(e) else "out of memory")
     for w in caught:

@@ -43,7 +43,11 @@ class EngineOptions:
     batch_size: int = 512          # prefill chunk
     n_threads: int = 0             # Numba threads in the engine's calls; 0 = the caller's setting
     numerics: str = "fp32"
-    kv_type: str = "f16"
+    kv_type: str = "f16"            # K and V cache type (llama.cpp's -ctk / -ctv for both)
+    cache_type_k: str | None = None  # K cache type (None: kv_type)
+    cache_type_v: str | None = None  # V cache type (None: kv_type)
+    v_layout: str = "token"          # quantized V rows: "token" (along head_dim) or "channel"
+    kv_rotate: bool = False          # Hadamard rotation of q, k, v along head_dim (see _rotation)
     sparse: SparseOptions = field(default_factory=SparseOptions)
 
     def validate(self) -> None:
@@ -60,6 +64,14 @@ class EngineOptions:
             raise ValueError(f"batch size must be positive, got {self.batch_size}")
         if self.n_threads < 0:
             raise ValueError(f"thread count must be >= 0, got {self.n_threads}")
+
+    @property
+    def type_k(self) -> str:
+        return self.cache_type_k or self.kv_type
+
+    @property
+    def type_v(self) -> str:
+        return self.cache_type_v or self.kv_type
 
 
 @dataclass
@@ -100,7 +112,9 @@ class Engine:
             warnings.warn(f"context size {self.n_ctx} exceeds the model's training context "
                           f"{self.cfg.n_ctx_train}; quality may degrade past it", RuntimeWarning, stacklevel=2)
         self.cache = KVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim, self.n_ctx,
-                             block_len=opts.block_len, kv_type=opts.kv_type)
+                             block_len=opts.block_len, type_k=opts.type_k, type_v=opts.type_v,
+                             v_layout=opts.v_layout)
+        self._rot = ops.hadamard(self.cfg.head_dim) if opts.kv_rotate else None
         # importance_ / anchor_ and the block-sparse decode path (None: plain dense attention)
         self.sparse = SparseState(opts.sparse, self.cfg, self.cache) if opts.sparse.active else None
         self._tokenizer = None
@@ -113,7 +127,10 @@ class Engine:
         InsufficientMemoryError) what exceeds the available memory, before allocating anything."""
         opts, cfg = self.options, self.cfg
         kv = KVCache.bytes_needed(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.n_ctx,
-                                  block_len=opts.block_len, kv_type=opts.kv_type)
+                                  block_len=opts.block_len, type_k=opts.type_k,
+                                  type_v=opts.type_v, v_layout=opts.v_layout)
+        if opts.kv_rotate:
+            ops.hadamard(cfg.head_dim)            # refuses a head dim that is not a power of 2
         sparse = 0
         if opts.sparse.active:
             sparse = SparseState.bytes_needed(opts.sparse, cfg, -(-self.n_ctx // opts.block_len),
@@ -214,6 +231,7 @@ class Engine:
         Hq, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         pos0 = int(self.cache.cache_seqlens[0])
         self.cache.reserve(T)
+        ckpt = self.cache.checkpoint()
         pos = np.arange(pos0, pos0 + T)
         block_table = self.cache.block_table[0]
         kq_scale = 1.0 if A.q_prescale else 1.0 / math.sqrt(D)
@@ -249,15 +267,16 @@ class Engine:
             ops.rope(k, cos, sin, A.rope_neox)
             if A.q_prescale:
                 q *= np.float32(1.0 / math.sqrt(D))
-            # store k, v in the paged cache, then attend over everything cached so far
+            if self._rot is not None:        # q.k and the attention output are unchanged
+                q, k, v = q @ self._rot, k @ self._rot, v @ self._rot            # store k, v in the paged cache, then attend over everything cached so far
             self.cache.write(il, k, v, pos0)
             window = cfg.sliding_window if cfg.is_swa(il) else 0
             att = np.empty((T, Hq, D), dtype=np.float32)
-            kc, vc = self.cache.k_cache_fp16_[il], self.cache.v_cache_fp16_[il]
+            kc, vc = self.cache.k_layer(il), self.cache.v_layer(il)
             sp = self.sparse
             if decode:
                 n_read = min(pos0 + 1, window or pos0 + 1)                # keys and values read
-                with quants.threads_for(2 * Hkv * D * kc.itemsize * n_read):
+                with quants.threads_for(int(self.cache.layer_token_bytes() * n_read)):
                     if sp is not None:
                         sp.decode_attention(il, q[0], pos0 + 1, kq_scale, window, att[0])
                     else:
@@ -268,6 +287,8 @@ class Engine:
                 obs = 0 if sp is None else sp.obs_start(pos0 + T if prompt_end is None else prompt_end)
                 attention.attention_prefill(q, kc, vc, block_table, pos0, kq_scale, window, att,
                                             importance=imp, obs_start=obs)
+            if self._rot is not None:
+                att = att @ self._rot                                  # H is its own inverse
             # output projection
             o = lw.attn_output(att.reshape(T, Hq * D), num)
             if lw.attn_output_bias is not None:
@@ -300,15 +321,16 @@ class Engine:
         if not ops.all_finite(logits):
             # every layer's keys and values were finite (KVCache.write checks them): the last
             # layer's attention or feed-forward, or the output head, produced the NaN / inf
-            self._truncate(pos0)
+            self._truncate(pos0, ckpt)
             raise ops.NonFiniteError(f"layer {cfg.n_layer - 1}: NaN or inf in the logits after the last "
                                      f"layer (its attention or feed-forward, or the output head; "
                                      f"corrupted weights?)")
         return logits
 
-    def _truncate(self, n: int) -> None:
-        """Forget cached tokens from position n on (their blocks stay reserved)."""
-        self.cache.cache_seqlens[0] = n
+    def _truncate(self, n: int, checkpoint=None) -> None:
+        """Forget cached tokens from position n on (their blocks stay reserved); ``checkpoint``:
+        the cache's :meth:`KVCache.checkpoint` from when it held n tokens (exact rewind)."""
+        self.cache.truncate(n, checkpoint=checkpoint)
         del self.tokens[n:]
 
     def _act(self, g: np.ndarray) -> np.ndarray:
@@ -345,6 +367,7 @@ class Engine:
         t0 = time.perf_counter()
         start = len(self.tokens)
         end = start + arr.size
+        ckpt = self.cache.checkpoint()
         for s in range(0, arr.size, bs):
             last = s + bs >= arr.size
             # chunks before the last only fill the cache unless every row's logits are wanted
@@ -352,7 +375,7 @@ class Engine:
                 out = self.forward(arr[s:s + bs], all_logits=all_logits, prompt_end=end,
                                    logits=all_logits or last)
             except ops.NonFiniteError:
-                self._truncate(start)
+                self._truncate(start, ckpt)
                 raise
             if out is not None:
                 outs.append(out)
@@ -444,7 +467,7 @@ def load(path: str | os.PathLike | None = None, **options) -> Engine:
     """Load a GGUF model (``None`` = the embedded default model) into an :class:`Engine`.
 
     Options are the fields of :class:`EngineOptions` (n_ctx, block_len, batch_size,
-    n_threads, numerics, kv_type) and of :class:`SparseOptions` (sparse=True, anchor,
+    n_threads, numerics, kv_type, cache_type_k, cache_type_v, v_layout, kv_rotate) and of :class:`SparseOptions` (sparse=True, anchor,
     anchor_num, retrieval, topk, init_blocks, local_blocks, importance_window,
     token_step, layer_step, dense_layers, decay, report, track). ``sparse`` is a bool
     (``enabled``) or a whole :class:`SparseOptions`; sparse keywords given beside a

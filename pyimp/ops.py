@@ -131,6 +131,22 @@ def gelu_tanh_ggml(x: np.ndarray) -> np.ndarray:
     return np.where(x >= F32(10.0), x, y).astype(F32)
 
 
+@functools.lru_cache(maxsize=8)
+def hadamard(n: int) -> np.ndarray:
+    """The orthonormal Walsh-Hadamard matrix of order n (a power of 2), float32 [n, n]: symmetric
+    and its own inverse, so rotating q and k by it keeps every q.k, and rotating v and then the
+    attention output by it keeps the output (up to float32 rounding). Used for KV rotation:
+    spreading an outlier channel over all channels before a row is quantized. Read-only."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"KV rotation needs a head dim that is a power of 2, got {n}")
+    h = np.ones((1, 1), np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    out = (h / np.sqrt(n)).astype(np.float32)
+    out.setflags(write=False)
+    return out
+
+
 def softcap(x: np.ndarray, cap: float) -> np.ndarray:
     """cap * tanh(x / cap), float32."""
     c = F32(cap)

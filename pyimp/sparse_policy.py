@@ -366,7 +366,7 @@ class SparseState:
         partial tail included) on every layer that holds anchors."""
         blocks, n_valid = self._blocks_upto(n_ctx, lbs)
         for il in self.anchor_.layers:
-            compute_anchors(self.anchor_type, self.cache.k_cache_fp16_[il], blocks, n_valid,
+            compute_anchors(self.anchor_type, self.cache.k_layer(il), blocks, n_valid,
                             self.anchor_.storage(il), self.importance_[il])
             if lbs is None:
                 self._dirty[il][:] = False
@@ -385,7 +385,7 @@ class SparseState:
         lbs = np.flatnonzero(d[:-(-n_ctx // self.cache.block_len)])
         if lbs.size:
             blocks, n_valid = self._blocks_upto(n_ctx, lbs)
-            compute_anchors(self.anchor_type, self.cache.k_cache_fp16_[il], blocks, n_valid,
+            compute_anchors(self.anchor_type, self.cache.k_layer(il), blocks, n_valid,
                             self.anchor_.storage(il), self.importance_[il])
             d[:] = False
         return self.anchor_.storage(il)
@@ -443,7 +443,7 @@ class SparseState:
                          out: np.ndarray) -> None:
         """Attention of the decode query q float32[Hq, D] of layer il into out float32[Hq, D]."""
         o, c = self.opts, self.cache
-        kc, vc, bt = c.k_cache_fp16_[il], c.v_cache_fp16_[il], c.block_table[0]
+        kc, vc, bt = c.k_layer(il), c.v_layer(il), c.block_table[0]
         imp = self.importance_[il]
         if il in self._dirty:
             self._dirty[il][-(-n_ctx // c.block_len) - 1] = True   # the newest token's key joined it

@@ -109,7 +109,7 @@ def test_anchors_read_by_retrieval_are_fresh(model, monkeypatch, anchor, token_s
         F, n_lb = n_ctx // B, -(-n_ctx // B)
         want = np.zeros_like(anchor_buf)
         lbs = np.arange(n_lb)
-        compute_anchors(atype, eng.cache.k_cache_fp16_[il], bt[lbs], np.minimum(B, n_ctx - lbs * B),
+        compute_anchors(atype, eng.cache.k_layer(il), bt[lbs], np.minimum(B, n_ctx - lbs * B),
                         want, st.importance_[il])
         # bit for bit, every block: the candidates (full blocks; with local_blocks = 0 a block
         # that just filled is one unless it holds the query's own token) and the rest
@@ -234,7 +234,7 @@ def test_anchor_storage_and_view(anchor, layer_step, heads):
             assert not view.any()                    # never computed, no memory behind it
             continue
         want = np.zeros((NB, 2, Hq, D), np.float16)  # the per-query-head layout, computed directly
-        compute_anchors(AnchorType(anchor), cache.k_cache_fp16_[il], bt[lbs],
+        compute_anchors(AnchorType(anchor), cache.k_layer(il), bt[lbs],
                         np.minimum(B, n_ctx - lbs * B), want, st.importance_[il])
         assert np.array_equal(view, want)
         assert np.array_equal(st.anchor_[il, 3, 1], want[3, 1])

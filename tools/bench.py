@@ -31,11 +31,9 @@ def _fill_cache(eng, ctx: int) -> None:
     rng = np.random.default_rng(0)
     c = eng.cache
     c.reserve(ctx)
-    nb = -(-ctx // c.block_len)
-    blocks = c.block_table[0][:nb]
-    for buf in (c.k_cache_fp16_, c.v_cache_fp16_):
-        for il in range(buf.shape[0]):
-            buf[il][:, blocks] = rng.standard_normal((buf.shape[1], nb, buf.shape[3]), np.float32)
+    for il in range(c.n_layer):       # through write(): quantized caches store blocks as they fill
+        k, v = rng.standard_normal((2, ctx, c.n_head_kv, c.head_dim), np.float32)
+        c.write(il, k, v, 0)
     c.commit(ctx)
     eng.tokens.extend(_tokens(ctx, eng.cfg.n_vocab))
     if eng.sparse is not None:

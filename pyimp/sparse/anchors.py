@@ -100,13 +100,17 @@ def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_vali
                     anchor: np.ndarray, importance: np.ndarray | None = None) -> None:
     """(Re)compute the anchors of the given physical blocks, in place.
 
-    k_cache: float16/float32 [Hkv][NB][B*D]; blocks: int [n] physical ids
+    k_cache: float16/float32 [Hkv][NB][B*D] or a quantized K layer
+    (:class:`pyimp.kvcache.QuantizedKV`: anchors come from the dequantized keys); blocks: int [n] physical ids
     (distinct); n_valid: int [n] valid tokens of each block (0..B);
     anchor: float16 [NB][A][Ha][D], rows ``blocks`` written, ``Ha`` = Hq or (shared
     types) Hkv, see the module docstring; importance: float16 [NB][B][Hq], required
     for DYNAMIC. Bad arguments raise ValueError naming the argument.
     """
-    checks.array("k_cache", k_cache, checks.KV_DTYPES, 3, layout="[Hkv][NB][B*D]")
+    from pyimp.kvcache import QuantizedKV
+    quantized = isinstance(k_cache, QuantizedKV)
+    if not quantized:
+        checks.array("k_cache", k_cache, checks.KV_DTYPES, 3, layout="[Hkv][NB][B*D]")
     Hkv, NB, BD = k_cache.shape
     checks.array("anchor", anchor, (np.float16, np.float32), 4, layout="[NB][A][Ha][D]")
     _, A, Ha, D = anchor.shape
@@ -147,7 +151,8 @@ def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_vali
                                            f" or per kv head ({Hkv})"))
     G = Hq // Hkv
     n = blocks.size
-    K = k_cache[:, blocks].astype(np.float32).reshape(Hkv, n, B, D)
+    K = (k_cache.blocks_f32(blocks) if quantized else
+         k_cache[:, blocks].astype(np.float32)).reshape(Hkv, n, B, D)
     valid = np.arange(B)[None, :] < n_valid[:, None]  # [n, B]
     vmask = valid[None, :, :, None]  # [1, n, B, 1]
     cnt = np.maximum(n_valid, 1).astype(np.float32)[None, :, None]  # [1, n, 1]

@@ -50,10 +50,21 @@ def writable(name: str, a: np.ndarray) -> None:
 
 
 def kv_cache(k_cache, v_cache) -> tuple[int, int, int]:
-    """(Hkv, NB, B*D) of a layer's K and V caches."""
-    array("k_cache", k_cache, KV_DTYPES, 3, layout="[Hkv][NB][B*D]")
-    array("v_cache", v_cache, (k_cache.dtype,), shape=k_cache.shape, layout="[Hkv][NB][D*B]")
-    return k_cache.shape
+    """(Hkv, NB, B*D) of a layer's K and V caches (float arrays or quantized layers)."""
+    from pyimp.kvcache import QuantizedKV
+    shape = None
+    for name, c, side, lay in (("k_cache", k_cache, "k", "[Hkv][NB][B*D]"),
+                               ("v_cache", v_cache, "v", "[Hkv][NB][D*B]")):
+        if isinstance(c, QuantizedKV):
+            if c.side != side:
+                raise ValueError(f"{name} must be a {side.upper()} layer, got a quantized "
+                                 f"{c.side.upper()} layer")
+        else:
+            array(name, c, KV_DTYPES, 3, shape=shape, layout=lay)
+        if shape is not None and tuple(c.shape) != shape:
+            raise ValueError(f"{name} of shape {tuple(c.shape)} does not match k_cache's {shape}")
+        shape = tuple(c.shape)
+    return shape
 
 
 def query(name: str, q, Hkv: int, BD: int, rows: bool = False) -> tuple[int, int]:

@@ -44,8 +44,12 @@ FP16_STALL = 2048.0  # from here on fp16 spacing is 2: adding <= 1 is lost
 PARALLEL_MIN_WORK = 1 << 16  # entries below which the update kernels run single-threaded
 
 
-def kernel_view(cache: np.ndarray) -> np.ndarray:
-    """A KV cache as kernels take it: fp16 travels as uint16 bits, float32 as it is."""
+def kernel_view(cache):
+    """A KV cache layer as kernels take it: fp16 travels as uint16 bits, float32 as it is, a
+    quantized layer (:class:`pyimp.kvcache.QuantizedKV`) as its (data, tail, meta) tuple."""
+    from pyimp.kvcache import QuantizedKV
+    if isinstance(cache, QuantizedKV):
+        return cache.operand()
     if cache.dtype == np.float16:
         return cache.view(np.uint16)
     if cache.dtype == np.float32:

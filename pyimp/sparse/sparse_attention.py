@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from pyimp import attn_kernels as K
+from pyimp.kvcache import as_float
 from pyimp.sparse import checks
 from pyimp.sparse.importance import (fp16_lut, importance_update, importance_update_blocks,
                                      kernel_view)
@@ -65,6 +66,7 @@ def sparse_attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, 
 
     Returns float32 [Hq] log-sum-exp; fills probs float32 [Hq, K, B] if given.
     """
+    k_cache, v_cache = as_float(k_cache), as_float(v_cache)
     Hq, D = q.shape
     Hkv = k_cache.shape[0]
     B = k_cache.shape[2] // D
@@ -158,7 +160,7 @@ def decode_over_blocks(q, k_cache, v_cache, block_table, n_ctx, scale, window, s
     lse = np.empty(Hq, np.float32)
     K.decode_blocks(q, kernel_view(k_cache), kernel_view(v_cache), block_table, int(n_ctx),
                     float(scale), int(window), fp16_lut(), sel, cnt, int(nsplit), out, lse, store,
-                    probs, 64 // k_cache.itemsize)
+                    probs)
     if store:
         add_block_mass(importance, block_table, sel, cnt, probs, n_ctx, decay)
     return lse
@@ -182,7 +184,7 @@ def sparse_attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndar
     """Decode attention of one query (position n_ctx - 1) over the selected blocks.
 
     q: float32 [Hq, D]; k_cache/v_cache: float16 or float32 [Hkv][NB][B*D] /
-    [Hkv][NB][D*B]; block_table: int32 [NB_logical]; sel, cnt: see module
+    [Hkv][NB][D*B], or a quantized layer (:class:`pyimp.kvcache.QuantizedKV`); block_table: int32 [NB_logical]; sel, cnt: see module
     docstring; out: float32 [Hq, D], written. importance: float16 [NB][B][Hq]
     or None, receives the probabilities of the attended tokens (with
     ``decay != 1`` every valid token is decayed, unattended ones gain 0).
