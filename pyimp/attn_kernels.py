@@ -164,6 +164,8 @@ def _load_values_ov(vc, kvh, pb, t0, t1, D, B, vb, lut):
     if isinstance(vc, types.BaseTuple):
         def impl(vc, kvh, pb, t0, t1, D, B, vb, lut):
             data, tail, meta = vc
+            if t1 <= t0:          # a block the masks hide entirely (t0 may lie past B)
+                return
             if pb == meta[0]:
                 _load_values_float(tail[kvh], t0, t1, D, B, vb, lut)
                 return

@@ -436,5 +436,6 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        tails = sum(t.nbytes for t in self._tail.values() if t is not None)
+        tails = sum(t.nbytes for t in (*self._tail.values(), *self._tail_block.values())
+                    if t is not None)
         return self.k_store.nbytes + self.v_store.nbytes + tails
