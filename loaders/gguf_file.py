@@ -22,6 +22,7 @@ GGUF layout (little endian, versions 2 and 3)::
 """
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import struct
@@ -244,6 +245,7 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike):
         self.path = os.fspath(path)
+        self._fingerprint: str | None = None
         try:
             with open(self.path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -376,6 +378,21 @@ class GGUFFile:
 
     def file_size(self) -> int:
         return len(self._bytes)
+
+    def fingerprint(self) -> str:
+        """``"sha256:<hex>"`` of everything before the tensor data (header, metadata and tensor
+        infos: names, types, shapes, offsets), the file size, and 64 bytes at the start, the
+        middle and the end of every tensor's data (two files that differ only in weights, e.g.
+        two fine-tunes of one architecture, differ there): the one identity of a model that
+        saved states and tensor dumps record. Reads a few pages, not the weights."""
+        if self._fingerprint is None:
+            h = hashlib.sha256(self._buf[:self.data_start])
+            h.update(len(self._bytes).to_bytes(8, "little"))
+            for t in sorted(self.tensors.values(), key=lambda t: t.offset):
+                for at in (0, t.nbytes // 2, max(0, t.nbytes - 64)):
+                    h.update(self._buf[t.offset + at:t.offset + min(at + 64, t.nbytes)])
+            self._fingerprint = "sha256:" + h.hexdigest()
+        return self._fingerprint
 
     def close(self) -> bool:
         """Release the map; True once it is unmapped.

@@ -125,6 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-rotate", action="store_true",
                    help="Hadamard rotation of keys, values and queries along the head dim before "
                         "the cache (spreads outlier channels; meant for quantized caches)")
+    p.add_argument("--prompt-cache", metavar="FILE",
+                   help="reuse the longest matching prefix of the state saved in FILE, evaluate only "
+                        "the rest, and save the state there after the run")
+    p.add_argument("--prompt-cache-ro", action="store_true",
+                   help="with --prompt-cache: use the file but do not update it")
     p.add_argument("--no-bos", action="store_true", help="do not add the BOS token")
     p.add_argument("--parse-special", action="store_true",
                    help="turn control-token text in the prompt, such as <start_of_turn>, into those tokens")
@@ -319,6 +324,23 @@ def run(args: argparse.Namespace) -> int:
         engine.warmup()
     except NonFiniteError as e:
         return _error(str(e))
+    reuse = False
+    if args.prompt_cache:
+        from .statefile import StateFileError
+        if os.path.isdir(args.prompt_cache):
+            return _error(f"prompt cache {args.prompt_cache}: is a directory")
+        if os.path.exists(args.prompt_cache):
+            try:
+                n_loaded = engine.load_state(args.prompt_cache)
+            except (StateFileError, OSError) as e:
+                return _error(str(e) if isinstance(e, StateFileError) else
+                              f"cannot read prompt cache {args.prompt_cache}: {e.strerror or e}")
+            reuse = True
+            if not args.json:
+                print(f"prompt cache {args.prompt_cache}: {n_loaded} tokens loaded", file=err)
+        elif args.prompt_cache_ro:
+            return _error(f"prompt cache {args.prompt_cache}: no such file (--prompt-cache-ro "
+                          f"only reads it)")
     sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, seed=args.seed)
     # control tokens (<eos>, <end_of_turn>) print as nothing unless --special, as in llama-cli
@@ -332,7 +354,7 @@ def run(args: argparse.Namespace) -> int:
     finish = "length"
     try:
         for tok, lp in engine.generate(ids, max_tokens=args.n_predict, sampling=sampling, stop=args.stop,
-                                       progress=_Progress(not args.json)):
+                                       progress=_Progress(not args.json), reuse_prefix=reuse):
             tokens.append(tok)
             logprobs.append(lp)
             if tok in eog:
@@ -353,7 +375,14 @@ def run(args: argparse.Namespace) -> int:
                                    skip_special=not args.special, continuation=True)
     if args.stop and any(s in text for s in args.stop):
         finish = "stop"
+    if args.prompt_cache and not args.prompt_cache_ro:
+        try:
+            engine.save_state(args.prompt_cache)
+        except OSError as e:
+            return _error(f"cannot write prompt cache {args.prompt_cache}: {e.strerror or e}")
     timings = engine.timings.as_dict()
+    if reuse:
+        timings["prompt_cache_reused"] = engine.timings.extra.get("prefix_reused", 0)
     report = engine.sparse.report() if args.report and engine.sparse is not None else None
     if args.heatmap:
         try:

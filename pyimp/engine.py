@@ -268,7 +268,8 @@ class Engine:
             if A.q_prescale:
                 q *= np.float32(1.0 / math.sqrt(D))
             if self._rot is not None:        # q.k and the attention output are unchanged
-                q, k, v = q @ self._rot, k @ self._rot, v @ self._rot            # store k, v in the paged cache, then attend over everything cached so far
+                q, k, v = q @ self._rot, k @ self._rot, v @ self._rot
+            # store k, v in the paged cache, then attend over everything cached so far
             self.cache.write(il, k, v, pos0)
             window = cfg.sliding_window if cfg.is_swa(il) else 0
             att = np.empty((T, Hq, D), dtype=np.float32)
@@ -332,6 +333,8 @@ class Engine:
         the cache's :meth:`KVCache.checkpoint` from when it held n tokens (exact rewind)."""
         self.cache.truncate(n, checkpoint=checkpoint)
         del self.tokens[n:]
+        if self.sparse is not None:
+            self.sparse.truncate(n)
 
     def _act(self, g: np.ndarray) -> np.ndarray:
         if self.weights.arch.ffn_act == "silu":
@@ -399,6 +402,40 @@ class Engine:
         if self.sparse is not None:
             self.sparse.reset()
 
+    def prime(self, tokens, progress=None) -> np.ndarray:
+        """Make the cache hold exactly ``tokens`` and return the last token's logits, reusing
+        the longest prefix already cached (as llama.cpp reuses a prompt cache): the cache is cut
+        back to that prefix, at least one token is evaluated (for its logits), the rest runs
+        as a prefill. The reused tokens keep their KV, importance_ and anchors."""
+        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if arr.size == 0:
+            raise ValueError("no tokens to evaluate")
+        cached = np.asarray(self.tokens, dtype=np.int64)
+        m = min(cached.size, arr.size - 1)
+        same = np.flatnonzero(cached[:m] != arr[:m])
+        keep = int(same[0]) if same.size else m
+        if keep < cached.size:
+            self._truncate(keep)
+        self.timings.extra["prefix_reused"] = keep
+        return self.eval(arr[keep:], progress=progress)
+
+    def save_state(self, path: str | os.PathLike) -> dict:
+        """Save the cached tokens, KV, importance_ and anchors to ``path`` (see :mod:`pyimp.state`);
+        returns the writer's statistics."""
+        if self.file is None:
+            raise self._closed()
+        from . import state
+        return state.save(self, path)
+
+    def load_state(self, path: str | os.PathLike) -> int:
+        """Replace the cache by a state saved with :meth:`save_state`; returns the tokens loaded.
+        A file that does not fit this engine raises :class:`pyimp.statefile.StateFileError`
+        naming the file and the reason, and leaves the engine as it was."""
+        if self.file is None:
+            raise self._closed()
+        from . import state
+        return state.load(self, path)
+
     def warmup(self) -> float:
         """Compile (or load from cache) every kernel of prefill and decode; returns seconds."""
         t0 = time.perf_counter()
@@ -416,22 +453,28 @@ class Engine:
         return self.timings.compile_s
 
     def generate(self, prompt: str | list, max_tokens: int = 128, sampling: SamplingParams | None = None,
-                 stop: list | None = None, add_bos: bool = True, progress=None) -> Iterator[tuple[int, float]]:
+                 stop: list | None = None, add_bos: bool = True, progress=None,
+                 reuse_prefix: bool = False) -> Iterator[tuple[int, float]]:
         """Yield (token id, log-probability) pairs, continuing ``prompt`` (text or ids).
 
         Stops at end-of-generation tokens, after ``max_tokens``, or when the
         generated text contains one of ``stop`` (the stop string itself is
-        yielded as part of the tokens that produced it). The cache is reset first.
+        yielded as part of the tokens that produced it). The cache is reset first, or with
+        ``reuse_prefix`` cut back to the longest prefix it shares with the prompt (:meth:`prime`).
         """
         sampler = Sampler(sampling or SamplingParams())
         ids = self.tokenize(prompt, add_bos=add_bos) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise ValueError("the prompt is empty")
-        self.reset()
-        self._check_tokens(ids)
+        if not reuse_prefix:
+            self.reset()
+            self._check_tokens(ids)
         if max_tokens > 0 and len(ids) + max_tokens > self.n_ctx:
             max_tokens = self.n_ctx - len(ids)
-        logits = self.eval(ids, all_logits=False, progress=progress)[-1]
+        if reuse_prefix:
+            logits = self.prime(ids, progress=progress)[-1]
+        else:
+            logits = self.eval(ids, all_logits=False, progress=progress)[-1]
         eog = self.eog_ids()
         decoder = self.tokenizer.incremental_decoder(continuation=True) if stop else None
         text = ""

@@ -419,6 +419,12 @@ class KVCache:
                     self._tail[side][seq, layer] = view.blocks_f32([pb])[:, 0]
                     tb[layer] = pb
 
+    def set_tail(self, side: str, layer: int, tail: np.ndarray, block: int, seq: int = 0) -> None:
+        """Install a quantized side's float tail and the physical block it stands for
+        (restoring a saved state)."""
+        self._tail[side][seq, layer] = tail
+        self._tail_block[side][seq, layer] = block
+
     # ------------------------------------------------------------------ read
     def gather(self, layer: int, n: int | None = None, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """Keys and values of the first ``n`` tokens in position order: float32[Hkv, n, D] each.

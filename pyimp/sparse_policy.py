@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import attention
+from .kvcache import KVCache
 from .sparse import AnchorType, RetrievalType, compute_anchors, retrieve_blocks, sparse_attention_decode
 from .sparse.anchors import group_shared, min_anchor_num
 from .sparse.importance import decay_importance
@@ -306,9 +307,11 @@ class SparseState:
         c = self.cache
         _, _, A, Hq, D = self.anchor_.shape
         Hkv, B = self.n_head_kv, c.block_len
-        kc = np.zeros((Hkv, 4, B * D), c.dtype)
-        vc = np.zeros((Hkv, 4, D * B), c.dtype)
-        bt = np.arange(4, dtype=np.int32)
+        tiny = KVCache(1, Hkv, D, 4 * B, block_len=B, type_k=c.type_k, type_v=c.type_v,
+                       v_layout=c.v_layout)            # the same storage kinds, all zero
+        tiny.reserve(4 * B)
+        kc, vc = tiny.k_layer(0), tiny.v_layer(0)
+        bt = tiny.block_table[0]
         anchor = np.zeros((4, A, self.anchor_.heads, D), np.float16)
         imp = np.zeros((4, B, Hq), np.float16)
         compute_anchors(self.anchor_type, kc, np.arange(4), np.full(4, B), anchor, imp)
@@ -426,6 +429,30 @@ class SparseState:
         that rewinds the cache to that prefix) and recompute the anchors, as a prefill ends."""
         self.importance_[...] = importance
         self.after_prefill(n_ctx)
+
+    def restored(self, n_ctx: int) -> None:
+        """After importance_ and anchors of ``n_ctx`` tokens were installed from a saved state:
+        nothing is stale, no selection is cached, no prefill is in progress."""
+        for d in self._dirty.values():
+            d[:] = False
+        self._sel.clear()
+        self._prefill = None
+
+    def truncate(self, n_ctx: int) -> None:
+        """The cache was cut back to ``n_ctx`` tokens: the importance of positions from n_ctx on
+        is zeroed (their slots will be written again and must not inherit mass) and the block
+        the cut falls in has its anchors recomputed when next read."""
+        bt, B = self.cache.block_table[0], self.cache.block_len
+        n_lb = int((bt >= 0).sum())
+        lb0 = n_ctx // B
+        if lb0 < n_lb:
+            self.importance_[:, bt[lb0], n_ctx - lb0 * B:] = 0
+            self.importance_[:, bt[lb0 + 1:n_lb]] = 0
+            if n_ctx % B:
+                for d in self._dirty.values():
+                    d[lb0] = True
+        self._sel.clear()
+        self._prefill = None
 
     def observe(self, callback) -> None:
         """Call ``callback(il, q, n_ctx, scale, window, sparse)`` after every decode attention;

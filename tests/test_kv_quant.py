@@ -43,7 +43,7 @@ def test_full_blocks_hold_ggml_bytes_and_the_tail_holds_floats(tk, tv, layout, n
     rng = np.random.default_rng(seed)
     c = _cache(tk, tv, layout)
     k, v = _fill(c, n, splits, rng)
-    B, D, Hkv = c.block_len, c.head_dim, c.n_head_kv
+    B, Hkv = c.block_len, c.n_head_kv
     n_full = n // B
     for h in range(Hkv):
         for lb in range(n_full):               # blocks quantized from the float32 values at once

@@ -1,0 +1,205 @@
+"""Saved engine state: prompt-cache files (``--prompt-cache``, :meth:`Engine.save_state`).
+
+A state file is a :mod:`pyimp.statefile` container (checksummed sections, entropy coded,
+written atomically). Its header holds::
+
+    format "pyimp-kv-state", version 1
+    model       the GGUF fingerprint (:meth:`loaders.gguf_file.GGUFFile.fingerprint`)
+    geometry    n_layer, n_head, n_head_kv, head_dim, block_len, type_k, type_v, v_layout,
+                kv_rotate, numerics (what the stored values depend on)
+    sparse      the SparseOptions fields that shape importance_ / anchor_ (or null)
+    n_tokens    tokens cached; tail_k / tail_v: per layer, the logical block held in the
+                float tail of a quantized side (-1: none)
+
+and its sections, in logical block order (block ids are not saved: a loaded state takes
+fresh physical blocks from the pool)::
+
+    tokens                 int32 [n]
+    k.<il> / v.<il>        f16 / f32 sides: the layer's blocks [Hkv][nlb][B*D]
+    k.<il>.head / .qs      quantized sides: block header bytes (d, m, qh) and quant bytes
+                           of the stored blocks, split so each compresses on its own
+    k.<il>.tail            quantized sides: the float32 tail [Hkv][B*D]
+    importance             float16 [L][nlb][B][Hq] (sparse engines)
+    anchor.<il>            float16 [nlb][A][Ha][D] (sparse engines, anchor layers)
+
+Loading checks the header (model, geometry, sparse options) before decoding anything and
+every section before touching the engine: a file from another model, geometry or version,
+a truncated file or a flipped bit raises :class:`StateFileError` naming the file and the
+reason, and the engine keeps the state it had.
+
+On a prefix match (:meth:`Engine.prime`) the reused tokens keep their saved
+``importance_`` and anchors; the block the cut falls in has its anchors recomputed.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from loaders.quantize import BLOCK_BYTES, CODES
+
+from .kvcache import FLOAT_TYPES, QUANT_TYPES
+from .statefile import StateFileError, read_header, read_state, write_state
+
+FORMAT = "pyimp-kv-state"
+VERSION = 1
+# bytes of each block type's header fields (d; d, m; d, qh; d, m, qh) before its quants
+_HEAD_BYTES = {"q8_0": 2, "q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}
+_SPARSE_KEYS = ("anchor", "anchor_num", "retrieval", "layer_step", "dense_layers")
+
+__all__ = ["StateFileError", "save", "load"]
+
+
+def geometry(engine) -> dict:
+    cfg, c, o = engine.cfg, engine.cache, engine.options
+    return {"n_layer": cfg.n_layer, "n_head": cfg.n_head, "n_head_kv": cfg.n_head_kv,
+            "head_dim": cfg.head_dim, "block_len": c.block_len, "type_k": c.type_k,
+            "type_v": c.type_v, "v_layout": c.v_layout, "kv_rotate": bool(o.kv_rotate),
+            "numerics": o.numerics}
+
+
+def _sparse_desc(engine) -> dict | None:
+    if engine.sparse is None:
+        return None
+    o = engine.sparse.opts
+    return {k: (list(getattr(o, k)) if k == "dense_layers" else getattr(o, k))
+            for k in _SPARSE_KEYS}
+
+
+def _bsz(kv_type: str) -> int:
+    return BLOCK_BYTES[CODES[QUANT_TYPES[kv_type]]]
+
+
+def save(engine, path: str | os.PathLike) -> dict:
+    """Write the engine's cached tokens, KV, importance_ and anchors to ``path`` (atomic)."""
+    c = engine.cache
+    n = len(engine.tokens)
+    B = c.block_len
+    nlb = -(-n // B)
+    bt = c.block_table[0][:nlb].astype(np.int64)
+    arrays: dict[str, np.ndarray] = {"tokens": np.asarray(engine.tokens, dtype=np.int32)}
+    tails: dict[str, list] = {}
+    for side, kv_type in (("k", c.type_k), ("v", c.type_v)):
+        store = c.k_store if side == "k" else c.v_store
+        tails[side] = []
+        for il in range(c.n_layer):
+            blocks = store[il][:, bt]
+            if kv_type in FLOAT_TYPES:
+                arrays[f"{side}.{il}"] = blocks
+                continue
+            view = c.layer(side, il)
+            tail_lb = int(np.flatnonzero(bt == view.tail_block)[0]) if view.tail_block in bt else -1
+            tails[side].append(tail_lb)
+            if tail_lb >= 0:          # the tail block's stored bytes are stale: not saved
+                blocks = blocks.copy()
+                blocks[:, tail_lb] = 0
+            rows = blocks.reshape(-1, _bsz(kv_type))
+            hb = _HEAD_BYTES[kv_type]
+            arrays[f"{side}.{il}.head"] = np.ascontiguousarray(rows[:, :hb].T)
+            arrays[f"{side}.{il}.qs"] = np.ascontiguousarray(rows[:, hb:])
+            arrays[f"{side}.{il}.tail"] = view.tail
+    sp = engine.sparse
+    if sp is not None:
+        arrays["importance"] = sp.importance_[:, bt]
+        for il in sp.anchor_.layers:
+            arrays[f"anchor.{il}"] = sp.anchor_.storage(il)[bt]
+    header = {"format": FORMAT, "version": VERSION, "model": engine.file.fingerprint(),
+              "geometry": geometry(engine), "sparse": _sparse_desc(engine), "n_tokens": n,
+              "tail_k": tails["k"], "tail_v": tails["v"]}
+    return write_state(path, header, arrays)
+
+
+def _check_header(engine, path, header: dict) -> None:
+    def fail(why):
+        raise StateFileError(path, why)
+    if header.get("format") != FORMAT:
+        fail(f"not a pyimp KV state (format {header.get('format')!r})")
+    if header.get("version") != VERSION:
+        fail(f"state version {header.get('version')!r} is not supported (this build reads {VERSION})")
+    if header.get("model") != engine.file.fingerprint():
+        fail(f"saved from another model (fingerprint {str(header.get('model'))[:19]}..., this "
+             f"model {engine.file.fingerprint()[:19]}...)")
+    want = geometry(engine)
+    got = header.get("geometry") or {}
+    for key, val in want.items():
+        if got.get(key) != val:
+            fail(f"saved with {key} = {got.get(key)!r}, this engine has {val!r}")
+    if header.get("sparse") != _sparse_desc(engine):
+        fail(f"saved with sparse options {header.get('sparse')}, this engine has "
+             f"{_sparse_desc(engine)}")
+    n = header.get("n_tokens")
+    if not isinstance(n, int) or not 0 <= n <= engine.n_ctx:
+        fail(f"{n!r} tokens do not fit this engine's context size {engine.n_ctx}")
+
+
+def load(engine, path: str | os.PathLike) -> int:
+    """Replace the engine's state by the one saved at ``path``; returns the tokens loaded."""
+    t0 = time.perf_counter()
+    _check_header(engine, path, read_header(path))
+    header, arrays = read_state(path)
+    _check_header(engine, path, header)
+    c = engine.cache
+    n, B = header["n_tokens"], c.block_len
+    nlb = -(-n // B)
+    Hkv, D, L = c.n_head_kv, c.head_dim, c.n_layer
+
+    def need(name, shape, dtype):
+        a = arrays.get(name)
+        if a is None or a.shape != tuple(shape) or a.dtype != np.dtype(dtype):
+            got = "missing" if a is None else f"{a.dtype} {a.shape}"
+            raise StateFileError(path, f"section {name!r} is {got}, expected "
+                                       f"{np.dtype(dtype)} {tuple(shape)}")
+        return a
+
+    tokens = need("tokens", (n,), np.int32)
+    if n and (tokens.min() < 0 or tokens.max() >= engine.cfg.n_vocab):
+        raise StateFileError(path, "token ids outside the vocabulary")
+    sides = {}
+    for side, kv_type in (("k", c.type_k), ("v", c.type_v)):
+        per = []
+        tails = header.get(f"tail_{side}")
+        if kv_type in FLOAT_TYPES:
+            for il in range(L):
+                per.append(need(f"{side}.{il}", (Hkv, nlb, B * D), FLOAT_TYPES[kv_type]))
+        else:
+            if not isinstance(tails, list) or len(tails) != L or \
+                    not all(isinstance(t, int) and -1 <= t < nlb for t in tails):
+                raise StateFileError(path, f"bad tail_{side} {tails!r}")
+            store = c.k_store if side == "k" else c.v_store
+            nrows = Hkv * nlb * store.shape[3] // _bsz(kv_type)
+            hb = _HEAD_BYTES[kv_type]
+            for il in range(L):
+                head = need(f"{side}.{il}.head", (hb, nrows), np.uint8)
+                qs = need(f"{side}.{il}.qs", (nrows, _bsz(kv_type) - hb), np.uint8)
+                tail = need(f"{side}.{il}.tail", (Hkv, B * D), np.float32)
+                per.append((np.concatenate([head.T, qs], axis=1).reshape(Hkv, nlb, -1), tail,
+                            tails[il]))
+        sides[side] = per
+    sp = engine.sparse
+    if sp is not None:
+        imp = need("importance", (L, nlb) + sp.importance_.shape[2:], np.float16)
+        anchors = {il: need(f"anchor.{il}", (nlb,) + sp.anchor_.storage(il).shape[1:], np.float16)
+                   for il in sp.anchor_.layers}
+    # everything checked: now replace the engine's state
+    engine.reset()
+    c.reserve(n)
+    bt = c.block_table[0][:nlb].astype(np.int64)
+    for side, per in sides.items():
+        store = c.k_store if side == "k" else c.v_store
+        for il, item in enumerate(per):
+            if isinstance(item, np.ndarray):
+                store[il][:, bt] = item
+                continue
+            data, tail, tail_lb = item
+            store[il][:, bt] = data
+            c.set_tail(side, il, tail, int(bt[tail_lb]) if tail_lb >= 0 else -1)
+    c.commit(n)
+    engine.tokens = [int(t) for t in tokens]
+    if sp is not None:
+        sp.importance_[:, bt] = imp
+        for il, a in anchors.items():
+            sp.anchor_.storage(il)[bt] = a
+        sp.restored(n)
+    engine.timings.extra["state_load_s"] = time.perf_counter() - t0
+    return n
