@@ -18,7 +18,8 @@ fresh physical blocks from the pool)::
     k.<il> / v.<il>        f16 / f32 sides: the layer's blocks [Hkv][nlb][B*D]
     k.<il>.head / .qs      quantized sides: block header bytes (d, m, qh) and quant bytes
                            of the stored blocks, split so each compresses on its own
-    k.<il>.tail            quantized sides: the float32 tail [Hkv][B*D]
+    k.<il>.tail            quantized sides: the float32 tail's valid tokens [Hkv][r][D]
+                           (r = n_tokens % B when the tail holds a block, else 0)
     importance             float16 [L][nlb][B][Hq] (sparse engines)
     anchor.<il>            float16 [nlb][A][Ha][D] (sparse engines, anchor layers)
 
@@ -71,6 +72,25 @@ def _bsz(kv_type: str) -> int:
     return BLOCK_BYTES[CODES[QUANT_TYPES[kv_type]]]
 
 
+def _tail_rows(tail: np.ndarray, side: str, r: int, B: int, D: int) -> np.ndarray:
+    """The first r tokens of a float tail as [Hkv][r][D] (K tails are token-major, V tails
+    channel-major)."""
+    if side == "k":
+        return np.ascontiguousarray(tail.reshape(-1, B, D)[:, :r])
+    return np.ascontiguousarray(tail.reshape(-1, D, B)[:, :, :r].transpose(0, 2, 1))
+
+
+def _tail_from_rows(rows: np.ndarray, side: str, B: int, D: int) -> np.ndarray:
+    Hkv, r = rows.shape[:2]
+    if side == "k":
+        out = np.zeros((Hkv, B, D), np.float32)
+        out[:, :r] = rows
+    else:
+        out = np.zeros((Hkv, D, B), np.float32)
+        out[:, :, :r] = rows.transpose(0, 2, 1)
+    return out.reshape(Hkv, B * D)
+
+
 def save(engine, path: str | os.PathLike) -> dict:
     """Write the engine's cached tokens, KV, importance_ and anchors to ``path`` (atomic)."""
     c = engine.cache
@@ -98,7 +118,8 @@ def save(engine, path: str | os.PathLike) -> dict:
             hb = _HEAD_BYTES[kv_type]
             arrays[f"{side}.{il}.head"] = np.ascontiguousarray(rows[:, :hb].T)
             arrays[f"{side}.{il}.qs"] = np.ascontiguousarray(rows[:, hb:])
-            arrays[f"{side}.{il}.tail"] = view.tail
+            arrays[f"{side}.{il}.tail"] = _tail_rows(view.tail, side, n % B if tail_lb >= 0 else 0,
+                                                     B, c.head_dim)
     sp = engine.sparse
     if sp is not None:
         arrays["importance"] = sp.importance_[:, bt]
@@ -172,9 +193,10 @@ def load(engine, path: str | os.PathLike) -> int:
             for il in range(L):
                 head = need(f"{side}.{il}.head", (hb, nrows), np.uint8)
                 qs = need(f"{side}.{il}.qs", (nrows, _bsz(kv_type) - hb), np.uint8)
-                tail = need(f"{side}.{il}.tail", (Hkv, B * D), np.float32)
-                per.append((np.concatenate([head.T, qs], axis=1).reshape(Hkv, nlb, -1), tail,
-                            tails[il]))
+                r = n % B if tails[il] >= 0 else 0
+                rows = need(f"{side}.{il}.tail", (Hkv, r, D), np.float32)
+                per.append((np.concatenate([head.T, qs], axis=1).reshape(Hkv, nlb, -1),
+                            _tail_from_rows(rows, side, B, D), tails[il]))
         sides[side] = per
     sp = engine.sparse
     if sp is not None:
