@@ -18,7 +18,7 @@ The reference quantizer here is the one ``gguf`` and ggml's ``quantize_row_*_ref
 
 ``quantize_block(code, x, xo, w, wo)`` writes the block of x[xo:xo+32] at w[wo:] for the
 type with code ``code`` (see :data:`CODES`); it is meant to be inlined into other kernels
-(the KV cache's writer); ``decode_block(code, w, wo, out, oo, step, f16)`` is its inverse,
+(the KV cache's writer); ``decode_qblocks(code, w, wo, nb, out, oo, step, f16)`` is its inverse,
 through the per-type decoders of :mod:`loaders.quants_legacy` (bit-identical to
 ``gguf.quants.dequantize``), writing element j at ``out[oo + j * step]``.
 :func:`quantize_rows` is the array entry point.
@@ -172,28 +172,32 @@ def quantize_block(code, x, xo, w, wo):
 
 
 @jit.njit(inline="always")
-def _decode(w, wo, out, oo, step, f16, head, pair, has_min):
-    d, m, aux = head(w, wo, f16)
-    for j in range(16):
-        lo, hi = pair(w, wo, aux, j)
-        out[oo + j * step] = _weight(d, m, lo, has_min)
-        out[oo + (j + 16) * step] = _weight(d, m, hi, has_min)
+def _decode(w, wo, nb, bsz, out, oo, step, f16, head, pair, has_min):
+    for b in range(nb):
+        o = wo + b * bsz
+        d, m, aux = head(w, o, f16)
+        base = oo + b * 32 * step
+        for j in range(16):
+            lo, hi = pair(w, o, aux, j)
+            out[base + j * step] = _weight(d, m, lo, has_min)
+            out[base + (j + 16) * step] = _weight(d, m, hi, has_min)
 
 
 @jit.njit(inline="always")
-def decode_block(code, w, wo, out, oo, step, f16):
-    """out[oo + j*step] = element j (0..31) of the block of type ``code`` at w[wo:] (uint8);
-    f16: the fp16 -> float32 table."""
+def decode_qblocks(code, w, wo, nb, out, oo, step, f16):
+    """Decode the nb consecutive blocks of type ``code`` at w[wo:] (uint8): element j of block b
+    goes to out[oo + (32*b + j) * step]; f16: the fp16 -> float32 table. (The type switch
+    is taken once per call, so each type's loop is branch-free.)"""
     if code == 0:
-        _decode(w, wo, out, oo, step, f16, _head_d, _pair_q8_0, False)
+        _decode(w, wo, nb, 34, out, oo, step, f16, _head_d, _pair_q8_0, False)
     elif code == 1:
-        _decode(w, wo, out, oo, step, f16, _head_d, _pair_q4_0, False)
+        _decode(w, wo, nb, 18, out, oo, step, f16, _head_d, _pair_q4_0, False)
     elif code == 2:
-        _decode(w, wo, out, oo, step, f16, _head_dm, _pair_q4_1, True)
+        _decode(w, wo, nb, 20, out, oo, step, f16, _head_dm, _pair_q4_1, True)
     elif code == 3:
-        _decode(w, wo, out, oo, step, f16, _head_d_qh, _pair_q5_0, False)
+        _decode(w, wo, nb, 22, out, oo, step, f16, _head_d_qh, _pair_q5_0, False)
     else:
-        _decode(w, wo, out, oo, step, f16, _head_dm_qh, _pair_q5_1, True)
+        _decode(w, wo, nb, 24, out, oo, step, f16, _head_dm_qh, _pair_q5_1, True)
 
 
 @jit.njit(parallel=True)

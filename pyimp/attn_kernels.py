@@ -34,7 +34,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from loaders import jit, quantize
-from loaders.quantize import decode_block
+from loaders.quantize import decode_qblocks
 
 jit.kernel_module(__file__, quantize)
 
@@ -132,12 +132,9 @@ def _load_keys_ov(kc, kvh, pb, t0, t1, D, kb, lut):
             if pb == meta[0]:
                 load_f32(tail[kvh], t0 * D, (t1 - t0) * D, kb, lut)
                 return
-            w = data[kvh, pb]
-            code, bsz = meta[1], meta[2]
-            nb = D // 32
-            for t in range(t0, t1):
-                for b in range(nb):
-                    decode_block(code, w, (t * nb + b) * bsz, kb, t * D + b * 32, 1, lut)
+            nb = D // 32                       # token rows are consecutive blocks
+            decode_qblocks(meta[1], data[kvh, pb], t0 * nb * meta[2], (t1 - t0) * nb, kb, t0 * D,
+                          1, lut)
         return impl
 
     def impl(kc, kvh, pb, t0, t1, D, kb, lut):
@@ -171,16 +168,15 @@ def _load_values_ov(vc, kvh, pb, t0, t1, D, B, vb, lut):
                 return
             w = data[kvh, pb]
             code, bsz = meta[1], meta[2]
-            if meta[3]:                        # rows by token, along head_dim
+            if meta[3]:                        # rows by token, along head_dim: channel d -> d*B
                 nb = D // 32
                 for t in range(t0, t1):
-                    for b in range(nb):
-                        decode_block(code, w, (t * nb + b) * bsz, vb, b * 32 * B + t, B, lut)
+                    decode_qblocks(code, w, t * nb * bsz, nb, vb, t, B, lut)
             else:                              # rows by channel, along the token axis
                 nb = B // 32
+                b0, b1 = t0 // 32, (t1 + 31) // 32
                 for d in range(D):
-                    for b in range(t0 // 32, (t1 + 31) // 32):
-                        decode_block(code, w, (d * nb + b) * bsz, vb, d * B + b * 32, 1, lut)
+                    decode_qblocks(code, w, (d * nb + b0) * bsz, b1 - b0, vb, d * B + b0 * 32, 1, lut)
         return impl
 
     def impl(vc, kvh, pb, t0, t1, D, B, vb, lut):
