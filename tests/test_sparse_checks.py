@@ -148,8 +148,11 @@ def test_bad_shapes_are_refused(c, backend):
     with pytest.raises(ValueError, match=r"q has 3 query heads"):
         calls["decode"](q=np.zeros((3, D), np.float32), out=np.empty((3, D), np.float32),
                         backend=backend)
-    with pytest.raises(ValueError, match=r"v_cache must be a float16 of shape"):
-        calls["sparse"](vc=c["vc"].astype(np.float32), backend=backend)
+    # K and V types may differ (-ctk f16 -ctv f32), their shapes may not
+    with pytest.raises(ValueError, match=r"v_cache must be a float16 or float32 of shape"):
+        calls["sparse"](vc=c["vc"][:, :-1].astype(np.float32), backend=backend)
+    with pytest.raises(ValueError, match=r"v_cache must be a float16 or float32"):
+        calls["sparse"](vc=c["vc"].astype(np.float64), backend=backend)
     with pytest.raises(ValueError, match=r"n_ctx .* must be in \[1, 20\], got 21"):
         calls["decode"](n=21, backend=backend)
     with pytest.raises(ValueError, match=r"anchor has 3 heads"):

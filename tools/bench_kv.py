@@ -157,7 +157,10 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-ctx", type=int, default=16384, help="0: skip the long decode rows")
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--json", help="write every figure to this file")
+    ap.add_argument("--skip", default="", help="comma-separated config labels to leave out")
     args = ap.parse_args(argv)
+    skip = {s.strip() for s in args.skip.split(",") if s.strip()}
+    configs = [c for c in CONFIGS if c[0] not in skip]
 
     import pyimp
     from pyimp.default_model import default_model_path
@@ -173,7 +176,7 @@ def main(argv=None) -> int:
     tmp = tempfile.mkdtemp(prefix="bench_kv")
     for w, toks in enumerate(wins):
         ref = None
-        for label, opts, _ in CONFIGS:
+        for label, opts, _ in configs:
             state = os.path.join(tmp, "s.pkv") if w == 0 and label in ("f16", "q8_0") else None
             r = run_pyimp(opts, toks, args.score, state)
             if ref is None:
@@ -193,7 +196,7 @@ def main(argv=None) -> int:
         if args.no_peer:
             continue
         pref = None
-        for label, _, types in CONFIGS:
+        for label, _, types in configs:
             if types is None:
                 continue
             r = run_peer(model, types, toks, args.score)
@@ -217,7 +220,7 @@ def main(argv=None) -> int:
     print("\n| cache type | bytes/token | pyimp mean KL vs f16 | top-1 | llama.cpp mean KL vs f16 "
           "| top-1 | pyimp prefill / decode tok/s |")
     print("|---|---|---|---|---|---|---|")
-    for label, _, types in CONFIGS:
+    for label, _, types in configs:
         r = res["pyimp"][label]
         p = res["peer"].get(label)
         peer = (f"{np.mean(p['kl']):.2e} | {np.mean(p['top1']):.3f}" if p else "- | -")
