@@ -37,6 +37,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tools.bench import cpu_model
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
@@ -256,17 +258,6 @@ def end_to_end(arrays: dict[str, np.ndarray], reps: int) -> None:
     print(f"\nstatefile end to end ({len(named)} sections, {raw / 1e6:.1f} MB raw -> "
           f"{size / 1e6:.1f} MB, ratio {raw / size:.3f}): write {tw:.2f} s "
           f"({raw / 1e6 / tw:.0f} MB/s), read {tr:.2f} s ({raw / 1e6 / tr:.0f} MB/s)")
-
-
-def cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def main(argv: list[str] | None = None) -> int:
