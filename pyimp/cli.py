@@ -329,6 +329,10 @@ def run(args: argparse.Namespace) -> int:
         from .statefile import StateFileError
         if os.path.isdir(args.prompt_cache):
             return _error(f"prompt cache {args.prompt_cache}: is a directory")
+        parent = os.path.dirname(os.path.abspath(args.prompt_cache))
+        if not args.prompt_cache_ro and not os.path.isdir(parent):
+            return _error(f"prompt cache {args.prompt_cache}: directory {parent} does not exist "
+                          f"(the state is saved there after the run)")
         if os.path.exists(args.prompt_cache):
             try:
                 n_loaded = engine.load_state(args.prompt_cache)
