@@ -100,6 +100,71 @@ def _bits_f32(typingctx, a):
     return sig, codegen
 
 
+# Quant decoding in 32-bit integers. Numba types every integer expression on small ints as
+# int64, and LLVM then vectorizes a block's decode 8 lanes wide (64-bit lanes) or not at all;
+# these compute in i32 and return int32, so a block decodes 8-16 lanes per instruction and
+# the float conversion is a 32-bit one (Q5_0 fp32 matvec +30%, Q8_0 +25% on real rows).
+_I32 = ir.IntType(32)
+
+
+def _arg_i32(builder, ty, v):
+    """An integer argument as i32 (truncated, or extended by its signedness)."""
+    if ty.bitwidth > 32:
+        return builder.trunc(v, _I32)
+    if ty.bitwidth < 32:
+        return builder.sext(v, _I32) if ty.signed else builder.zext(v, _I32)
+    return v
+
+
+@intrinsic
+def _s8(typingctx, u):
+    """A byte (uint8) as a signed value, int32."""
+    sig = types.int32(u)
+
+    def codegen(context, builder, signature, args):
+        b = args[0] if args[0].type.width == 8 else builder.trunc(args[0], ir.IntType(8))
+        return builder.sext(b, _I32)
+
+    return sig, codegen
+
+
+@intrinsic
+def _nibbles(typingctx, u, off):
+    """(low nibble - off, high nibble - off) of a byte, int32."""
+    sig = types.UniTuple(types.int32, 2)(u, off)
+
+    def codegen(context, builder, signature, args):
+        v = _arg_i32(builder, signature.args[0], args[0])
+        o = _arg_i32(builder, signature.args[1], args[1])
+        lo = builder.and_(v, ir.Constant(_I32, 15))
+        hi = builder.lshr(builder.and_(v, ir.Constant(_I32, 255)), ir.Constant(_I32, 4))
+        return context.make_tuple(builder, signature.return_type, (builder.sub(lo, o), builder.sub(hi, o)))
+
+    return sig, codegen
+
+
+@intrinsic
+def _q5(typingctx, u, qh, j, off):
+    """Q5 quants j and j+16 minus off from qs byte u and the 32 high bits qh, int32:
+    ((u & 15) | bit j of qh << 4) - off, ((u >> 4) | bit j+16 of qh << 4) - off."""
+    sig = types.UniTuple(types.int32, 2)(u, qh, j, off)
+
+    def codegen(context, builder, signature, args):
+        v, h, k, o = (_arg_i32(builder, t, a) for t, a in zip(signature.args, args))
+        c1, c4 = ir.Constant(_I32, 1), ir.Constant(_I32, 4)
+
+        def bit(s):
+            set_ = builder.icmp_unsigned("!=", builder.and_(h, builder.shl(c1, s)), ir.Constant(_I32, 0))
+            return builder.select(set_, ir.Constant(_I32, 16), ir.Constant(_I32, 0))
+
+        lo = builder.or_(builder.and_(v, ir.Constant(_I32, 15)), bit(k))
+        hi = builder.or_(builder.lshr(builder.and_(v, ir.Constant(_I32, 255)), c4),
+                         bit(builder.add(k, ir.Constant(_I32, 16))))
+        return context.make_tuple(builder, signature.return_type, (builder.sub(lo, o), builder.sub(hi, o)))
+
+    return sig, codegen
+
+
 @jit.njit(inline="always")
 def _f32_to_f16_bits(f):
     """float32 -> IEEE half bits, round to nearest even (as F16C ``vcvtps2ph`` and NumPy)."""
@@ -361,41 +426,31 @@ def _head_dm_qh(w, o, f16):
 @jit.njit(inline="always")
 def _pair_q4_0(w, o, aux, j):
     """qs: u8[16] at o+2: low nibbles are q[0:16], high nibbles q[16:32]; minus 8."""
-    v = np.int32(w[o + 2 + j])
-    return (v & 0xF) - 8, (v >> 4) - 8
+    return _nibbles(w[o + 2 + j], 8)
 
 
 @jit.njit(inline="always")
 def _pair_q4_1(w, o, aux, j):
     """qs: u8[16] at o+4, nibbles as Q4_0, unsigned."""
-    v = np.int32(w[o + 4 + j])
-    return v & 0xF, v >> 4
-
-
-@jit.njit(inline="always")
-def _q5(v, qh, j):
-    """Q5 quants j and j+16 from a qs byte and the 32 high bits."""
-    return ((v & 0xF) | (np.int32((qh >> j) & 1) << 4),
-            (v >> 4) | (np.int32((qh >> (j + 16)) & 1) << 4))
+    return _nibbles(w[o + 4 + j], 0)
 
 
 @jit.njit(inline="always")
 def _pair_q5_0(w, o, qh, j):
     """qs: u8[16] at o+6, the fifth bit of q[k] is bit k of qh; minus 16."""
-    lo, hi = _q5(np.int32(w[o + 6 + j]), qh, j)
-    return lo - 16, hi - 16
+    return _q5(w[o + 6 + j], qh, j, 16)
 
 
 @jit.njit(inline="always")
 def _pair_q5_1(w, o, qh, j):
     """qs: u8[16] at o+8, as Q5_0, unsigned."""
-    return _q5(np.int32(w[o + 8 + j]), qh, j)
+    return _q5(w[o + 8 + j], qh, j, 0)
 
 
 @jit.njit(inline="always")
 def _pair_q8_0(w, o, aux, j):
     """qs: i8[32] at o+2."""
-    return _i8(w[o + 2 + j]), _i8(w[o + 18 + j])
+    return _s8(w[o + 2 + j]), _s8(w[o + 18 + j])
 
 
 @jit.njit(inline="always")
@@ -468,6 +523,25 @@ def _matvec_blocks(raw, x, out, f16, head, pair, bsz, has_min):
                 lo, hi = pair(w, o, aux, j)
                 acc[j] += _weight(d, m, lo, has_min) * x[xo + j]
                 acc[16 + j] += _weight(d, m, hi, has_min) * x[xo + 16 + j]
+        out[r] = _lanes_sum32(acc)
+
+
+@jit.njit(inline="always")
+def _matvec_bytes(raw, x, out, f16, bsz):
+    """The fp32 matvec of Q8_0 (a d head, then one signed byte per quant): the block's 32
+    quants in one contiguous loop, which LLVM vectorizes (the pair loop of _matvec_blocks
+    stays scalar for whole-byte quants); same products and lane sums as _matvec_blocks."""
+    rows = raw.shape[0]
+    nb = x.shape[0] // 32
+    for r in prange(rows):
+        w = raw[r]
+        acc = np.zeros(32, np.float32)
+        for b in range(nb):
+            o = b * bsz
+            d = _head_d(w, o, f16)[0]
+            xo = b * 32
+            for j in range(32):
+                acc[j] += (d * np.float32(_s8(w[o + 2 + j]))) * x[xo + j]
         out[r] = _lanes_sum32(acc)
 
 
@@ -691,8 +765,10 @@ def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off
     """A block type's kernels; ggml activations are Q8_0 or Q8_1 blocks."""
     dec = f"{head}, {pair}, {bsz}, {has_min}"
     with_sum = act_type == QT.Q8_1
+    mv = (f"_matvec_bytes(raw, x, out, f16, {bsz})" if qtype == QT.Q8_0
+          else f"_matvec_blocks(raw, x, out, f16, {dec})")
     return _quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
-                          f"_dequantize_blocks(raw, out, f16, {dec})", f"_matvec_blocks(raw, x, out, f16, {dec})",
+                          f"_dequantize_blocks(raw, out, f16, {dec})", mv,
                           "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
 
 
