@@ -16,8 +16,9 @@ Two numerics:
 from __future__ import annotations
 
 import contextlib
+import time
 
-# OMP_WAIT_POLICY=passive matters for speed (see pyimp/runtime.py) but is set only by
+# The thread pool's spin (GOMP_SPINCOUNT) matters for speed (see pyimp/runtime.py) but is set only by
 # pyimp's own programs: a library import must not change the host process's environment.
 import numba
 import numpy as np
@@ -64,12 +65,57 @@ def threads_for(nbytes: int):
     if nbytes >= SERIAL_BYTES:
         yield
         return
+    with _single_thread():
+        yield
+
+
+@contextlib.contextmanager
+def _single_thread():
     prev = numba.get_num_threads()
     numba.set_num_threads(1)
     try:
         yield
     finally:
         numba.set_num_threads(prev)
+
+
+class ThreadChoice:
+    """Whether a call repeated many times (one weight matrix's matvec, one layer's decode
+    attention) runs faster on Numba's threads or on the calling thread alone, decided by
+    timing it on this machine, as it is loaded now: its first ``2 * TRIALS`` calls alternate
+    between the two and the faster (best time of each) is kept while the thread count stays
+    the same. A fixed size threshold cannot make that choice: it depends on the core, on
+    whether the thread pool's workers are awake (see pyimp.runtime) and on what else runs."""
+
+    TRIALS = 3
+
+    def __init__(self):
+        self._n = 0
+        self._times: tuple[list, list] = ([], [])      # serial, parallel
+        self.parallel: bool | None = None
+
+    def run(self, fn, *args) -> None:
+        n = numba.get_num_threads()
+        if n != self._n:
+            self._n, self._times, self.parallel = n, ([], []), None
+        if n == 1 or self.parallel:
+            fn(*args)
+            return
+        if self.parallel is False:
+            with _single_thread():
+                fn(*args)
+            return
+        serial, par = self._times
+        trial_par = len(par) < len(serial)
+        t0 = time.perf_counter()
+        if trial_par:
+            fn(*args)
+        else:
+            with _single_thread():
+                fn(*args)
+        (par if trial_par else serial).append(time.perf_counter() - t0)
+        if len(par) == self.TRIALS:
+            self.parallel = min(par) < min(serial)
 
 
 def available_types() -> frozenset[QT]:
@@ -175,19 +221,12 @@ def matvec(raw: np.ndarray, qtype: int, n: int, x: np.ndarray, numerics: str = "
         raise ValueError(f"x must be float32[{n}], got shape {x.shape}")
     res = _out(out, (r.shape[0],))
     if numerics == "fp32":
-        matvec_rows(r, k, x, res)
+        with threads_for(r.nbytes):
+            k.matvec(r, x, res)
     else:
         with threads_for(r.nbytes):
             k.matmul_ggml(r, quantize_activations(x, k.act_type), res.reshape(1, -1))
     return res
-
-
-def matvec_rows(r: np.ndarray, k: TypeKernels, x: np.ndarray, out: np.ndarray) -> None:
-    """The fp32 matvec of :func:`matvec` on rows ``r`` already checked by :func:`as_raw`, with
-    ``k = kernels(qtype)``, x contiguous float32[n] and out float32[rows]: what a caller that
-    checked its weights once (a decode step's layers) repeats per call."""
-    with threads_for(r.nbytes):
-        k.matvec(r, x, out)
 
 
 def matmul(raw: np.ndarray, qtype: int, n: int, X: np.ndarray, numerics: str = "fp32",

@@ -27,6 +27,7 @@ from .kvcache import KVCache
 from .memory import check_fits, fmt_bytes
 from .model import ModelWeights
 from .sampling import Sampler, SamplingParams
+from .sparse.sparse_attention import decode_over_blocks, every_block
 from .sparse_policy import SparseOptions, SparseState
 
 NUMERICS = ("fp32", "ggml")
@@ -120,6 +121,7 @@ class Engine:
         self._tokenizer = None
         self._vocab = None
         self.tokens: list[int] = []          # what the cache holds, in order
+        self._attn_threads: dict = {}        # (layer, bit length of bytes read) -> ThreadChoice
         self.timings = Timings(load_s=time.perf_counter() - t0)
 
     def _check_memory(self) -> dict:
@@ -277,12 +279,15 @@ class Engine:
             sp = self.sparse
             if decode:
                 n_read = min(pos0 + 1, window or pos0 + 1)                # keys and values read
-                with quants.threads_for(int(self.cache.layer_token_bytes() * n_read)):
-                    if sp is not None:
-                        sp.decode_attention(il, q[0], pos0 + 1, kq_scale, window, att[0])
-                    else:
-                        attention.attention_decode(q[0], kc, vc, block_table, pos0 + 1, kq_scale,
-                                                   window, att[0])
+                # serial or parallel as measured per layer and doubling of the bytes read
+                choice = self._attn_threads.setdefault(
+                    (il, int(self.cache.layer_token_bytes() * n_read).bit_length()), quants.ThreadChoice())
+                if sp is not None:
+                    choice.run(sp.decode_attention, il, q[0], pos0 + 1, kq_scale, window, att[0])
+                else:      # the arguments are the engine's own: attention_decode less its checks
+                    sel, cnt = every_block(pos0 + 1, self.cache.block_len, window)
+                    choice.run(decode_over_blocks, q[0], kc, vc, block_table, pos0 + 1, kq_scale,
+                               window, sel, cnt, att[0], None, 1.0, None, 8)
             else:
                 imp = None if sp is None else sp.importance_[il]
                 obs = 0 if sp is None else sp.obs_start(pos0 + T if prompt_end is None else prompt_end)

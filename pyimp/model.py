@@ -47,6 +47,7 @@ class Linear:
         self.n_in = t.shape[0]
         self.n_out = t.n_rows
         self._rows = None          # checked uint8 row view and kernels, made at the first decode
+        self._threads = quants.ThreadChoice()   # decode matvec: serial or parallel, as measured
 
     def __call__(self, x: np.ndarray, numerics: str) -> np.ndarray:
         """x float32[T, n_in] -> float32[T, n_out]."""
@@ -57,15 +58,15 @@ class Linear:
         return quants.matmul(self.raw, self.qtype, self.n_in, x, numerics)
 
     def _matvec(self, x: np.ndarray) -> np.ndarray:
-        """A decode step's fused matvec (quants.matvec_rows) with the weight checks of
-        quants.matvec done once: they cost more than a small layer matrix's kernel."""
+        """A decode step's fused matvec with the weight checks of quants.matvec done once (they
+        cost more than a small layer matrix's kernel) and its thread choice measured."""
         if self._rows is None:
             self._rows = (quants.as_raw(self.raw, self.qtype, self.n_in), quants.kernels(self.qtype))
         raw, k = self._rows
         if x.shape != (1, self.n_in):
             raise ValueError(f"{self.name}: input must be float32[1, {self.n_in}], got shape {x.shape}")
         out = np.empty((1, self.n_out), np.float32)
-        quants.matvec_rows(raw, k, np.ascontiguousarray(x[0], dtype=np.float32), out[0])
+        self._threads.run(k.matvec, raw, np.ascontiguousarray(x[0], dtype=np.float32), out[0])
         return out
 
     @property

@@ -9,14 +9,24 @@ from __future__ import annotations
 
 import os
 
-# Numba's OpenMP workers spin after each parallel kernel unless told to sleep, and then fight
-# OpenBLAS's threads during prefill (which interleaves both): measured 600 -> 52 tok/s prefill
-# on 2 cores. libgomp reads the variable once, when Numba first starts its thread pool.
-ENV_DEFAULTS = {"OMP_WAIT_POLICY": "passive"}
+# Numba's OpenMP workers (libgomp) wait for the next parallel kernel by spinning GOMP_SPINCOUNT
+# times, then sleep. A decode step launches ~130 kernels, tens of microseconds apart: a sleeping
+# worker costs a wake-up per kernel (on a VM ~50-100 us, more than a layer matrix's whole
+# matvec, so a second thread made those slower), while libgomp's default spin (300000 pauses,
+# milliseconds) makes the workers fight OpenBLAS's threads during prefill (600 -> 52 tok/s on 2
+# cores). A short spin, well under a millisecond, keeps the workers awake between a step's
+# kernels and asleep during BLAS calls. libgomp reads these once, when Numba starts its pool;
+# a user who sets OMP_WAIT_POLICY or GOMP_SPINCOUNT keeps their choice.
+SPIN_COUNT = "3000"
+
+
+def _defaults(env) -> dict:
+    if "OMP_WAIT_POLICY" in env or "GOMP_SPINCOUNT" in env:
+        return {}
+    return {"GOMP_SPINCOUNT": SPIN_COUNT}
 
 
 def configure_process(environ=None) -> None:
-    """Set the environment defaults above (a value the user already set wins)."""
+    """Set the thread-pool defaults above (a value the user already set wins)."""
     env = os.environ if environ is None else environ
-    for key, value in ENV_DEFAULTS.items():
-        env.setdefault(key, value)
+    env.update(_defaults(env))

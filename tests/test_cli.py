@@ -110,15 +110,23 @@ def test_console_script_runs(tiny):
     assert r.returncode == 1 and r.stderr.count("\n") == 1 and "no such file" in r.stderr
 
 
-def test_entry_point_sets_the_wait_policy(monkeypatch):
+def test_entry_point_sets_the_thread_pool_spin(monkeypatch):
+    from pyimp.runtime import SPIN_COUNT
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     with pytest.raises(SystemExit):
         main(["--version"])
-    assert os.environ["OMP_WAIT_POLICY"] == "passive"
-    monkeypatch.setenv("OMP_WAIT_POLICY", "active")     # the user's setting wins
+    assert os.environ["GOMP_SPINCOUNT"] == SPIN_COUNT and "OMP_WAIT_POLICY" not in os.environ
+    monkeypatch.delenv("GOMP_SPINCOUNT")
+    monkeypatch.setenv("OMP_WAIT_POLICY", "passive")    # the user's setting wins
     with pytest.raises(SystemExit):
         main(["--version"])
-    assert os.environ["OMP_WAIT_POLICY"] == "active"
+    assert os.environ["OMP_WAIT_POLICY"] == "passive" and "GOMP_SPINCOUNT" not in os.environ
+    monkeypatch.delenv("OMP_WAIT_POLICY")
+    monkeypatch.setenv("GOMP_SPINCOUNT", "100")         # so does a spin count of their own
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert os.environ["GOMP_SPINCOUNT"] == "100" and "OMP_WAIT_POLICY" not in os.environ
 
 
 def test_help_shows_defaults_and_version(capsys):

@@ -1,7 +1,10 @@
 """The kernel dispatcher over every supported weight type, and its input checks."""
 from __future__ import annotations
 
+import time
+
 import gguf
+import numba
 import numpy as np
 import pytest
 
@@ -223,3 +226,35 @@ def test_dequantize_rows_bounds():
     raw = np.zeros((4, row_bytes(QT.Q8_0, 64)), np.uint8)
     with pytest.raises(IndexError):
         Q.dequantize_rows(raw, QT.Q8_0, 64, [4])
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
+@pytest.mark.parametrize("faster", ["serial", "parallel"])
+def test_thread_choice_keeps_the_measured_faster_mode(faster):
+    """ThreadChoice alternates serial and parallel calls for its trials, keeps the mode whose best
+    time was lower (here made 20 ms apart by sleeping, far beyond timer noise), and tries
+    again when the thread count changes; the caller's thread count is restored after each call."""
+    seen = []
+
+    def call(out):
+        n = numba.get_num_threads()
+        seen.append(n)
+        time.sleep(0.02 if (n == 1) == (faster == "parallel") else 0.0)
+        out[0] += 1
+
+    choice, out = Q.ThreadChoice(), np.zeros(1)
+    prev = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        for _ in range(2 * Q.ThreadChoice.TRIALS + 4):
+            choice.run(call, out)
+            assert numba.get_num_threads() == 2
+        trials = 2 * Q.ThreadChoice.TRIALS
+        assert sorted(seen[:trials]) == [1] * Q.ThreadChoice.TRIALS + [2] * Q.ThreadChoice.TRIALS
+        assert seen[trials:] == [1 if faster == "serial" else 2] * 4
+        assert choice.parallel == (faster == "parallel") and out[0] == len(seen)
+        numba.set_num_threads(1)           # one thread: nothing to choose, no trials
+        choice.run(call, out)
+        assert choice.parallel is None and seen[-1] == 1
+    finally:
+        numba.set_num_threads(prev)

@@ -92,8 +92,11 @@ def _spawn(engine, model, ctx, n_decode, threads, numerics, sparse_budget=0.0, s
            "--sparse-budget", str(sparse_budget)] + (["--synthetic-cache"] if synthetic_cache else [])
     env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                OPENBLAS_NUM_THREADS=str(threads))
-    from pyimp.runtime import configure_process
-    configure_process(env)   # the worker is a pyimp program: OMP_WAIT_POLICY=passive unless set
+    if engine == "pyimp":
+        # a pyimp program's thread-pool defaults; the peer runs in the environment a llama.cpp
+        # user has (its OpenMP pool tuned by libgomp's own defaults, as llama-cli would run)
+        from pyimp.runtime import configure_process
+        configure_process(env)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if r.returncode:
@@ -198,6 +201,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from pyimp.runtime import configure_process
-    configure_process()   # before the first parallel kernel starts OpenMP
+    # no configure_process here: the workers get their environments from _spawn (pyimp's
+    # thread-pool defaults for pyimp, the caller's plain environment for the peer)
     sys.exit(main())
