@@ -250,6 +250,9 @@ def matmul(raw: np.ndarray, qtype: int, n: int, X: np.ndarray, numerics: str = "
     for r0 in range(0, rows, MATMUL_TILE_ROWS):
         r1 = min(r0 + MATMUL_TILE_ROWS, rows)
         t = tile[:r1 - r0]
-        k.dequantize(r[r0:r1], t)
+        # on the calling thread: Numba's workers would spin through the start of every BLAS call
+        # (pyimp.runtime), while a tile takes a small fraction of its product's time
+        with _single_thread():
+            k.dequantize(r[r0:r1], t)
         res[:, r0:r1] = X @ t.T
     return res

@@ -10,14 +10,17 @@ from __future__ import annotations
 import os
 
 # Numba's OpenMP workers (libgomp) wait for the next parallel kernel by spinning GOMP_SPINCOUNT
-# times, then sleep. A decode step launches ~130 kernels, tens of microseconds apart: a sleeping
-# worker costs a wake-up per kernel (on a VM ~50-100 us, more than a layer matrix's whole
-# matvec, so a second thread made those slower), while libgomp's default spin (300000 pauses,
-# milliseconds) makes the workers fight OpenBLAS's threads during prefill (600 -> 52 tok/s on 2
-# cores). A short spin, well under a millisecond, keeps the workers awake between a step's
-# kernels and asleep during BLAS calls. libgomp reads these once, when Numba starts its pool;
-# a user who sets OMP_WAIT_POLICY or GOMP_SPINCOUNT keeps their choice.
-SPIN_COUNT = "3000"
+# times, then sleep. A decode step launches ~130 kernels, tens to hundreds of microseconds
+# apart: a sleeping worker costs a wake-up per kernel (on a VM ~50-100 us, more than a layer
+# matrix's whole matvec: a second thread made those slower), while libgomp's default spin
+# (300000 pauses, several milliseconds) makes the workers fight OpenBLAS's threads during
+# prefill (600 -> 52 tok/s on 2 cores). 30000 pauses spin about 1 ms on a 2.8 GHz Xeon: the
+# workers stay awake across a decode step, and prefill keeps Numba's workers out of the BLAS
+# calls by dequantizing weight tiles on the calling thread (loaders.quants.matmul). Measured
+# (tools.bench, Gemma 270M, 2 threads): decode 23-26 tok/s with 3000, 26-31 with 30000,
+# prefill unchanged. libgomp reads these once, when Numba starts its pool; a user who sets
+# OMP_WAIT_POLICY or GOMP_SPINCOUNT keeps their choice.
+SPIN_COUNT = "30000"
 
 
 def _defaults(env) -> dict:
