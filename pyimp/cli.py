@@ -9,10 +9,12 @@ User mistakes end with a one-line message and a non-zero exit code.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 
@@ -207,6 +209,34 @@ def _summary(engine) -> str:
             f"numerics {engine.options.numerics}; {mem}")
 
 
+# seconds of warmup after which compiling (not loading kernels from Numba's cache) is announced
+COMPILE_NOTICE_S = 1.0
+
+
+@contextlib.contextmanager
+def _compile_notice(err):
+    """A progress line on stderr while the kernels compile: a first run (empty Numba cache)
+    spends ~20 s there, a cached start well under a second, so the line appears only when
+    the warmup outlasts COMPILE_NOTICE_S, and a second line gives the time once it ends."""
+    t0 = time.perf_counter()
+    shown = threading.Event()
+
+    def notice():
+        shown.set()
+        print("pyimp-run: compiling kernels for this model's types (first run; cached for later "
+              "runs) ...", file=err, flush=True)
+
+    timer = threading.Timer(COMPILE_NOTICE_S, notice)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        if shown.is_set():
+            print(f"pyimp-run: kernels ready after {time.perf_counter() - t0:.1f} s", file=err, flush=True)
+
+
 def _error(msg: str) -> int:
     print(f"pyimp-run: error: {msg}", file=sys.stderr)
     return EXIT_ERROR
@@ -321,7 +351,8 @@ def run(args: argparse.Namespace) -> int:
     if not args.json:
         print(_summary(engine), file=err, flush=True)
     try:
-        engine.warmup()
+        with _compile_notice(err):
+            engine.warmup()
     except NonFiniteError as e:
         return _error(str(e))
     reuse = False

@@ -54,6 +54,31 @@ def test_streaming_text_and_stats(capsys, tiny):
     assert lines[-1].startswith("load ") and "decode 4 tok" in lines[-1]               # timings last
 
 
+def test_compile_notice_only_when_the_warmup_is_slow(capsys, tiny, monkeypatch):
+    """A first run compiles for ~20 s: pyimp-run says so on stderr once the warmup outlasts
+    COMPILE_NOTICE_S (here a warmup made 0.5 s slower, notice after 0.05 s), and says nothing
+    when the kernels come from the cache quickly."""
+    import time
+
+    import pyimp.cli as cli
+    from pyimp.engine import Engine
+    fast = Engine.warmup
+
+    def slow(self):
+        time.sleep(0.5)
+        return fast(self)
+
+    monkeypatch.setattr(Engine, "warmup", slow)
+    monkeypatch.setattr(cli, "COMPILE_NOTICE_S", 0.05)
+    code, out, err = _run([tiny, "-p", "abc", "-n", "2", "--temp", "0"], capsys)
+    assert code == 0, err
+    assert "compiling kernels" in err and "kernels ready after" in err and out.startswith("abc")
+    monkeypatch.setattr(Engine, "warmup", fast)
+    monkeypatch.setattr(cli, "COMPILE_NOTICE_S", 60.0)
+    code, out, err = _run([tiny, "-p", "abc", "-n", "2", "--temp", "0"], capsys)
+    assert code == 0 and "compiling" not in err and "kernels ready" not in err
+
+
 def test_help_compiles_nothing():
     r = subprocess.run([sys.executable, "-c",
                         "import sys; from pyimp.cli import main\n"
