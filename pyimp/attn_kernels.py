@@ -82,6 +82,19 @@ def half_bits_to_f32(typingctx, h):
     return sig, codegen
 
 
+@intrinsic
+def f32_to_half_bits(typingctx, f):
+    """float32 -> fp16 bit pattern (uint16), rounded to nearest even as NumPy's astype(float16)
+    (IR fptrunc to half: vcvtps2ph on x86 with F16C)."""
+    sig = types.uint16(types.float32)
+
+    def codegen(context, builder, signature, args):
+        half = builder.fptrunc(args[0], llvm_ir.HalfType())
+        return builder.bitcast(half, llvm_ir.IntType(16))
+
+    return sig, codegen
+
+
 def load_f32(src, start, n, dst, lut):
     """dst[start:start+n] = float32 value of src[start:start+n] (fp16 bits, or float32);
     jitted code only (see the overload)."""

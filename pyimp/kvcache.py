@@ -51,9 +51,11 @@ from gguf import quants as gguf_quants
 from loaders import jit, quantize
 from loaders.quantize import BLOCK_BYTES, CODES, quantize_block
 
+from . import attn_kernels
+from .attn_kernels import f32_to_half_bits
 from .ops import NonFiniteError
 
-jit.kernel_module(__file__, quantize)
+jit.kernel_module(__file__, quantize, attn_kernels)
 
 FLOAT_TYPES = {"f16": np.float16, "f32": np.float32}
 QUANT_TYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q5_0": QT.Q5_0,
@@ -149,6 +151,27 @@ class QuantizedKV:
 def as_float(cache) -> np.ndarray:
     """A layer's K or V as a float array in the float layout (quantized ones dequantized)."""
     return cache.dequantize() if isinstance(cache, QuantizedKV) else cache
+
+
+@jit.njit
+def _store_float(x, pos0, bt, store, by_token, half):
+    """Write x float32 [T, Hkv, D] (positions pos0..pos0+T-1) into a float layer store
+    [Hkv][NB][B*D]: token rows (t*D + d) or channel rows (d*B + t); ``half``: the store holds
+    fp16 bits (uint16, rounded as NumPy's astype(float16)), else float32 values."""
+    T, Hkv, D = x.shape
+    B = store.shape[2] // D
+    for i in range(T):
+        p = pos0 + i
+        pb = bt[p // B]
+        t = p % B
+        for h in range(Hkv):
+            row = store[h, pb]
+            for d in range(D):
+                o = t * D + d if by_token else d * B + t
+                if half:
+                    row[o] = f32_to_half_bits(x[i, h, d])
+                else:
+                    row[o] = x[i, h, d]
 
 
 @jit.njit
@@ -348,14 +371,10 @@ class KVCache:
         B, D = self.block_len, self.head_dim
         for side, x in (("k", k), ("v", v)):
             store = self.k_store if side == "k" else self.v_store
-            if self._tail[side] is None:
-                blocks, rows = self.slots(pos0, T, seq)
-                if side == "k":       # indexed as [Hkv, T, D]
-                    store[layer].reshape(self.n_head_kv, -1, B, D)[:, blocks, rows, :] = \
-                        x.transpose(1, 0, 2).astype(store.dtype)
-                else:                 # advanced indices separated by a slice: [T, Hkv, D]
-                    store[layer].reshape(self.n_head_kv, -1, D, B)[:, blocks, :, rows] = \
-                        x.astype(store.dtype)
+            if self._tail[side] is None:    # f16 / f32: K token rows, V channel rows
+                half = store.dtype == np.float16
+                _store_float(np.ascontiguousarray(x, dtype=np.float32), int(pos0), self.block_table[seq],
+                             store[layer].view(np.uint16) if half else store[layer], side == "k", half)
                 continue
             qt = QUANT_TYPES[self.type_k if side == "k" else self.type_v]
             code = CODES[qt]

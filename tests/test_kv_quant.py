@@ -264,3 +264,24 @@ def test_engine_refuses_quantized_k_on_head_dim_16(tmp_path):
                                                   n_head_kv=2, n_ff=64, vocab_size=300))
     with pytest.raises(ValueError, match="cache type q8_0 for K needs a head dim 16"):
         pyimp.load(path, n_ctx=64, cache_type_k="q8_0")
+
+
+@settings(deadline=None, max_examples=30)
+@given(t=st.sampled_from(["f16", "f32"]), n=st.integers(1, 100), splits=st.lists(st.integers(1, 99), max_size=4),
+       scale_exp=st.integers(-20, 15), seed=st.integers(0, 2**31 - 1))
+def test_float_stores_hold_numpys_conversion_at_the_paged_slots(t, n, splits, scale_exp, seed):
+    """The compiled f16/f32 writer puts token p of kv head h at row p % B of block
+    block_table[p // B], K as token rows and V as channel rows, each value converted as
+    NumPy's astype (round to nearest even, subnormals included: scales down to 2**-20)."""
+    rng = np.random.default_rng(seed)
+    c = _cache(t, t, B=16, n_ctx=112)
+    c.block_table[0] = rng.permutation(c.block_table.shape[1]).astype(np.int32)  # non-identity table
+    c._free = []
+    k, v = _fill(c, n, splits, rng, scale=2.0 ** scale_exp)
+    dt = np.float16 if t == "f16" else np.float32
+    kst, vst = c.k_store[0], c.v_store[0]
+    for p in range(n):
+        pb, r = c.block_table[0][p // 16], p % 16
+        for h in range(c.n_head_kv):
+            np.testing.assert_array_equal(kst[h, pb].reshape(16, -1)[r], k[p, h].astype(dt))
+            np.testing.assert_array_equal(vst[h, pb].reshape(-1, 16)[:, r], v[p, h].astype(dt))
