@@ -2,10 +2,15 @@
 
 For each model and context length C: prefill C tokens (tok/s), then decode
 ``--decode`` tokens on top (tok/s), 2 threads each, every measurement in a
-fresh subprocess so that peak RSS is per engine and per run.
+fresh subprocess so that peak RSS is per engine and per run. The prompt is
+real text (Python's pydoc topics, tokenized by the model's own vocabulary) for
+models with a real vocabulary, random ids for the synthetic TinyLlama.
+``--repeat R`` runs each engine R times, alternating, and keeps each one's best.
 
     python -m tools.bench                      # gemma3 270M + synthetic TinyLlama-1.1B Q4_0
     python -m tools.bench --models gemma --ctx 128 1024
+    python -m tools.bench --models gemma --ctx 16384 32000 --sparse-budget 0.125
+    python -m tools.bench --models gemma --startup --profile   # start-up times, decode profile
 """
 from __future__ import annotations
 
@@ -25,6 +30,20 @@ def _tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     return [int(t) for t in rng.integers(10, min(n_vocab, 32000), n)]
 
 
+def text_tokens(model: str, n: int) -> list[int] | None:
+    """n ids of real text (pydoc topics, repeated if it is shorter) in the model's vocabulary,
+    BOS first; None for a model without a usable vocabulary (the synthetic TinyLlama)."""
+    from pyimp.engine import Engine, EngineOptions
+    from tools.eval_sparse import pydoc_text
+    with Engine(model, EngineOptions(n_ctx=256)) as eng:
+        if eng.vocab is None or eng.cfg.name.startswith("synthetic"):
+            return None
+        ids = eng.tokenize(pydoc_text(), add_bos=False)
+        bos = [eng.cfg.bos_id] if eng.cfg.bos_id >= 0 else []
+    body = (ids * (n // max(len(ids), 1) + 1))[:max(0, n - len(bos))]
+    return bos + body
+
+
 def _fill_cache(eng, ctx: int) -> None:
     """Decode-speed runs at long context without the prefill: random keys and values for
     ``ctx`` positions (a decode step's cost does not depend on what the cache holds)."""
@@ -40,10 +59,45 @@ def _fill_cache(eng, ctx: int) -> None:
         eng.sparse.after_prefill(ctx)
 
 
+def _profiled(eng):
+    """Time a pyimp engine's decode by part: each weight matvec (the output head apart, layer
+    matrices by type) and the decode attention; returns the dict of seconds it fills."""
+    import collections
+
+    from pyimp import engine as engine_mod
+    from pyimp import model as model_mod
+    spent = collections.defaultdict(float)
+    on = {"active": False}
+
+    def timed(key_of, fn):
+        def wrapper(*a, **kw):
+            if not on["active"]:
+                return fn(*a, **kw)
+            t = time.perf_counter()
+            r = fn(*a, **kw)
+            spent[key_of(*a)] += time.perf_counter() - t
+            return r
+        return wrapper
+
+    def matvec_key(lin, *_):
+        return (f"output head matvec ({lin.qtype.name})" if not lin.name.startswith("blk.")
+                else f"layer matvecs {lin.qtype.name}")
+
+    model_mod.Linear._matvec = timed(matvec_key, model_mod.Linear._matvec)
+    engine_mod.decode_over_blocks = timed(lambda *a: "decode attention", engine_mod.decode_over_blocks)
+    if eng.sparse is not None:
+        eng.sparse.decode_attention = timed(lambda *a: "decode attention (block-sparse)",
+                                            eng.sparse.decode_attention)
+    return spent, on
+
+
 def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numerics: str,
-           sparse_budget: float = 0.0, synthetic_cache: bool = False) -> dict:
-    """Runs inside the subprocess; returns timings and peak RSS."""
+           sparse_budget: float = 0.0, synthetic_cache: bool = False, tokens_file: str | None = None,
+           profile: bool = False) -> dict:
+    """Runs inside the subprocess; returns timings and peak RSS (and a decode profile)."""
     t0 = time.perf_counter()
+    toks = None if tokens_file is None else [int(t) for t in np.load(tokens_file)[:ctx + n_decode]]
+    extra = {}
     if engine == "pyimp":
         from pyimp.engine import Engine, EngineOptions
         from pyimp.sparse_policy import SparseOptions
@@ -56,24 +110,31 @@ def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numer
                                           sparse=sparse))
         load = time.perf_counter() - t0
         compile_s = eng.warmup()
-        toks = _tokens(ctx + n_decode, eng.cfg.n_vocab)
+        toks = toks or _tokens(ctx + n_decode, eng.cfg.n_vocab)
+        spent, on = _profiled(eng) if profile else ({}, {})
         t = time.perf_counter()
         if synthetic_cache:
             _fill_cache(eng, ctx)
         else:
             eng.eval(toks[:ctx], all_logits=False)
         prefill = time.perf_counter() - t
+        on["active"] = True
         t = time.perf_counter()
         for tok in toks[ctx:]:
             eng.eval([tok], all_logits=False)
         decode = time.perf_counter() - t
+        if profile:
+            parts = {k: v / n_decode * 1e3 for k, v in spent.items()}
+            parts["everything else (Python, norms, RoPE, KV writes, residuals)"] = \
+                decode / n_decode * 1e3 - sum(parts.values())
+            extra["profile_ms_per_token"] = parts
     else:
         from tools import llamacpp_peer
         m = llamacpp_peer.open_model(model, n_ctx=ctx + n_decode + 8, n_batch=512, kv_type="f16",
                                      flash_attn=True, n_threads=threads, logits_all=False)
         load = time.perf_counter() - t0
         compile_s = 0.0
-        toks = _tokens(ctx + n_decode, m.n_vocab())
+        toks = toks or _tokens(ctx + n_decode, m.n_vocab())
         t = time.perf_counter()
         m.eval(toks[:ctx])
         prefill = time.perf_counter() - t
@@ -83,13 +144,15 @@ def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numer
         decode = time.perf_counter() - t
     return {"engine": engine, "ctx": ctx, "load_s": load, "compile_s": compile_s,
             "prefill_tok_s": ctx / prefill, "decode_tok_s": n_decode / decode,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}
 
 
-def _spawn(engine, model, ctx, n_decode, threads, numerics, sparse_budget=0.0, synthetic_cache=False) -> dict:
+def _spawn(engine, model, ctx, n_decode, threads, numerics, sparse_budget=0.0, synthetic_cache=False,
+           tokens_file=None, profile=False) -> dict:
     cmd = [sys.executable, "-m", "tools.bench", "--worker", engine, "--model", model, "--ctx", str(ctx),
            "--decode", str(n_decode), "--threads", str(threads), "--numerics", numerics,
-           "--sparse-budget", str(sparse_budget)] + (["--synthetic-cache"] if synthetic_cache else [])
+           "--sparse-budget", str(sparse_budget)] + (["--synthetic-cache"] if synthetic_cache else []) \
+        + (["--tokens", tokens_file] if tokens_file else []) + (["--profile"] if profile else [])
     env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                OPENBLAS_NUM_THREADS=str(threads))
     if engine == "pyimp":
@@ -139,6 +202,28 @@ def read_bandwidth() -> float:
     return float(r.stdout.split()[-1])
 
 
+def startup(model: str, threads: int, cold: bool) -> float:
+    """Seconds from process start to the first generated token of ``pyimp-run -n 1``: with
+    ``cold`` an empty Numba cache (every kernel compiled), else the cache as it is."""
+    import tempfile
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
+    with tempfile.TemporaryDirectory() as d:
+        if cold:
+            env["NUMBA_CACHE_DIR"] = d
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "pyimp.cli", model, "-p", "Hello", "-n", "1", "--temp", "0",
+                        "-t", str(threads)], capture_output=True, text=True, env=env, check=True,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        return time.perf_counter() - t
+
+
+def _best(runs: list[dict]) -> dict:
+    """The run with the fastest decode, with the fastest prefill of all runs."""
+    best = dict(max(runs, key=lambda r: r["decode_tok_s"]))
+    best["prefill_tok_s"] = max(r["prefill_tok_s"] for r in runs)
+    return best
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", nargs="+", default=["gemma", "tinyllama"],
@@ -147,18 +232,28 @@ def main(argv=None) -> int:
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--numerics", default="fp32", choices=["fp32", "ggml"])
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs per engine and row, alternating; each engine's best is shown")
     ap.add_argument("--sparse-budget", type=float, default=0.0,
                     help="also run pyimp with block-sparse decode attending this fraction of the context")
     ap.add_argument("--synthetic-cache", action="store_true",
                     help="pyimp only: fill the KV cache with random values instead of a prefill "
                          "(decode speed at long context; prefill figures are then meaningless)")
+    ap.add_argument("--startup", action="store_true",
+                    help="also time pyimp-run from process start to its first token, with an empty "
+                         "and with a warm Numba cache")
+    ap.add_argument("--profile", action="store_true",
+                    help="also show where a pyimp decode token's time goes (ms per token by part)")
     ap.add_argument("--worker", choices=["pyimp", "llama.cpp"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--tokens", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.worker:
         print(json.dumps(worker(a.worker, a.model, a.ctx[0], a.decode, a.threads, a.numerics,
-                                a.sparse_budget, a.synthetic_cache)))
+                                a.sparse_budget, a.synthetic_cache, a.tokens, a.profile)))
         return 0
+    import tempfile
+
     from pyimp.default_model import default_model_path
     paths = {"gemma": str(default_model_path())}
     if "tinyllama" in a.models:
@@ -168,35 +263,57 @@ def main(argv=None) -> int:
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; single-thread read bandwidth "
           f"{read_bandwidth():.1f} GB/s (NumPy sum over 1 GB, best of 4)")
     print(f"threads {a.threads}, decode {a.decode} tokens after the prefill, numerics {a.numerics}, "
-          f"llama.cpp with flash_attn, both f16 KV")
+          f"llama.cpp with flash_attn, both f16 KV, best of {a.repeat} run(s) per engine")
+    if a.startup:
+        cold = startup(paths[a.models[0]], a.threads, cold=True)
+        warm = min(startup(paths[a.models[0]], a.threads, cold=False) for _ in range(3))
+        print(f"pyimp-run start to first token ({a.models[0]}): cold (empty Numba cache) {cold:.1f} s, "
+              f"warm {warm:.2f} s")
     hdr = (f"{'model':10} {'ctx':>5} | {'pyimp pf':>9} {'llama pf':>9} {'ratio':>6} | {'pyimp dec':>9} "
            f"{'llama dec':>9} {'ratio':>6} | {'pyimp RSS':>9} {'llama RSS':>9} {'GGUF+KV+400':>11}")
     print(hdr)
     print("-" * len(hdr))
-    for name in a.models:
-        path = paths[name]
-        gguf_mb = os.path.getsize(path) / 2**20
-        from loaders.config import read_config
-        from loaders.gguf_file import GGUFFile
-        cfg = read_config(GGUFFile(path))
-        for ctx in a.ctx:
-            if ctx + a.decode + 8 > cfg.n_ctx_train:
-                continue
-            p = _spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics, 0.0, a.synthetic_cache)
-            q = _spawn("llama.cpp", path, ctx, a.decode, a.threads, a.numerics)
-            kv_mb = cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 2 * 2 * (ctx + a.decode + 8) / 2**20
-            print(f"{name:10} {ctx:5d} | {p['prefill_tok_s']:9.1f} {q['prefill_tok_s']:9.1f} "
-                  f"{p['prefill_tok_s'] / q['prefill_tok_s']:6.2f} | {p['decode_tok_s']:9.2f} "
-                  f"{q['decode_tok_s']:9.2f} {p['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
-                  f"{p['peak_rss_mb']:8.0f}M {q['peak_rss_mb']:8.0f}M {gguf_mb + kv_mb + 400:10.0f}M",
-                  flush=True)
-            if a.sparse_budget > 0:
-                s = _spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics, a.sparse_budget,
-                           a.synthetic_cache)
-                print(f"{'  sparse':10} {ctx:5d} | {'':9} {'':9} {'':6} | {s['decode_tok_s']:9.2f} "
-                      f"{q['decode_tok_s']:9.2f} {s['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
-                      f"{s['peak_rss_mb']:8.0f}M   (pyimp block-sparse, budget {a.sparse_budget:g})",
-                      flush=True)
+    profiles = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in a.models:
+            path = paths[name]
+            gguf_mb = os.path.getsize(path) / 2**20
+            from loaders.config import read_config
+            from loaders.gguf_file import GGUFFile
+            cfg = read_config(GGUFFile(path))
+            ctxs = [c for c in a.ctx if c + a.decode + 8 <= cfg.n_ctx_train]
+            tf = None
+            ids = text_tokens(path, max(ctxs, default=0) + a.decode) if ctxs else None
+            if ids is not None:
+                tf = os.path.join(tmp, f"{name}.npy")
+                np.save(tf, np.asarray(ids, np.int64))
+            for ctx in ctxs:
+                runs_p, runs_q = [], []
+                for _ in range(a.repeat):
+                    runs_p.append(_spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics, 0.0,
+                                         a.synthetic_cache, tf, a.profile))
+                    runs_q.append(_spawn("llama.cpp", path, ctx, a.decode, a.threads, a.numerics,
+                                         tokens_file=tf))
+                p, q = _best(runs_p), _best(runs_q)
+                if a.profile:
+                    profiles.append((name, ctx, p["profile_ms_per_token"], 1e3 / p["decode_tok_s"]))
+                kv_mb = cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 2 * 2 * (ctx + a.decode + 8) / 2**20
+                print(f"{name:10} {ctx:5d} | {p['prefill_tok_s']:9.1f} {q['prefill_tok_s']:9.1f} "
+                      f"{p['prefill_tok_s'] / q['prefill_tok_s']:6.2f} | {p['decode_tok_s']:9.2f} "
+                      f"{q['decode_tok_s']:9.2f} {p['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
+                      f"{p['peak_rss_mb']:8.0f}M {q['peak_rss_mb']:8.0f}M {gguf_mb + kv_mb + 400:10.0f}M"
+                      + ("" if tf else "  (random token ids)"), flush=True)
+                if a.sparse_budget > 0:
+                    s = _best([_spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics, a.sparse_budget,
+                                      a.synthetic_cache, tf) for _ in range(a.repeat)])
+                    print(f"{'  sparse':10} {ctx:5d} | {'':9} {'':9} {'':6} | {s['decode_tok_s']:9.2f} "
+                          f"{q['decode_tok_s']:9.2f} {s['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
+                          f"{s['peak_rss_mb']:8.0f}M   (pyimp block-sparse, budget {a.sparse_budget:g})",
+                          flush=True)
+    for name, ctx, parts, total in profiles:
+        print(f"\npyimp decode profile, {name} at {ctx}: {total:.1f} ms per token (best run)")
+        for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
+            print(f"  {v:7.2f} ms  {k}")
     return 0
 
 
