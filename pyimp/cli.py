@@ -352,7 +352,7 @@ def run(args: argparse.Namespace) -> int:
         print(_summary(engine), file=err, flush=True)
     try:
         with _compile_notice(err):
-            engine.warmup()
+            engine.warmup(compile_helper=True)
     except NonFiniteError as e:
         return _error(str(e))
     reuse = False

@@ -33,6 +33,8 @@ from .sparse_policy import SparseOptions, SparseState
 NUMERICS = ("fp32", "ggml")
 # tokens per KV block; paged caches use 16-128, and the cache is allocated in whole blocks
 MAX_BLOCK_LEN = 4096
+# seconds a small kernel takes to come from Numba's cache at most (warm ~3 ms; compiling ~0.2 s)
+COLD_LOAD_S = 0.05
 
 
 @dataclass
@@ -441,14 +443,31 @@ class Engine:
         from . import state
         return state.load(self, path)
 
-    def warmup(self) -> float:
-        """Compile (or load from cache) every kernel of prefill and decode; returns seconds."""
+    def warmup(self, compile_helper: bool = False) -> float:
+        """Compile (or load from cache) every kernel of prefill and decode; returns seconds.
+
+        With ``compile_helper``, when the kernels are not in Numba's cache (a first run), a second
+        process (:mod:`pyimp.compile_helper`) compiles the decode kernels into the cache while
+        this one compiles the prefill kernels, then this one loads them: two cores compile in
+        about the time of the larger half."""
         t0 = time.perf_counter()
         saved = self.tokens
         if saved:
             raise RuntimeError("warmup needs an empty cache")
         bos = max(self.cfg.bos_id, 0)
+        helper = None
+        if compile_helper:
+            # the first kernel load pays Numba's start-up; the second shows cache or compile
+            ops.rms_norm(np.ones((1, 8), np.float32), np.ones(8, np.float32), 1e-6)
+            t1 = time.perf_counter()
+            cos, sin = ops.rope_cache(np.arange(1), 8, 10000.0, 1.0)
+            ops.rope(np.ones((1, 1, 8), np.float32), cos, sin, True)
+            if time.perf_counter() - t1 > COLD_LOAD_S:        # compiled, not loaded: a first run
+                from . import compile_helper as ch
+                helper = ch.start(self)
         self.forward(np.array([bos, bos], dtype=np.int64))
+        if helper is not None:
+            helper.wait()          # its kernels are in the cache now (or it failed: compiled below)
         self.forward(np.array([bos], dtype=np.int64))
         if self.sparse is not None:
             with self._threads():

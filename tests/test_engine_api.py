@@ -166,3 +166,31 @@ def test_sampler_refuses_non_finite_logits(bad, temp):
         Sampler(SamplingParams(temperature=temp, seed=0)).sample(logits, [])
     logits[7] = -np.inf                          # a masked token is fine
     assert Sampler(SamplingParams(temperature=temp, seed=0)).sample(logits, []) != 7
+
+
+def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch):
+    """On a first run (here forced: every kernel load counts as slow) warmup starts the compile
+    helper, which runs the decode path of the same model, types and numerics in its own
+    process and exits cleanly; the engine's results do not depend on it."""
+    from pyimp import compile_helper, engine as engine_mod
+    started = []
+    real_start = compile_helper.start
+
+    def start(eng):
+        p = real_start(eng)
+        started.append(p)
+        return p
+
+    monkeypatch.setattr(compile_helper, "start", start)
+    monkeypatch.setattr(engine_mod, "COLD_LOAD_S", -1.0)
+    opts = dict(n_ctx=64, block_len=8, kv_type="f32")
+    eng = Engine(llama, EngineOptions(**opts))
+    eng.warmup(compile_helper=True)
+    assert len(started) == 1 and started[0] is not None and started[0].returncode == 0
+    got = eng.eval(_ids(12))
+    plain = Engine(llama, EngineOptions(**opts))
+    plain.warmup()
+    np.testing.assert_array_equal(got, plain.eval(_ids(12)))
+    monkeypatch.setattr(engine_mod, "COLD_LOAD_S", 60.0)       # kernels load fast: no helper
+    Engine(llama, EngineOptions(**opts)).warmup(compile_helper=True)
+    assert len(started) == 1
