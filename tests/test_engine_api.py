@@ -172,7 +172,8 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
     """On a first run (here forced: every kernel load counts as slow) warmup starts the compile
     helper, which runs the decode path of the same model, types and numerics in its own
     process and exits cleanly; the engine's results do not depend on it."""
-    from pyimp import compile_helper, engine as engine_mod
+    from pyimp import compile_helper
+    from pyimp import engine as engine_mod
     started = []
     real_start = compile_helper.start
 
@@ -183,7 +184,7 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
 
     monkeypatch.setattr(compile_helper, "start", start)
     monkeypatch.setattr(engine_mod, "COLD_LOAD_S", -1.0)
-    opts = dict(n_ctx=64, block_len=8, kv_type="f32")
+    opts = {"n_ctx": 64, "block_len": 8, "kv_type": "f32"}
     eng = Engine(llama, EngineOptions(**opts))
     eng.warmup(compile_helper=True)
     assert len(started) == 1 and started[0] is not None and started[0].returncode == 0
