@@ -64,9 +64,9 @@ def test_compile_notice_only_when_the_warmup_is_slow(capsys, tiny, monkeypatch):
     from pyimp.engine import Engine
     fast = Engine.warmup
 
-    def slow(self):
+    def slow(self, **kw):
         time.sleep(0.5)
-        return fast(self)
+        return fast(self, **kw)
 
     monkeypatch.setattr(Engine, "warmup", slow)
     monkeypatch.setattr(cli, "COMPILE_NOTICE_S", 0.05)
