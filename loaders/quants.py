@@ -53,22 +53,6 @@ _TYPED_OK = {
 }
 
 
-# Below this much data a parallel kernel runs on the calling thread alone: waking a second
-# thread costs microseconds on an idle machine but a whole scheduler slice (~10 ms) when the
-# other core is busy, while the work itself takes well under a millisecond.
-SERIAL_BYTES = 1 << 22
-
-
-@contextlib.contextmanager
-def threads_for(nbytes: int):
-    """Run the enclosed kernels single-threaded when they touch fewer than SERIAL_BYTES."""
-    if nbytes >= SERIAL_BYTES:
-        yield
-        return
-    with _single_thread():
-        yield
-
-
 @contextlib.contextmanager
 def _single_thread():
     prev = numba.get_num_threads()
@@ -116,6 +100,10 @@ class ThreadChoice:
         (par if trial_par else serial).append(time.perf_counter() - t0)
         if len(par) == self.TRIALS:
             self.parallel = min(par) < min(serial)
+
+
+# the thread choices of matvec calls, by (type, weight shape, numerics)
+_MATVEC_THREADS: dict[tuple, ThreadChoice] = {}
 
 
 def available_types() -> frozenset[QT]:
@@ -220,13 +208,17 @@ def matvec(raw: np.ndarray, qtype: int, n: int, x: np.ndarray, numerics: str = "
     if x.shape != (n,):
         raise ValueError(f"x must be float32[{n}], got shape {x.shape}")
     res = _out(out, (r.shape[0],))
+    # serial or parallel as measured for this type, shape and numerics (see ThreadChoice)
+    choice = _MATVEC_THREADS.setdefault((QT(qtype), r.shape, numerics), ThreadChoice())
     if numerics == "fp32":
-        with threads_for(r.nbytes):
-            k.matvec(r, x, res)
+        choice.run(k.matvec, r, x, res)
     else:
-        with threads_for(r.nbytes):
-            k.matmul_ggml(r, quantize_activations(x, k.act_type), res.reshape(1, -1))
+        choice.run(_matvec_ggml, k, r, x, res)
     return res
+
+
+def _matvec_ggml(k: TypeKernels, r: np.ndarray, x: np.ndarray, res: np.ndarray) -> None:
+    k.matmul_ggml(r, quantize_activations(x, k.act_type), res.reshape(1, -1))
 
 
 def matmul(raw: np.ndarray, qtype: int, n: int, X: np.ndarray, numerics: str = "fp32",

@@ -70,7 +70,7 @@ def test_n_threads_applies_per_call_and_restores_the_callers_setting(llama, monk
         return real(*a, **k)
     monkeypatch.setattr(ops, "rms_norm", spy)
     eng.eval(_ids(12))
-    eng.eval([5])                                 # decode: quants.threads_for nests inside
+    eng.eval([5])                                 # decode: ThreadChoice trials nest inside
     assert seen and set(seen) == {1}
     assert numba.get_num_threads() == 2          # restored after the call
     # another thread (Numba's setting is per thread; its default there is all threads)
