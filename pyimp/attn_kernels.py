@@ -5,7 +5,7 @@ kernel is built from four steps, each one function here:
 
 1. **load**: :func:`load_keys` / :func:`load_values` decode tokens ``[t0, t1)``
    of one physical K / V block into float32 scratch (``kb`` ``[B*D]`` token-major,
-   ``vb`` ``[D*B]`` channel-major). This is the only place that knows how a
+   ``vb`` ``[D*B]`` channel-major, or token-major for token-row quantized V). This is the only place that knows how a
    cached block is stored: fp16 bits, float32, or a quantized layer given as the
    tuple ``(data, tail, meta)`` of :class:`pyimp.kvcache.QuantizedKV` (the block
    being filled read from the float tail, every other block decoded in place by
@@ -169,6 +169,23 @@ def _load_keys_ov(kc, kvh, pb, t0, t1, D, kb, lut):
     return impl
 
 
+def values_by_token(vc):
+    """True when :func:`load_values` leaves the values token-major (quantized V stored in
+    token rows: decoding them channel-major would scatter every element); jitted code only."""
+
+
+@overload(values_by_token)
+def _values_by_token_ov(vc):
+    if isinstance(vc, types.BaseTuple):
+        def impl(vc):
+            return vc[2][3] != 0
+        return impl
+
+    def impl(vc):
+        return False
+    return impl
+
+
 @jit.njit(fastmath=FM)
 def _load_values_float(vrow, t0, t1, D, B, vb, lut):
     if t1 - t0 == B:  # full block: one contiguous decode
@@ -179,8 +196,10 @@ def _load_values_float(vrow, t0, t1, D, B, vb, lut):
 
 
 def load_values(vc, kvh, pb, t0, t1, D, B, vb, lut):
-    """vb[d*B + t] = float32 channel d of the value of token t of physical block pb, t in
-    [t0, t1) (entries outside the range may be written too); jitted code only."""
+    """The values of tokens t in [t0, t1) of physical block pb as float32: channel-major
+    vb[d*B + t] (f16/f32 stores, channel-row quantized V) or token-major vb[t*D + d]
+    (token-row quantized V; :func:`values_by_token` tells which); entries outside the
+    range may be written too. Jitted code only."""
 
 
 @overload(load_values)
@@ -190,15 +209,20 @@ def _load_values_ov(vc, kvh, pb, t0, t1, D, B, vb, lut):
             data, tail, meta = vc
             if t1 <= t0:          # a block the masks hide entirely (t0 may lie past B)
                 return
-            if pb == meta[0]:
-                _load_values_float(tail[kvh], t0, t1, D, B, vb, lut)
+            if pb == meta[0]:                  # the float32 tail holds channel rows
+                if meta[3]:
+                    tr = tail[kvh]
+                    for t in range(t0, t1):
+                        for d in range(D):
+                            vb[t * D + d] = tr[d * B + t]
+                else:
+                    _load_values_float(tail[kvh], t0, t1, D, B, vb, lut)
                 return
             w = data[kvh, pb]
             code, bsz = meta[1], meta[2]
-            if meta[3]:                        # rows by token, along head_dim: channel d -> d*B
+            if meta[3]:                        # rows by token, along head_dim: token-major vb
                 nb = D // 32
-                for t in range(t0, t1):
-                    decode_qblocks(code, w, t * nb * bsz, nb, vb, t, B, lut)
+                decode_qblocks(code, w, t0 * nb * bsz, (t1 - t0) * nb, vb, t0 * D, 1, lut)
             else:                              # rows by channel, along the token axis
                 nb = B // 32
                 b0, b1 = t0 // 32, (t1 + 31) // 32
@@ -246,8 +270,9 @@ def dot(a, b, n):
 
 
 @jit.njit(fastmath=FM)
-def attend_block(qh, kb, vb, t0, t1, D, B, sc, s, o, m, l, j):
-    """Fold tokens [t0, t1) of a loaded block into partial j (m[j], l[j], o [D]) of query qh.
+def attend_block(qh, kb, vb, t0, t1, D, B, sc, s, o, m, l, j, vtok):
+    """Fold tokens [t0, t1) of a loaded block into partial j (m[j], l[j], o [D]) of query qh;
+    ``vtok``: vb is token-major (see :func:`load_values`).
 
     Leaves ``exp(score - m[j])`` of token t in s[t] (s: float32 [B] scratch).
     """
@@ -272,9 +297,19 @@ def attend_block(qh, kb, vb, t0, t1, D, B, sc, s, o, m, l, j):
         s[t] = e
         ls += e
     l[j] += ls
+    if vtok:
+        for t in range(t0, t1):
+            _axpy(s[t], vb[t * D:(t + 1) * D], o, D)
+        return
     sv = s[t0:t1]
     for d in range(D):
         o[d] += dot(sv, vb[d * B + t0:d * B + t1], t1 - t0)
+
+
+@jit.njit(fastmath=FM)
+def _axpy(a, x, y, n):
+    for d in range(n):
+        y[d] += a * x[d]
 
 
 @jit.njit(fastmath=FM)
@@ -328,6 +363,7 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
     lo = max(0, n_ctx - window) if window > 0 else 0
     sc = np.float32(scale)
     Kw = sel.shape[1]
+    vtok = values_by_token(vc)
     m_part = np.full((Hq, nsplit), -np.inf, np.float32)
     l_part = np.zeros((Hq, nsplit), np.float32)
     o_part = np.zeros((Hq, nsplit, D), np.float32)
@@ -355,7 +391,7 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
             load_keys(kc, kvh, bt[sel[si, k]], t0, t1, D, kb, lut)
             load_values(vc, kvh, bt[sel[si, k]], t0, t1, D, B, vb, lut)
             for g in range(nh):
-                attend_block(q[h0 + g], kb, vb, t0, t1, D, B, sc, s[g], o[g], m, l, g)
+                attend_block(q[h0 + g], kb, vb, t0, t1, D, B, sc, s[g], o[g], m, l, g, vtok)
                 if store:
                     bmax[h0 + g, k] = m[g]
                     for t in range(t0, t1):
@@ -393,6 +429,7 @@ def prefill(q, kc, vc, bt, pos0, scale, window, lut, tile, out, row_m, row_l):
     G = Hq // Hkv
     ntile = (T + tile - 1) // tile
     sc = np.float32(scale)
+    vtok = values_by_token(vc)
     for w in prange(ntile * Hkv):
         # pair cheap early tiles with expensive late ones across the static thread split
         j = w // Hkv
@@ -419,7 +456,7 @@ def prefill(q, kc, vc, bt, pos0, scale, window, lut, tile, out, row_m, row_l):
                 for g in range(G):
                     if tt0 < tt1:
                         attend_block(q[i0 + r, kvh * G + g], kb, vb, tt0, tt1, D, B, sc,
-                                     s[r * G + g], o[r * G + g], m, l, r * G + g)
+                                     s[r * G + g], o[r * G + g], m, l, r * G + g, vtok)
         for r in range(R):
             for g in range(G):
                 jj = r * G + g
