@@ -509,9 +509,12 @@ def _dequantize_blocks(raw, out, f16, head, pair, bsz, has_min):
 
 
 @jit.njit(inline="always")
-def _matvec_blocks(raw, x, out, f16, head, pair, bsz, has_min):
-    """fp32 numerics: each weight the exact dequantized value, fused multiply-add into 32 lane
-    accumulators (fewer instructions per weight than a product and a sum: +20-30% on 2 cores)."""
+def _matvec_blocks(raw, x, out, f16, head, pair, bsz, has_min, whole_bytes):
+    """fp32 numerics: each weight the exact dequantized value, 32 lane accumulators. The pair
+    decoders' types accumulate with fused multiply-adds (fewer instructions per weight than a
+    product and a sum: +20-30% on 2 cores). ``whole_bytes`` (Q8_0: a d head, then one signed
+    byte per quant) runs the block's 32 quants in one contiguous loop with a product and a
+    sum instead: LLVM vectorizes that loop, and leaves the pair loop (or an FMA) scalar."""
     rows = raw.shape[0]
     nb = x.shape[0] // 32
     for r in prange(rows):
@@ -521,30 +524,14 @@ def _matvec_blocks(raw, x, out, f16, head, pair, bsz, has_min):
             o = b * bsz
             d, m, aux = head(w, o, f16)
             xo = b * 32
-            for j in range(16):
-                lo, hi = pair(w, o, aux, j)
-                acc[j] = _fma32(_weight(d, m, lo, has_min), x[xo + j], acc[j])
-                acc[16 + j] = _fma32(_weight(d, m, hi, has_min), x[xo + 16 + j], acc[16 + j])
-        out[r] = _lanes_sum32(acc)
-
-
-@jit.njit(inline="always")
-def _matvec_bytes(raw, x, out, f16, bsz):
-    """The fp32 matvec of Q8_0 (a d head, then one signed byte per quant): the block's 32
-    quants in one contiguous loop, which LLVM vectorizes (the pair loop of _matvec_blocks
-    stays scalar for whole-byte quants); a product and a sum per weight (with a fused
-    multiply-add LLVM leaves this loop scalar)."""
-    rows = raw.shape[0]
-    nb = x.shape[0] // 32
-    for r in prange(rows):
-        w = raw[r]
-        acc = np.zeros(32, np.float32)
-        for b in range(nb):
-            o = b * bsz
-            d = _head_d(w, o, f16)[0]
-            xo = b * 32
-            for j in range(32):
-                acc[j] += (d * np.float32(_s8(w[o + 2 + j]))) * x[xo + j]
+            if whole_bytes:
+                for j in range(32):
+                    acc[j] += (d * np.float32(_s8(w[o + 2 + j]))) * x[xo + j]
+            else:
+                for j in range(16):
+                    lo, hi = pair(w, o, aux, j)
+                    acc[j] = _fma32(_weight(d, m, lo, has_min), x[xo + j], acc[j])
+                    acc[16 + j] = _fma32(_weight(d, m, hi, has_min), x[xo + 16 + j], acc[16 + j])
         out[r] = _lanes_sum32(acc)
 
 
@@ -768,8 +755,7 @@ def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off
     """A block type's kernels; ggml activations are Q8_0 or Q8_1 blocks."""
     dec = f"{head}, {pair}, {bsz}, {has_min}"
     with_sum = act_type == QT.Q8_1
-    mv = (f"_matvec_bytes(raw, x, out, f16, {bsz})" if qtype == QT.Q8_0
-          else f"_matvec_blocks(raw, x, out, f16, {dec})")
+    mv = f"_matvec_blocks(raw, x, out, f16, {dec}, {qtype == QT.Q8_0})"
     return _quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
                           f"_dequantize_blocks(raw, out, f16, {dec})", mv,
                           "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
