@@ -16,8 +16,9 @@ import sys
 
 
 def start(engine) -> subprocess.Popen | None:
-    """Start compiling ``engine``'s decode kernels in a new process; None when that cannot help
-    (no writable cache: the kernels would be compiled for nothing)."""
+    """Start compiling ``engine``'s decode kernels in a new process; None when no process can
+    be started (or the JIT is disabled). Where Numba cannot write its cache the helper's work
+    is lost and the engine compiles those kernels after it: slower, not wrong."""
     o = engine.options
     spec = {"path": engine.path, "numerics": o.numerics, "type_k": o.type_k, "type_v": o.type_v,
             "v_layout": o.v_layout, "block_len": o.block_len}
