@@ -6,8 +6,9 @@ kernel is built from four steps, each one function here:
 1. **load**: :func:`load_keys` / :func:`load_values` decode tokens ``[t0, t1)``
    of one physical K / V block into float32 scratch (``kb`` ``[B*D]`` token-major,
    ``vb`` ``[D*B]`` channel-major, or token-major for token-row quantized V). This
-   is the only place that knows how a cached block is stored: fp16 bits, float32, or a quantized layer given as the
-   tuple ``(data, tail, meta)`` of :class:`pyimp.kvcache.QuantizedKV` (the block
+   is the only place that knows how a cached block is stored: fp16 bits, float32,
+   or a quantized layer given as the tuple ``(data, tail, meta)`` of
+   :class:`pyimp.kvcache.QuantizedKV` (the block
    being filled read from the float tail, every other block decoded in place by
    the per-type block decoders of :mod:`loaders.quantize`; no dequantized copy).
 2. **attend**: :func:`attend_block` folds one block into a running partial
