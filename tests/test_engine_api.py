@@ -18,6 +18,7 @@ from pyimp.kvcache import KVCache
 from pyimp.memory import InsufficientMemoryError, parse_size
 from pyimp.sparse_policy import SparseOptions, SparseState
 from tools.write_synthetic_gguf import SynthSpec, write
+from tools.write_synthetic_gguf import prompt_ids as _ids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,9 +30,6 @@ def llama(tmp_path_factory):
                  SynthSpec(arch="llama", n_layer=3, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
                            n_ctx=64, vocab_size=300, seed=3))
 
-
-def _ids(n: int, seed: int = 0) -> list[int]:
-    return [1] + np.random.default_rng(seed).integers(3, 300, n - 1).tolist()
 
 
 def test_import_leaves_the_environment_alone():

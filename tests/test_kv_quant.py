@@ -14,6 +14,7 @@ from pyimp.attention import attention_decode, attention_prefill
 from pyimp.kvcache import QUANT_TYPES, KVCache, QuantizedKV
 from pyimp.sparse.sparse_attention import sparse_attention_decode
 from tools.write_synthetic_gguf import SynthSpec, write
+from tools.write_synthetic_gguf import prompt_ids as _ids
 
 QTYPES = sorted(QUANT_TYPES)
 
@@ -206,9 +207,6 @@ def llama32(tmp_path_factory):
                  SynthSpec(arch="llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=256,
                            vocab_size=300, seed=11))
 
-
-def _ids(n, seed=0):
-    return [1] + np.random.default_rng(seed).integers(3, 300, n - 1).tolist()
 
 
 def _logits(path, ids, n_decode=8, **opts):

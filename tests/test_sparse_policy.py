@@ -16,7 +16,7 @@ from pyimp.kvcache import KVCache
 from pyimp.sparse import AnchorType, compute_anchors
 from pyimp.sparse.importance import decay_importance
 from pyimp.sparse_policy import SparseOptions, SparseState
-from tools.write_synthetic_gguf import SynthSpec, write
+from tools.write_synthetic_gguf import SynthSpec, prompt_ids, write
 
 B = 4            # block length of every engine here
 N_VOCAB = 512
@@ -31,8 +31,7 @@ def model(tmp_path_factory):
 
 
 def _ids(n, seed=0):
-    rng = np.random.default_rng(seed)
-    return [1] + rng.integers(3, N_VOCAB, n - 1).tolist()
+    return prompt_ids(n, seed, N_VOCAB)
 
 
 def _engine(model, n_ctx=128, batch_size=64, **sparse):

@@ -14,6 +14,7 @@ import pyimp
 from pyimp.cli import main
 from pyimp.statefile import StateFileError
 from tools.write_synthetic_gguf import SynthSpec, write
+from tools.write_synthetic_gguf import prompt_ids as _ids
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +30,6 @@ def other_model(tmp_path_factory):
                  SynthSpec(arch="llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=256,
                            vocab_size=300, seed=22))
 
-
-def _ids(n, seed=0):
-    return [1] + np.random.default_rng(seed).integers(3, 300, n - 1).tolist()
 
 
 def _greedy(eng, first_logits, n):

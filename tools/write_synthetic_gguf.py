@@ -17,8 +17,8 @@ import os
 import sys
 from dataclasses import dataclass
 
-import numpy as np
 import gguf
+import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 PRESETS = {
@@ -98,6 +98,12 @@ def _vocab_from(path: str):
         return dict(model=v.model, pre=v.pre, tokens=list(v.tokens), scores=np.array(v.scores),
                     types=np.array(v.token_types), merges=list(v.merges), bos=v.special["bos"],
                     eos=v.special["eos"], unk=v.special["unk"], flags=dict(v.flags))
+
+
+def prompt_ids(n: int, seed: int = 0, n_vocab: int = 300) -> list[int]:
+    """A prompt for a synthetic model: BOS (id 1), then n - 1 random ids from 3 up to n_vocab
+    (past the special tokens of the byte vocabulary)."""
+    return [1] + np.random.default_rng(seed).integers(3, n_vocab, n - 1).tolist()
 
 
 def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = None) -> str:
