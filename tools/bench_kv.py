@@ -120,6 +120,16 @@ def run_peer(model: str, types: tuple[str, str], toks: list[int], score: int) ->
             "logits": np.array(rows)}
 
 
+def _record(rows: dict, label: str, r: dict, kl: float, top1: float) -> dict:
+    """Append one window's KL, top-1 and speeds to the row of ``label``; returns the row."""
+    row = rows.setdefault(label, {"kl": [], "top1": [], "prefill": [], "decode": []})
+    row["kl"].append(kl)
+    row["top1"].append(top1)
+    row["prefill"].append(r["prefill_tok_s"])
+    row["decode"].append(r["decode_tok_s"])
+    return row
+
+
 def compare(ref: np.ndarray, other: np.ndarray) -> tuple[float, float]:
     p, q = log_softmax(ref), log_softmax(other)
     kl = float((np.exp(p) * (p - q)).sum(axis=-1).mean())
@@ -182,12 +192,7 @@ def main(argv=None) -> int:
             if ref is None:
                 ref = r["logits"]
             kl, top1 = compare(ref, r["logits"])
-            row = res["pyimp"].setdefault(label, {"kl": [], "top1": [], "prefill": [], "decode": []})
-            row["kl"].append(kl)
-            row["top1"].append(top1)
-            row["prefill"].append(r["prefill_tok_s"])
-            row["decode"].append(r["decode_tok_s"])
-            row["bytes_per_token"] = r["bytes_per_token"]
+            _record(res["pyimp"], label, r, kl, top1)["bytes_per_token"] = r["bytes_per_token"]
             if state:
                 res["prompt_cache"][label] = {k: r[k] for k in ("file_bytes", "raw_kv_bytes",
                                                                  "save_s", "load_s", "prefill_s")}
@@ -203,11 +208,7 @@ def main(argv=None) -> int:
             if pref is None:
                 pref = r["logits"]
             kl, top1 = compare(pref, r["logits"])
-            row = res["peer"].setdefault(label, {"kl": [], "top1": [], "prefill": [], "decode": []})
-            row["kl"].append(kl)
-            row["top1"].append(top1)
-            row["prefill"].append(r["prefill_tok_s"])
-            row["decode"].append(r["decode_tok_s"])
+            _record(res["peer"], label, r, kl, top1)
             print(f"  window {w} llama.cpp {label:16s} KL {kl:.2e} top1 {top1:.3f} prefill "
                   f"{r['prefill_tok_s']:.0f} decode {r['decode_tok_s']:.1f} tok/s", flush=True)
     if args.decode_ctx:
