@@ -240,6 +240,7 @@ class Engine:
         block_table = self.cache.block_table[0]
         kq_scale = 1.0 if A.q_prescale else 1.0 / math.sqrt(D)
         rope_memo: dict = {}
+        blocks_memo: dict = {}
         # decode step or prefill chunk (a lone token that ends a chunked prompt is a prefill chunk;
         # the sparse state also applies the importance decay once per prefill here)
         decode = T == 1 if self.sparse is None else not self.sparse.begin_forward(pos0, T, prompt_end)
@@ -287,7 +288,9 @@ class Engine:
                 if sp is not None:
                     choice.run(sp.decode_attention, il, q[0], pos0 + 1, kq_scale, window, att[0])
                 else:      # the arguments are the engine's own: attention_decode less its checks
-                    sel, cnt = every_block(pos0 + 1, self.cache.block_len, window)
+                    if window not in blocks_memo:     # one block list per window size and step
+                        blocks_memo[window] = every_block(pos0 + 1, self.cache.block_len, window)
+                    sel, cnt = blocks_memo[window]
                     choice.run(decode_over_blocks, q[0], kc, vc, block_table, pos0 + 1, kq_scale,
                                window, sel, cnt, att[0], None, 1.0, None, 8)
             else:

@@ -248,6 +248,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    if a.repeat < 1:
+        ap.error(f"--repeat must be at least 1, got {a.repeat}")
     if a.worker:
         print(json.dumps(worker(a.worker, a.model, a.ctx[0], a.decode, a.threads, a.numerics,
                                 a.sparse_budget, a.synthetic_cache, a.tokens, a.profile)))
