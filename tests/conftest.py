@@ -14,6 +14,14 @@ configure_process()
 import pytest  # noqa: E402
 
 
+def pytest_ignore_collect(collection_path, config):
+    # the simulator tests need NUMBA_ENABLE_CUDASIM=1 before numba is imported: tests/test_cuda.py
+    # runs them in a process of their own
+    if collection_path.name == "cuda" and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+        return True
+    return None
+
+
 def in_ci() -> bool:
     """CI=true: what a test needs must be there; a skip would hide a missing comparison."""
     return os.environ.get("CI", "").lower() == "true"

@@ -1,0 +1,39 @@
+"""The GPU path on numba-cuda (imported only when ``device="cuda"`` is asked for).
+
+Kernels are twins of the CPU kernels: the same array-only arguments and layouts
+(KVCACHE.md section 2), each tested against the NumPy reference its CPU twin is
+tested against. fp16 buffers are float16 device arrays; every kernel loads fp16,
+computes and accumulates in float32 and rounds once when it stores fp16.
+
+:func:`require` is the one place that decides whether the device can be used; it
+raises :class:`DeviceUnavailable` with a message naming what is missing.
+``NUMBA_ENABLE_CUDASIM=1`` (set before numba is imported) runs every kernel on
+numba-cuda's simulator, which is how the tests run them without a GPU.
+"""
+from __future__ import annotations
+
+INSTALL_HINT = "pip install 'pyimp[cuda]'"
+
+
+class DeviceUnavailable(RuntimeError):
+    """``device="cuda"`` cannot run here; the message says what is missing."""
+
+
+def require() -> None:
+    """Raise :class:`DeviceUnavailable` unless numba-cuda imports and a GPU (or the simulator,
+    under ``NUMBA_ENABLE_CUDASIM=1``) is there."""
+    try:
+        from numba import cuda
+    except ImportError:
+        raise DeviceUnavailable(f"device cuda needs numba-cuda, which is not installed "
+                                f"({INSTALL_HINT})") from None
+    import numba
+    if numba.config.ENABLE_CUDASIM:
+        return
+    try:
+        ok = cuda.is_available()
+    except Exception as e:     # a driver that fails to initialise reports here
+        raise DeviceUnavailable(f"device cuda: the CUDA driver failed to initialise ({e})") from None
+    if not ok:
+        raise DeviceUnavailable("device cuda: no CUDA GPU or driver found on this machine "
+                                "(set NUMBA_ENABLE_CUDASIM=1 to run on numba-cuda's simulator)")

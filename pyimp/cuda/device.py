@@ -1,0 +1,192 @@
+"""Device plumbing shared by the CUDA kernels: launches, buffers, block-wide reductions.
+
+**Launches** go through :func:`launch`. Scalars are passed as NumPy scalars of an
+explicit dtype (``np.int32``, ``np.float32``): a Python float would type the
+kernel in float64. Under :func:`compile_only` nothing runs: each launch compiles its
+kernel for the given compute capability with the launch's argument types
+(``cuda.compile_ptx``, which needs NVVM but no GPU) and :func:`empty` / :func:`zeros` /
+:func:`to_device` hand out host arrays, so a host program that drives the kernels
+(the device engine included) type-checks every kernel it would launch. The
+simulator does no type checking; this is how CI catches what would not compile.
+
+**Reductions** over the threads of a block (:func:`block_sum`, :func:`block_max`): every
+thread calls them with its value and gets the result; ``red`` is a float32 shared
+array with one slot per thread. On hardware a warp reduces with ``shfl_xor_sync`` and
+the warps' results meet in ``red``; the simulator has no warp operations, so there a
+shared-memory tree over ``red`` is used (block sizes are powers of two, <= 1024).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import numba
+import numpy as np
+from numba import cuda, float32
+
+SIMULATOR = bool(numba.config.ENABLE_CUDASIM)
+WARP = 32
+FULL_MASK = 0xFFFFFFFF
+
+_compile_cc: tuple | None = None
+_compiled: set = set()
+launches = 0          # kernels launched (or compiled) since import: launches per token = difference
+
+
+@contextlib.contextmanager
+def compile_only(cc: tuple = (9, 0)):
+    """Inside: launches compile their kernel for ``cc`` instead of running (see the module doc)."""
+    global _compile_cc
+    from numba.cuda import dispatcher
+
+    class _Target:                       # what device functions ask the driver for
+        compute_capability = tuple(cc)
+
+    prev, _compile_cc = _compile_cc, tuple(cc)
+    prev_dev = dispatcher.get_current_device
+    if not SIMULATOR:
+        # device functions compile for the current device's capability; with no driver
+        # (the point of this mode) report the target's instead
+        dispatcher.get_current_device = _Target
+    try:
+        yield
+    finally:
+        _compile_cc = prev
+        dispatcher.get_current_device = prev_dev
+
+
+def compiling() -> bool:
+    return _compile_cc is not None
+
+
+def launch(kernel, grid, block, *args, shared: int = 0) -> None:
+    """``kernel[grid, block, 0, shared](*args)``, or its compilation under :func:`compile_only`."""
+    global launches
+    launches += 1
+    if _compile_cc is not None:
+        sig = tuple(numba.typeof(a) for a in args)
+        key = (kernel.py_func, sig, _compile_cc)
+        if key not in _compiled:
+            cuda.compile_ptx(kernel.py_func, sig, cc=_compile_cc)
+            _compiled.add(key)
+        return
+    kernel[grid, block, 0, shared](*args)
+
+
+def to_device(a: np.ndarray):
+    """A device copy of a host array (the array itself under :func:`compile_only`)."""
+    a = np.ascontiguousarray(a)
+    return a if _compile_cc is not None else cuda.to_device(a)
+
+
+def empty(shape, dtype):
+    """An uninitialised device array (zeros on the host under :func:`compile_only`)."""
+    if _compile_cc is not None:
+        return np.zeros(shape, dtype)
+    return cuda.device_array(shape, dtype)
+
+
+def zeros(shape, dtype):
+    """A zero-filled device array."""
+    if _compile_cc is not None:
+        return np.zeros(shape, dtype)
+    return cuda.to_device(np.zeros(shape, dtype))
+
+
+def to_host(d) -> np.ndarray:
+    """A host copy of a device array (a host array is returned as is)."""
+    return d if isinstance(d, np.ndarray) else d.copy_to_host()
+
+
+def is_device_array(a) -> bool:
+    return cuda.is_cuda_array(a) and not isinstance(a, np.ndarray)
+
+
+def blocks_for(n: int, threads: int) -> int:
+    """Thread blocks of ``threads`` threads that cover n items (at least one)."""
+    return max(1, -(-int(n) // threads))
+
+
+def pow2_threads(n: int, lo: int = 32, hi: int = 256) -> int:
+    """The smallest power of two >= n within [lo, hi]."""
+    return int(min(hi, max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1)))))))
+
+
+# ---------------------------------------------------------------- reductions
+
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def block_sum(v, red):
+        tid = cuda.threadIdx.x
+        n = cuda.blockDim.x
+        red[tid] = v
+        cuda.syncthreads()
+        s = n // 2
+        while s > 0:
+            if tid < s:
+                red[tid] += red[tid + s]
+            cuda.syncthreads()
+            s //= 2
+        r = red[0]
+        cuda.syncthreads()
+        return r
+
+    @cuda.jit(device=True)
+    def block_max(v, red):
+        tid = cuda.threadIdx.x
+        n = cuda.blockDim.x
+        red[tid] = v
+        cuda.syncthreads()
+        s = n // 2
+        while s > 0:
+            if tid < s:
+                red[tid] = max(red[tid], red[tid + s])
+            cuda.syncthreads()
+            s //= 2
+        r = red[0]
+        cuda.syncthreads()
+        return r
+else:
+    @cuda.jit(device=True)
+    def _warp_sum(v):
+        off = 16
+        while off > 0:
+            v += cuda.shfl_xor_sync(FULL_MASK, v, off)
+            off //= 2
+        return v
+
+    @cuda.jit(device=True)
+    def _warp_max(v):
+        off = 16
+        while off > 0:
+            v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, off))
+            off //= 2
+        return v
+
+    @cuda.jit(device=True)
+    def block_sum(v, red):
+        tid = cuda.threadIdx.x
+        nw = (cuda.blockDim.x + WARP - 1) // WARP
+        v = _warp_sum(v)
+        if tid % WARP == 0:
+            red[tid // WARP] = v
+        cuda.syncthreads()
+        lane = tid % WARP
+        w = red[lane] if lane < nw else float32(0.0)
+        r = _warp_sum(w)
+        cuda.syncthreads()
+        return r
+
+    @cuda.jit(device=True)
+    def block_max(v, red):
+        tid = cuda.threadIdx.x
+        nw = (cuda.blockDim.x + WARP - 1) // WARP
+        v = _warp_max(v)
+        if tid % WARP == 0:
+            red[tid // WARP] = v
+        cuda.syncthreads()
+        lane = tid % WARP
+        w = red[lane] if lane < nw else float32(-math.inf)
+        r = _warp_max(w)
+        cuda.syncthreads()
+        return r

@@ -1,0 +1,15 @@
+"""Tests of the CUDA kernels on numba-cuda's simulator.
+
+They run in their own pytest process with ``NUMBA_ENABLE_CUDASIM=1`` set before numba is
+imported (``tests/test_cuda.py`` starts it; the main run skips this folder). Shapes are tiny:
+the simulator runs one Python thread per CUDA thread.
+"""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+    raise RuntimeError("tests/cuda runs under NUMBA_ENABLE_CUDASIM=1 (tests/test_cuda.py starts it)")

@@ -1,0 +1,60 @@
+"""The GPU path without a GPU: the simulator suite (tests/cuda, in its own process) and a
+compilation of every kernel for real hardware (sm_90) with the argument types the host code
+launches it with. Under CI=true a missing numba-cuda or NVVM fails instead of skipping."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, in_ci
+
+
+def _need(what: str, why: str):
+    if in_ci():
+        pytest.fail(f"CI=true and {what} is missing: {why}")
+    pytest.skip(f"{what} unavailable: {why}")
+
+
+def _numba_cuda():
+    try:
+        from numba import cuda
+    except ImportError as e:
+        _need("numba-cuda", f"{e} (pip install 'pyimp[test]')")
+    return cuda
+
+
+def test_simulator_suite():
+    """Every CUDA kernel against its NumPy reference on numba-cuda's simulator."""
+    _numba_cuda()
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(ROOT, "tests", "cuda")],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, f"simulator suite failed:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def ptx():
+    """compile_only mode of pyimp.cuda.device, or a skip (a failure in CI) without NVVM."""
+    cuda = _numba_cuda()
+    try:
+        cuda.compile_ptx(lambda a: None, "(float32[:],)", cc=(9, 0))
+    except Exception as e:
+        _need("NVVM (numba-cuda[cu12])", str(e).splitlines()[0])
+    from pyimp.cuda import device
+    return device
+
+
+def test_reductions_compile(ptx):
+    import numpy as np
+    from numba import cuda, float32
+
+    @cuda.jit
+    def k(x, out):
+        red = cuda.shared.array(256, float32)
+        v = x[cuda.threadIdx.x]
+        out[0] = ptx.block_sum(v, red) + ptx.block_max(v, red)
+
+    with ptx.compile_only((9, 0)):
+        ptx.launch(k, 1, 64, np.zeros(64, np.float32), np.zeros(1, np.float32))
