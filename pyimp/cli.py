@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="K cache type (default: --kv-type)")
     p.add_argument("-ctv", "--cache-type-v", choices=kv_types, default=None,
                    help="V cache type (default: --kv-type)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: run on the GPU through numba-cuda (pip install 'pyimp[cuda]'); "
+                        "weights, KV cache, importance and anchors stay on the device")
     p.add_argument("--kv-rotate", action="store_true",
                    help="Hadamard rotation of keys, values and queries along the head dim before "
                         "the cache (spreads outlier channels; meant for quantized caches)")
@@ -297,6 +300,7 @@ def _print_report(r: dict, sparse_on: bool, err) -> None:
 def run(args: argparse.Namespace) -> int:
     from loaders.gguf_file import GGUFError
 
+    from .cuda import DeviceUnavailable
     from .default_model import DefaultModelError, default_model_path
     from .engine import Engine, EngineOptions
     from .kvcache import ContextFullError
@@ -336,8 +340,9 @@ def run(args: argparse.Namespace) -> int:
                                                 numerics=args.numerics, kv_type=args.kv_type,
                                                 cache_type_k=args.cache_type_k,
                                                 cache_type_v=args.cache_type_v,
-                                                kv_rotate=args.kv_rotate, sparse=sparse))
-    except (GGUFError, DefaultModelError, ValueError, MemoryError) as e:
+                                                kv_rotate=args.kv_rotate, device=args.device,
+                                                sparse=sparse))
+    except (GGUFError, DefaultModelError, ValueError, MemoryError, DeviceUnavailable) as e:
         return _error(str(e) if str(e) else "out of memory")
     for w in caught:
         print(f"pyimp-run: warning: {w.message}", file=err)

@@ -31,6 +31,7 @@ from .sparse.sparse_attention import decode_over_blocks, every_block
 from .sparse_policy import SparseOptions, SparseState
 
 NUMERICS = ("fp32", "ggml")
+DEVICES = ("cpu", "cuda")
 # tokens per KV block; paged caches use 16-128, and the cache is allocated in whole blocks
 MAX_BLOCK_LEN = 4096
 # seconds a small kernel takes to come from Numba's cache at most (warm ~3 ms; compiling ~0.2 s)
@@ -51,9 +52,12 @@ class EngineOptions:
     cache_type_v: str | None = None  # V cache type (None: kv_type)
     v_layout: str = "token"          # quantized V rows: "token" (along head_dim) or "channel"
     kv_rotate: bool = False          # Hadamard rotation of q, k, v along head_dim (see _rotation)
+    device: str = "cpu"              # "cuda": weights, KV cache, importance_ and anchors on the GPU
     sparse: SparseOptions = field(default_factory=SparseOptions)
 
     def validate(self) -> None:
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
         if self.n_ctx < 0:
@@ -114,17 +118,44 @@ class Engine:
         if self.n_ctx > self.cfg.n_ctx_train:
             warnings.warn(f"context size {self.n_ctx} exceeds the model's training context "
                           f"{self.cfg.n_ctx_train}; quality may degrade past it", RuntimeWarning, stacklevel=2)
-        self.cache = KVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim, self.n_ctx,
-                             block_len=opts.block_len, type_k=opts.type_k, type_v=opts.type_v,
-                             v_layout=opts.v_layout)
+        self._gpu = None
+        if opts.device == "cuda":
+            self._init_device()
+        else:
+            self.cache = KVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim, self.n_ctx,
+                                 block_len=opts.block_len, type_k=opts.type_k, type_v=opts.type_v,
+                                 v_layout=opts.v_layout)
+            # importance_ / anchor_ and the block-sparse decode path (None: plain dense attention)
+            self.sparse = SparseState(opts.sparse, self.cfg, self.cache) if opts.sparse.active else None
         self._rot = ops.hadamard(self.cfg.head_dim) if opts.kv_rotate else None
-        # importance_ / anchor_ and the block-sparse decode path (None: plain dense attention)
-        self.sparse = SparseState(opts.sparse, self.cfg, self.cache) if opts.sparse.active else None
         self._tokenizer = None
         self._vocab = None
         self.tokens: list[int] = []          # what the cache holds, in order
         self._attn_threads: dict = {}        # (layer, bit length of bytes read) -> ThreadChoice
         self.timings = Timings(load_s=time.perf_counter() - t0)
+
+    def _init_device(self) -> None:
+        """device="cuda": the cache, importance_ and anchors on the GPU, and the weights uploaded
+        (:mod:`pyimp.cuda`; raises :class:`pyimp.cuda.DeviceUnavailable` naming what is missing)."""
+        from . import cuda
+        cuda.require()
+        from .cuda.forward import DeviceForward
+        from .cuda.kvcache import DeviceKVCache
+        from .cuda.sparse_state import DeviceSparseState
+        opts = self.options
+        if opts.v_layout != "token":
+            raise ValueError("device cuda keeps the V cache transposed in f16/f32; --v-layout "
+                             "applies to quantized V on the CPU only")
+        self.cache = DeviceKVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim,
+                                   self.n_ctx, block_len=opts.block_len, type_k=opts.type_k,
+                                   type_v=opts.type_v)
+        self.sparse = (DeviceSparseState(opts.sparse, self.cfg, self.cache)
+                       if opts.sparse.active else None)
+        self._gpu = DeviceForward(self)
+
+    @property
+    def device(self) -> str:
+        return self.options.device
 
     def _check_memory(self) -> dict:
         """Bytes of the KV cache and sparse buffers this configuration allocates; refuses (one
@@ -142,7 +173,8 @@ class Engine:
         what = f"context {self.n_ctx} with block length {opts.block_len}: KV cache {fmt_bytes(kv)}"
         if sparse:
             what += f" + importance and anchors {fmt_bytes(sparse)}"
-        check_fits(kv + sparse, what, "lower the context size (-c), block length or anchor count")
+        if opts.device == "cpu":          # on the GPU these buffers take device memory
+            check_fits(kv + sparse, what, "lower the context size (-c), block length or anchor count")
         return {"kv": kv, "sparse": sparse}
 
     @contextlib.contextmanager
@@ -168,7 +200,7 @@ class Engine:
         if self.file is None:
             return
         self.weights = self._vocab = self._tokenizer = None
-        self.cache = self.sparse = None
+        self.cache = self.sparse = self._gpu = None
         f, self.file = self.file, None
         if not f.close():
             import gc
@@ -244,6 +276,8 @@ class Engine:
         # decode step or prefill chunk (a lone token that ends a chunked prompt is a prefill chunk;
         # the sparse state also applies the importance decay once per prefill here)
         decode = T == 1 if self.sparse is None else not self.sparse.begin_forward(pos0, T, prompt_end)
+        if self._gpu is not None:
+            return self._forward_device(tokens, decode, prompt_end, all_logits, logits, pos0, ckpt)
 
         x = W.embed(tokens)                                            # [T, E] token embeddings
         for il, lw in enumerate(W.layers):
@@ -337,6 +371,20 @@ class Engine:
                                      f"layer (its attention or feed-forward, or the output head; "
                                      f"corrupted weights?)")
         return logits
+
+    def _forward_device(self, tokens, decode, prompt_end, all_logits, logits, pos0, ckpt):
+        """The forward on the GPU (:class:`pyimp.cuda.forward.DeviceForward`), then the same
+        bookkeeping and logits check as the CPU forward."""
+        out = self._gpu.forward(self, tokens, decode, prompt_end, all_logits, logits)
+        self.cache.commit(len(tokens))
+        self.tokens.extend(int(t) for t in tokens)
+        if self.sparse is not None:
+            self.sparse.end_forward(pos0 + len(tokens))
+        if out is not None and not ops.all_finite(out):
+            self._truncate(pos0, ckpt)
+            raise ops.NonFiniteError("NaN or inf in the logits computed on the device (a layer's "
+                                     "hidden state overflowed, or corrupted weights)")
+        return out
 
     def _truncate(self, n: int, checkpoint=None) -> None:
         """Forget cached tokens from position n on (their blocks stay reserved); ``checkpoint``:
@@ -434,6 +482,7 @@ class Engine:
         returns the writer's statistics."""
         if self.file is None:
             raise self._closed()
+        self._host_only("saving a state")
         from . import state
         return state.save(self, path)
 
@@ -443,8 +492,14 @@ class Engine:
         naming the file and the reason, and leaves the engine as it was."""
         if self.file is None:
             raise self._closed()
+        self._host_only("loading a state")
         from . import state
         return state.load(self, path)
+
+    def _host_only(self, what: str) -> None:
+        if self._gpu is not None:
+            raise ValueError(f"{what} (--prompt-cache) needs the cache on the host: run with "
+                             f"--device cpu")
 
     def warmup(self, compile_helper: bool = False) -> float:
         """Compile (or load from cache) every kernel of prefill and decode; returns seconds.
@@ -459,7 +514,7 @@ class Engine:
             raise RuntimeError("warmup needs an empty cache")
         bos = max(self.cfg.bos_id, 0)
         helper = None
-        if compile_helper:
+        if compile_helper and self._gpu is None:
             # the first kernel load pays Numba's start-up; the second shows cache or compile
             ops.rms_norm(np.ones((1, 8), np.float32), np.ones(8, np.float32), 1e-6)
             t1 = time.perf_counter()

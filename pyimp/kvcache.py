@@ -243,7 +243,7 @@ class KVCache:
         self._by_token: dict[str, bool] = {}
         for side, t in (("k", type_k), ("v", type_v)):
             if t in FLOAT_TYPES:
-                store = np.zeros(shape + (B * head_dim,), dtype=FLOAT_TYPES[t])
+                store = self._alloc(shape + (B * head_dim,), FLOAT_TYPES[t])
                 self._tail[side] = self._tail_block[side] = None
             else:
                 rows, n, by_token = _row_geometry(side, t, head_dim, B, v_layout)
@@ -255,6 +255,11 @@ class KVCache:
             setattr(self, buffer_name(side, t), store)
         self.k_store = getattr(self, buffer_name("k", type_k))
         self.v_store = getattr(self, buffer_name("v", type_v))
+
+    @staticmethod
+    def _alloc(shape: tuple, dtype) -> np.ndarray:
+        """Zeroed storage of a float K/V side (the device cache allocates on the device)."""
+        return np.zeros(shape, dtype=dtype)
 
     @staticmethod
     def check_geometry(head_dim: int, block_len: int, n_ctx: int, type_k: str, type_v: str,

@@ -98,8 +98,8 @@ def sparse_attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, 
         lse[h] = m + np.log(l) if l > 0 else -np.inf
         if probs is not None:
             probs[h] = 0.0
-            for k, s in enumerate(scores):
-                probs[h, k] = np.exp(s - lse[h])
+            for k, s in enumerate(scores):     # 0 for a head whose blocks the masks hide
+                probs[h, k] = np.exp(s - lse[h]) if l > 0 else 0.0
     return lse
 
 

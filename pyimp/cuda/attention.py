@@ -1,0 +1,453 @@
+"""CUDA twins of :mod:`pyimp.attn_kernels`: paged decode and prefill attention over the ggml
+layout, block-sparse decode over a selection, and the importance updates they feed.
+
+Operands are device arrays in the CPU layouts (KVCACHE.md section 2): ``kc`` ``[Hkv][NB][B*D]``
+token-major and ``vc`` ``[Hkv][NB][D*B]`` transposed, float16 or float32; ``bt`` int32 logical ->
+physical block; ``importance`` float16 ``[NB][B][Hq]``; selections ``sel`` int32 ``[nsets, K]``,
+``cnt`` int32 ``[nsets]`` (query head h uses set ``h // (Hq // nsets)``).
+
+Kernels (one thread block per work item, ``THREADS`` threads):
+
+- ``_attend``: work item = (query row, unit, split). A unit is the query heads of one kv head
+  that share a set (as on the CPU); the unit's queries sit in shared memory. Per KV block of
+  its share of the blocks: threads compute the scores of (head, token) pairs, a block-wide max
+  and sum fold the block into the running (m, l) with the max-stabilized rule, then each thread
+  accumulates its (head, channel) outputs over the block's tokens, reading a contiguous row of
+  the transposed V. The split writes its partial (m, l, o) (flash-decoding); with ``store`` it
+  also keeps exp(score - running max) per attended token and the running max per block.
+  A row's blocks are either every block its causal / sliding-window mask leaves visible
+  (dense, prefill) or the selection of its set (sparse decode).
+- ``_merge``: work item = (row, head): merges the splits, normalizes, writes the output and the
+  row's max M and sum L (lse = M + log L).
+- ``_block_mass`` / ``_decay_mass``: a decode step's probabilities
+  P = stored * exp(block max - M) / L added to ``importance`` (one writer per entry; float32
+  sum, clamped to the fp16 maximum, rounded once to fp16 as the CPU path does). ``_decay_mass``
+  is the ``decay != 1`` path: every valid entry becomes ``decay*old + P``.
+- ``_prefill_mass``: work item = (kv head, key block): the mass the observed prompt rows give
+  each key (scores recomputed against the rows' M and L), added to ``importance``.
+
+Launches per call: decode 2 (+1 with importance), prefill 2 (+1 with importance).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda, float32, int32
+
+from . import device
+
+THREADS = 8 if device.SIMULATOR else 128
+MAX_UNIT_HEADS = 16      # query heads one work item serves (a GQA group at most)
+FP16_MAX = 65504.0
+NEG_INF = -math.inf
+
+
+# --------------------------------------------------------------------------
+# kernels
+# --------------------------------------------------------------------------
+
+
+@cuda.jit
+def _attend(q, kc, vc, bt, pos0, scale, window, sel, cnt, dense, nsplit, nh, m_part, l_part,
+            o_part, store, probs, bmax):
+    R, Hq, D = q.shape
+    Hkv = kc.shape[0]
+    B = kc.shape[2] // D
+    G = Hq // Hkv
+    hps = Hq // sel.shape[0]
+    units = Hq // nh
+    bid = cuda.blockIdx.x
+    sp = bid % nsplit
+    u = (bid // nsplit) % units
+    r = bid // (nsplit * units)
+    h0 = u * nh
+    kvh = h0 // G
+    si = h0 // hps
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    sc = float32(scale)
+    n_ctx = pos0 + r + 1
+    lo = 0
+    if window > 0:
+        lo = max(0, n_ctx - window)
+    lb_first = 0
+    if dense:
+        lb_first = lo // B
+        n_blocks = (n_ctx - 1) // B - lb_first + 1
+    else:
+        n_blocks = cnt[si]
+    per = (n_blocks + nsplit - 1) // nsplit
+    k_beg = sp * per
+    k_end = min(n_blocks, k_beg + per)
+
+    sh = cuda.shared.array(0, float32)
+    qs = sh[0:nh * D]
+    o = sh[nh * D:2 * nh * D]
+    s = sh[2 * nh * D:2 * nh * D + nh * B]
+    red = sh[2 * nh * D + nh * B:2 * nh * D + nh * B + nt]
+    m = cuda.local.array(MAX_UNIT_HEADS, float32)
+    l = cuda.local.array(MAX_UNIT_HEADS, float32)
+    alpha = cuda.local.array(MAX_UNIT_HEADS, float32)
+    for i in range(tid, nh * D, nt):
+        qs[i] = q[r, h0 + i // D, i % D]
+        o[i] = float32(0.0)
+    for g in range(nh):
+        m[g] = float32(NEG_INF)
+        l[g] = float32(0.0)
+    cuda.syncthreads()
+
+    for k in range(k_beg, k_end):
+        if dense:
+            lb = lb_first + k
+        else:
+            lb = sel[si, k]
+        pb = bt[lb]
+        base = lb * B
+        t0 = max(lo - base, 0)
+        t1 = max(min(n_ctx - base, B), t0)      # a block the masks hide is an empty range
+        ntok = t1 - t0
+        # scores of (head, token) pairs
+        for i in range(tid, nh * ntok, nt):
+            g = i // ntok
+            t = t0 + i % ntok
+            acc = float32(0.0)
+            for d in range(D):
+                acc += qs[g * D + d] * float32(kc[kvh, pb, t * D + d])
+            s[g * B + t] = acc * sc
+        cuda.syncthreads()
+        # fold the block into each head's running (m, l)
+        for g in range(nh):
+            v = float32(NEG_INF)
+            for t in range(t0 + tid, t1, nt):
+                v = max(v, s[g * B + t])
+            bm = device.block_max(v, red)
+            a = float32(1.0)
+            if bm > m[g]:
+                a = float32(0.0)
+                if m[g] > NEG_INF:
+                    a = math.exp(m[g] - bm)
+                m[g] = bm
+            ls = float32(0.0)
+            for t in range(t0 + tid, t1, nt):
+                e = math.exp(s[g * B + t] - m[g])
+                s[g * B + t] = e
+                ls += e
+            l[g] = l[g] * a + device.block_sum(ls, red)
+            alpha[g] = a
+        # (block_sum ends with a barrier: every exp is visible)
+        for i in range(tid, nh * D, nt):
+            g = i // D
+            d = i % D
+            acc = float32(0.0)
+            for t in range(t0, t1):
+                acc += s[g * B + t] * float32(vc[kvh, pb, d * B + t])
+            o[i] = o[i] * alpha[g] + acc
+        if store:
+            for i in range(tid, nh * ntok, nt):
+                g = i // ntok
+                t = t0 + i % ntok
+                probs[h0 + g, k, t] = s[g * B + t]
+            if tid < nh:
+                bmax[h0 + tid, k] = m[tid]
+        cuda.syncthreads()                      # s is rewritten by the next block
+
+    for i in range(tid, nh * D, nt):
+        o_part[r, h0 + i // D, sp, i % D] = o[i]
+    if tid < nh:
+        m_part[r, h0 + tid, sp] = m[tid]
+        l_part[r, h0 + tid, sp] = l[tid]
+
+
+@cuda.jit
+def _merge(m_part, l_part, o_part, out, M, L):
+    R, Hq, nsplit, D = o_part.shape
+    r = cuda.blockIdx.x // Hq
+    h = cuda.blockIdx.x % Hq
+    tid = cuda.threadIdx.x
+    mh = float32(NEG_INF)
+    for sp in range(nsplit):
+        mh = max(mh, m_part[r, h, sp])
+    lh = float32(0.0)
+    for sp in range(nsplit):
+        if m_part[r, h, sp] > NEG_INF:
+            lh += l_part[r, h, sp] * math.exp(m_part[r, h, sp] - mh)
+    inv = float32(1.0)
+    if lh > 0.0:
+        inv = float32(1.0) / lh
+    for d in range(tid, D, cuda.blockDim.x):
+        acc = float32(0.0)
+        for sp in range(nsplit):
+            if m_part[r, h, sp] > NEG_INF:
+                acc += o_part[r, h, sp, d] * math.exp(m_part[r, h, sp] - mh)
+        out[r, h, d] = acc * inv if lh > 0.0 else acc
+    if tid == 0:
+        M[r, h] = mh
+        L[r, h] = lh
+
+
+@cuda.jit(device=True)
+def _prob(probs, bmax, M, L, h, k, t):
+    """P of token t of the k-th attended block of head h (0 where nothing was attended)."""
+    if L[0, h] > 0.0 and bmax[h, k] > NEG_INF:
+        return probs[h, k, t] * (math.exp(bmax[h, k] - M[0, h]) / L[0, h])
+    return float32(0.0)
+
+
+@cuda.jit(device=True)
+def _store_mass(importance, pb, t, h, x):
+    if x > FP16_MAX:
+        x = float32(FP16_MAX)
+    importance[pb, t, h] = x
+
+
+@cuda.jit
+def _block_mass(importance, bt, sel, cnt, dense, lb_first, n_blocks, probs, bmax, M, L, n_ctx,
+                window):
+    """decay == 1: work item = (set, k-th block of the set); threads over (token, head of set)."""
+    NB, B, Hq = importance.shape
+    nsets = sel.shape[0]
+    hps = Hq // nsets
+    Kw = probs.shape[1]
+    si = cuda.blockIdx.x // Kw
+    k = cuda.blockIdx.x % Kw
+    count = n_blocks if dense else cnt[si]
+    if k >= count:
+        return
+    lb = lb_first + k if dense else sel[si, k]
+    pb = bt[lb]
+    base = lb * B
+    lo = 0
+    if window > 0:
+        lo = max(0, n_ctx - window)
+    t0 = max(lo - base, 0)
+    t1 = min(n_ctx - base, B)
+    for i in range(cuda.threadIdx.x, B * hps, cuda.blockDim.x):
+        t = i // hps
+        h = si * hps + i % hps
+        if t0 <= t < t1:
+            x = float32(importance[pb, t, h]) + _prob(probs, bmax, M, L, h, k, t)
+            _store_mass(importance, pb, t, h, x)
+
+
+@cuda.jit
+def _decay_mass(importance, bt, sel, cnt, dense, lb_first, n_blocks, probs, bmax, M, L, n_ctx,
+                window, decay):
+    """decay != 1: work item = logical block lb; every valid entry becomes decay*old + P."""
+    NB, B, Hq = importance.shape
+    nsets = sel.shape[0]
+    hps = Hq // nsets
+    lb = cuda.blockIdx.x
+    pb = bt[lb]
+    base = lb * B
+    lo = 0
+    if window > 0:
+        lo = max(0, n_ctx - window)
+    dec = float32(decay)
+    for i in range(cuda.threadIdx.x, B * Hq, cuda.blockDim.x):
+        t = i // Hq
+        h = i % Hq
+        if base + t >= n_ctx:
+            continue
+        x = dec * float32(importance[pb, t, h])
+        if base + t >= lo:
+            si = h // hps
+            k = -1
+            if dense:
+                if lb_first <= lb < lb_first + n_blocks:
+                    k = lb - lb_first
+            else:
+                for j in range(cnt[si]):
+                    if sel[si, j] == lb:
+                        k = j
+            if k >= 0:
+                x += _prob(probs, bmax, M, L, h, k, t)
+        _store_mass(importance, pb, t, h, x)
+
+
+@cuda.jit
+def _prefill_mass(q, kc, bt, pos0, scale, window, M, L, r0, lbA, importance, decay):
+    """Work item = (kv head, key block lbA + j); threads over (token, head of the group)."""
+    T, Hq, D = q.shape
+    Hkv = kc.shape[0]
+    B = kc.shape[2] // D
+    G = Hq // Hkv
+    nkb = cuda.gridDim.x // Hkv
+    kvh = cuda.blockIdx.x // nkb
+    lb = lbA + cuda.blockIdx.x % nkb
+    pb = bt[lb]
+    base = lb * B
+    n = pos0 + T
+    p_lo = 0
+    if window > 0:
+        p_lo = max(0, pos0 + r0 - window + 1)
+    sc = float32(scale)
+    dec = float32(decay)
+    for i in range(cuda.threadIdx.x, B * G, cuda.blockDim.x):
+        t = i // G
+        h = kvh * G + i % G
+        p = base + t
+        if p >= n:
+            continue
+        x = float32(importance[pb, t, h])
+        if decay != 1.0:
+            x = dec * x
+        elif p < p_lo:
+            continue
+        if p >= p_lo:
+            acc = float32(0.0)
+            for r in range(r0, T):
+                pq = pos0 + r
+                if p <= pq and (window <= 0 or pq - p < window):
+                    dot = float32(0.0)
+                    for d in range(D):
+                        dot += q[r, h, d] * float32(kc[kvh, pb, t * D + d])
+                    acc += math.exp(dot * sc - M[r, h]) * (float32(1.0) / L[r, h])
+            x += acc
+        _store_mass(importance, pb, t, h, x)
+
+
+# --------------------------------------------------------------------------
+# launchers
+# --------------------------------------------------------------------------
+
+
+def _unit_heads(Hq: int, Hkv: int, nsets: int) -> int:
+    """Query heads per work item: the heads of one kv head that share a set."""
+    nh = min(Hq // nsets, Hq // Hkv)
+    if nh > MAX_UNIT_HEADS:
+        raise ValueError(f"{nh} query heads per kv head exceed the device kernels' "
+                         f"{MAX_UNIT_HEADS}")
+    return nh
+
+
+def _shared_bytes(nh: int, D: int, B: int, nt: int) -> int:
+    return (2 * nh * D + nh * B + nt) * 4
+
+
+def default_splits(n_blocks: int, units: int, min_blocks: int = 4, target: int = 264) -> int:
+    """Splits per unit so that units * splits fills ~``target`` thread blocks (2 per SM of an
+    H200), with at least ``min_blocks`` KV blocks per split."""
+    return max(1, min(-(-target // max(units, 1)), n_blocks // max(min_blocks, 1)))
+
+
+def _check(q, kc, vc, bt):
+    if q.ndim != 3 or kc.ndim != 3 or vc.ndim != 3:
+        raise ValueError("q must be [R, Hq, D] and the caches [Hkv][NB][B*D] / [Hkv][NB][D*B]")
+    R, Hq, D = q.shape
+    Hkv, NB, BD = kc.shape
+    if vc.shape != kc.shape:
+        raise ValueError(f"v cache shape {vc.shape} differs from the k cache's {kc.shape}")
+    if Hq % Hkv or BD % D:
+        raise ValueError(f"query heads {Hq} / kv heads {Hkv} / head dim {D} do not fit "
+                         f"the cache rows of {BD}")
+    return R, Hq, D, Hkv, BD // D
+
+
+class Scratch:
+    """Device buffers of the decode partials, grown on demand and reused across calls."""
+
+    def __init__(self):
+        self._bufs: dict = {}
+
+    def get(self, name: str, shape: tuple, dtype) -> object:
+        b = self._bufs.get(name)
+        if b is None or b.shape != tuple(shape) or b.dtype != np.dtype(dtype):
+            b = device.empty(tuple(shape), dtype)
+            self._bufs[name] = b
+        return b
+
+
+_SCRATCH = Scratch()
+
+
+def decode(q, kc, vc, bt, n_ctx: int, scale: float, window: int, out, sel=None, cnt=None,
+           n_sel: int = 0, importance=None, decay: float = 1.0, nsplit: int | None = None,
+           scratch: Scratch | None = None):
+    """Decode attention of q ``[1, Hq, D]`` (position n_ctx - 1) into out ``[1, Hq, D]``.
+
+    ``sel`` None: every block the masks leave visible (dense). Otherwise the selection
+    (``sel``, ``cnt`` on the device) with ``n_sel`` = sel.shape[1]. ``importance`` (float16
+    ``[NB][B][Hq]``, on the device) receives the step's probabilities (``decay*old + P`` with
+    decay != 1). Returns (M, L) device arrays ``[1, Hq]`` (lse = M + log L)."""
+    R, Hq, D, Hkv, B = _check(q, kc, vc, bt)
+    if R != 1:
+        raise ValueError(f"decode takes one query row, got {R}")
+    scratch = scratch or _SCRATCH
+    dense = sel is None
+    lo = max(0, n_ctx - window) if window > 0 else 0
+    lb_first = lo // B
+    if dense:
+        n_blocks = (n_ctx - 1) // B - lb_first + 1
+        sel = scratch.get("sel0", (1, 1), np.int32)
+        cnt = scratch.get("cnt0", (1,), np.int32)
+        nsets, Kw = 1, n_blocks
+    else:
+        nsets, Kw = sel.shape
+        n_blocks = Kw
+    nh = _unit_heads(Hq, Hkv, nsets)
+    units = Hq // nh
+    if nsplit is None:
+        nsplit = default_splits(n_blocks, units)
+    store = importance is not None
+    m_part = scratch.get("m", (1, Hq, nsplit), np.float32)
+    l_part = scratch.get("l", (1, Hq, nsplit), np.float32)
+    o_part = scratch.get("o", (1, Hq, nsplit, D), np.float32)
+    probs = scratch.get("p", (Hq, Kw, B) if store else (1, 1, 1), np.float32)
+    bmax = scratch.get("bm", (Hq, Kw) if store else (1, 1), np.float32)
+    M = scratch.get("M", (1, Hq), np.float32)
+    L = scratch.get("L", (1, Hq), np.float32)
+    nt = THREADS
+    device.launch(_attend, units * nsplit, nt, q, kc, vc, bt, np.int32(n_ctx - 1),
+                  np.float32(scale), np.int32(window), sel, cnt, dense, np.int32(nsplit),
+                  np.int32(nh), m_part, l_part, o_part, store, probs, bmax,
+                  shared=_shared_bytes(nh, D, B, nt))
+    device.launch(_merge, Hq, min(nt, device.pow2_threads(D)), m_part, l_part, o_part, out, M, L)
+    if store:
+        if decay == 1.0:
+            device.launch(_block_mass, nsets * Kw, nt, importance, bt, sel, cnt, dense,
+                          np.int32(lb_first), np.int32(n_blocks), probs, bmax, M, L,
+                          np.int32(n_ctx), np.int32(window))
+        else:
+            device.launch(_decay_mass, -(-n_ctx // B), nt, importance, bt, sel, cnt, dense,
+                          np.int32(lb_first), np.int32(n_blocks), probs, bmax, M, L,
+                          np.int32(n_ctx), np.int32(window), np.float32(decay))
+    return M, L
+
+
+def prefill(q, kc, vc, bt, pos0: int, scale: float, window: int, out, importance=None,
+            obs_start: int = 0, decay: float = 1.0, scratch: Scratch | None = None):
+    """Causal (optionally sliding-window) attention of a prompt chunk q ``[T, Hq, D]`` (row i at
+    position pos0 + i; its K/V already cached) into out ``[T, Hq, D]``. ``importance`` receives
+    the probabilities of the rows at positions >= ``obs_start`` (``decay*old + new``).
+    Returns (M, L) device arrays ``[T, Hq]``."""
+    T, Hq, D, Hkv, B = _check(q, kc, vc, bt)
+    scratch = scratch or _SCRATCH
+    nh = _unit_heads(Hq, Hkv, 1)
+    units = Hq // nh
+    m_part = scratch.get("pm", (T, Hq, 1), np.float32)
+    l_part = scratch.get("pl", (T, Hq, 1), np.float32)
+    o_part = scratch.get("po", (T, Hq, 1, D), np.float32)
+    M = scratch.get("pM", (T, Hq), np.float32)
+    L = scratch.get("pL", (T, Hq), np.float32)
+    dummy_sel = scratch.get("sel0", (1, 1), np.int32)
+    dummy_cnt = scratch.get("cnt0", (1,), np.int32)
+    dummy_p = scratch.get("p0", (1, 1, 1), np.float32)
+    dummy_b = scratch.get("bm0", (1, 1), np.float32)
+    nt = THREADS
+    device.launch(_attend, T * units, nt, q, kc, vc, bt, np.int32(pos0), np.float32(scale),
+                  np.int32(window), dummy_sel, dummy_cnt, True, np.int32(1), np.int32(nh),
+                  m_part, l_part, o_part, False, dummy_p, dummy_b,
+                  shared=_shared_bytes(nh, D, B, nt))
+    device.launch(_merge, T * Hq, min(nt, device.pow2_threads(D)), m_part, l_part, o_part, out,
+                  M, L)
+    r0 = max(0, int(obs_start) - int(pos0))
+    if importance is not None and r0 < T:
+        n = pos0 + T
+        p_lo = 0 if window <= 0 else max(0, pos0 + r0 - window + 1)
+        lbA = 0 if decay != 1.0 else p_lo // B
+        nkb = -(-n // B) - lbA
+        device.launch(_prefill_mass, Hkv * nkb, nt, q, kc, bt, np.int32(pos0), np.float32(scale),
+                      np.int32(window), M, L, np.int32(r0), np.int32(lbA), importance,
+                      np.float32(decay))
+    return M, L

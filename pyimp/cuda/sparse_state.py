@@ -1,0 +1,231 @@
+"""The sparse path's state on the device: :class:`DeviceSparseState`.
+
+The decisions are :class:`pyimp.sparse_policy.SparseState`'s own (which layers run sparse,
+lead layers, ``token_step`` reuse, when anchors are stale); only the buffers and the kernels
+move to the device:
+
+- ``importance_dev`` float16 ``[L][NB][B][Hq]`` and the anchor storage (:class:`DeviceAnchors`)
+  live on the device. ``importance_`` and ``anchor_[...]`` read as host copies, made on demand
+  (reports, heatmaps, Python access).
+- Retrieval (scores and top-k) and the decode attention run on the device: a selection never
+  comes to the host. It does for the statistics of ``--report`` / ``track`` only (the attended
+  fraction and the recall need host numbers), so those flags cost a copy per sparse layer and
+  step.
+- DYNAMIC anchors: the host does not see which blocks a step attended, so every block of a
+  DYNAMIC layer is recomputed before its next retrieval (the same anchors as the CPU path's
+  per-block bookkeeping gives, at the cost of recomputing unattended blocks).
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import cuda
+
+from ..sparse import AnchorType
+from ..sparse.anchors import group_shared
+from ..sparse.retrieval import n_sets
+from ..sparse_policy import AnchorBuffer, SparseState
+from . import attention, device
+from . import sparse as dsparse
+
+
+@cuda.jit
+def _extend(sel, cnt, n_lb0, n_lb, out, out_cnt):
+    """out[si] = sel[si, :cnt[si]] followed by the logical blocks n_lb0 .. n_lb-1."""
+    si = cuda.blockIdx.x
+    c = cnt[si]
+    K = out.shape[1]
+    for j in range(cuda.threadIdx.x, K, cuda.blockDim.x):
+        if j < c:
+            out[si, j] = sel[si, j]
+        elif j < c + n_lb - n_lb0:
+            out[si, j] = n_lb0 + j - c
+        else:
+            out[si, j] = -1
+    if cuda.threadIdx.x == 0:
+        out_cnt[si] = c + n_lb - n_lb0
+
+
+class DeviceAnchors(AnchorBuffer):
+    """``anchor_`` with its storage on the device; indexing returns host copies."""
+
+    def __init__(self, n_layer, layers, n_blocks, anchor_num, n_head, n_head_kv, head_dim, shared):
+        super().__init__(n_layer, [], n_blocks, anchor_num, n_head, n_head_kv, head_dim, shared)
+        self._store = {il: device.zeros((n_blocks, anchor_num, self.heads, head_dim), np.float16)
+                       for il in layers}
+
+    def _host(self, il: int) -> np.ndarray | None:
+        s = self._store.get(il)
+        return None if s is None else device.to_host(s)
+
+    def grouped(self, il: int) -> np.ndarray:
+        il = self._layer(il)
+        NB, A, Hq, D = self.shape[1:]
+        s = self._host(il)
+        if s is None:
+            return np.broadcast_to(np.float16(0), (NB, A, self.n_head_kv, self.group, D))
+        if self.heads == Hq:
+            return s.reshape(NB, A, self.n_head_kv, self.group, D)
+        return np.broadcast_to(s[:, :, :, None, :], (NB, A, self.n_head_kv, self.group, D))
+
+    def _full(self, il: int) -> np.ndarray:
+        NB, A, Hq, D = self.shape[1:]
+        s = self._host(il)
+        if s is None:
+            return np.broadcast_to(np.float16(0), (NB, A, Hq, D))
+        return s if self.heads == Hq else np.repeat(s, self.group, axis=2)
+
+    def zero(self) -> None:
+        for il, a in self._store.items():
+            self._store[il] = device.zeros(a.shape, np.float16)
+
+
+class DeviceSparseState(SparseState):
+    """:class:`SparseState` over a :class:`pyimp.cuda.kvcache.DeviceKVCache`."""
+
+    def __init__(self, opts, cfg, cache):
+        super().__init__(opts, cfg, cache)
+        A = self.anchor_.shape[2]
+        self.anchor_ = DeviceAnchors(cfg.n_layer, self.anchor_.layers, cache.max_blocks, A,
+                                     cfg.n_head, cfg.n_head_kv, cfg.head_dim,
+                                     group_shared(self.anchor_type))
+        self.scratch = attention.Scratch()
+
+    # importance_: the device buffer; the attribute reads a host copy, an assignment uploads
+    @property
+    def importance_(self) -> np.ndarray:
+        return device.to_host(self.importance_dev)
+
+    @importance_.setter
+    def importance_(self, value: np.ndarray) -> None:
+        self.importance_dev = device.to_device(np.asarray(value, np.float16))
+
+    def warmup(self) -> None:
+        """The device kernels compile at their first launch."""
+
+    def reset(self) -> None:
+        self.importance_dev = device.zeros(self.importance_dev.shape, np.float16)
+        self.anchor_.zero()
+        for d in self._dirty.values():
+            d[:] = False
+        self._sel.clear()
+        self._prefill = None
+        self.stats = type(self.stats)()
+        self.selections.clear()
+
+    def begin_forward(self, pos0: int, T: int, prompt_end: int | None) -> bool:
+        decay = self.opts.decay
+        end = pos0 + T if prompt_end is None else int(prompt_end)
+        cont = self._prefill is not None and self._prefill == (end, pos0)
+        prefill = cont or T > 1 or end > pos0 + T
+        if prefill and not cont and decay != 1.0 and pos0 > 0:
+            for il in range(self.importance_dev.shape[0]):
+                dsparse.decay_importance(self.importance_dev[il], self.cache.bt_dev, pos0, decay)
+        self._prefill = (end, pos0 + T) if prefill and pos0 + T < end else None
+        self._chunk_is_prefill = prefill
+        return prefill
+
+    def truncate(self, n_ctx: int) -> None:
+        imp = self.importance_                      # a rewind is rare: host round trip
+        bt, B = self.cache.block_table[0], self.cache.block_len
+        n_lb = int((bt >= 0).sum())
+        lb0 = n_ctx // B
+        if lb0 < n_lb:
+            imp[:, bt[lb0], n_ctx - lb0 * B:] = 0
+            imp[:, bt[lb0 + 1:n_lb]] = 0
+            self.importance_ = imp
+            for d in self._dirty.values():
+                d[lb0:] = True
+        self._sel.clear()
+        self._prefill = None
+
+    def restore_prefix(self, importance: np.ndarray, n_ctx: int) -> None:
+        self.importance_ = importance
+        self.after_prefill(n_ctx)
+
+    def _anchors(self, il: int, lbs: np.ndarray, n_ctx: int) -> None:
+        blocks, n_valid = self._blocks_upto(n_ctx, lbs)
+        dsparse.compute_anchors(self.anchor_type, self.cache.k_layer(il),
+                                device.to_device(blocks.astype(np.int32)),
+                                device.to_device(n_valid.astype(np.int32)),
+                                self.anchor_.storage(il), self.importance_dev[il])
+
+    def refresh_anchors(self, n_ctx: int, lbs: np.ndarray | None = None) -> None:
+        if lbs is None:
+            lbs = np.arange(-(-n_ctx // self.cache.block_len))
+        for il in self.anchor_.layers:
+            self._anchors(il, lbs, n_ctx)
+            if lbs.size == -(-n_ctx // self.cache.block_len):
+                self._dirty[il][:] = False
+
+    def _fresh_anchors(self, il: int, n_ctx: int):
+        d = self._dirty[il]
+        lbs = np.flatnonzero(d[:-(-n_ctx // self.cache.block_len)])
+        if lbs.size:
+            self._anchors(il, lbs, n_ctx)
+            d[:] = False
+        return self.anchor_.storage(il)
+
+    def _mark(self, il: int, n_ctx: int, sel, cnt) -> None:
+        d = self._dirty.get(il)
+        if d is not None and self.anchor_type is AnchorType.DYNAMIC:
+            d[:-(-n_ctx // self.cache.block_len)] = True     # attended blocks are not known here
+
+    def _extend(self, cached, n_lb: int):
+        sel, cnt, _, n_lb0 = cached
+        if n_lb <= n_lb0:
+            return sel, cnt
+        nsets, K = sel.shape
+        out = self.scratch.get(f"ext{K + n_lb - n_lb0}", (nsets, K + n_lb - n_lb0), np.int32)
+        out_cnt = self.scratch.get("ext_cnt", (nsets,), np.int32)
+        device.launch(_extend, nsets, 32, sel, cnt, np.int32(n_lb0), np.int32(n_lb), out, out_cnt)
+        return out, out_cnt
+
+    def _selection(self, il: int, q, n_ctx: int):
+        o, B = self.opts, self.cache.block_len
+        n_lb = -(-n_ctx // B)
+        if n_ctx // B <= o.init_blocks + o.topk + o.local_blocks:
+            nsets = n_sets(self.retrieval_type, q.shape[1], self.n_head_kv)
+            return (device.to_device(np.tile(np.arange(n_lb, dtype=np.int32), (nsets, 1))),
+                    device.to_device(np.full(nsets, n_lb, np.int32)))
+        lead, step = self._lead[il], self.stats.steps
+        cached = self._sel.get(lead)
+        if lead == il and (cached is None or step - cached[2] >= o.token_step):
+            sel, cnt = dsparse.retrieve_blocks(q[0], self._fresh_anchors(il, n_ctx),
+                                               self.cache.bt_dev, n_ctx, B, self.n_head_kv,
+                                               self.retrieval_type, o.init_blocks, o.topk,
+                                               o.local_blocks, self.anchor_type)
+            self._sel[lead] = (sel, cnt, step, n_lb)
+            return sel, cnt
+        return self._extend(cached, n_lb)
+
+    def decode_attention(self, il: int, q, n_ctx: int, scale: float, window: int, out) -> None:
+        """Attention of the device query q ``[1, Hq, D]`` of layer il into out ``[1, Hq, D]``."""
+        o, c = self.opts, self.cache
+        kc, vc, bt = c.k_layer(il), c.v_layer(il), c.bt_dev
+        imp = self.importance_dev[il]
+        if il in self._dirty:
+            self._dirty[il][-(-n_ctx // c.block_len) - 1] = True
+        sparse = self.is_sparse_step(il, n_ctx)
+        if not sparse:
+            attention.decode(q, kc, vc, bt, n_ctx, scale, window, out, importance=imp,
+                             decay=o.decay, scratch=self.scratch)
+            self._mark(il, n_ctx, None, None)
+        else:
+            sel, cnt = self._selection(il, q, n_ctx)
+            M, L = attention.decode(q, kc, vc, bt, n_ctx, scale, window, out, sel=sel, cnt=cnt,
+                                    importance=imp, decay=o.decay, scratch=self.scratch)
+            self._mark(il, n_ctx, sel, cnt)
+            if o.report or o.track:
+                rec = None
+                if o.report:
+                    lse = device.to_host(M)[0] + np.log(device.to_host(L)[0])
+                    dense = device.empty(out.shape, np.float32)
+                    Md, Ld = attention.decode(q, kc, vc, bt, n_ctx, scale, window, dense,
+                                              scratch=attention.Scratch())
+                    lse_d = device.to_host(Md)[0] + np.log(device.to_host(Ld)[0])
+                    rec = np.exp(lse - lse_d).astype(np.float32)
+                hsel, hcnt = device.to_host(sel), device.to_host(cnt)
+                self.stats.add(il, n_ctx, c.block_len, hsel, hcnt, rec)
+                self._record_selection(il, hsel, hcnt)
+        for cb in self._observers:
+            cb(il, q, n_ctx, scale, window, sparse)
