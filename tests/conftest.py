@@ -17,7 +17,8 @@ import pytest  # noqa: E402
 def pytest_ignore_collect(collection_path, config):
     # the simulator tests need NUMBA_ENABLE_CUDASIM=1 before numba is imported: tests/test_cuda.py
     # runs them in a process of their own
-    if collection_path.name == "cuda" and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
+    if (collection_path.name == "cuda" and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1"
+            and os.environ.get("PYIMP_CUDA_HW") != "1"):
         return True
     return None
 

@@ -55,6 +55,28 @@ class SynthSpec:
     vocab_size: int = 0          # 0 = from the vocabulary source
     rms_eps: float = 1e-5
     seed: int = 0
+    random_blocks: bool = False  # quantized matrices as random blocks (see _random_blocks): fast,
+                                 # no quantizer or libggml needed
+
+
+# byte offsets of the fp16 scales in a block, and the spread of the quants they multiply
+_SCALES = {QT.Q4_0: ((0,), 4.6), QT.Q4_1: ((0, 2), 4.6), QT.Q5_0: ((0,), 9.2),
+           QT.Q5_1: ((0, 2), 9.2), QT.Q8_0: ((0,), 74.0), QT.Q2_K: ((80, 82), 40.0),
+           QT.Q3_K: ((108,), 150.0), QT.Q4_K: ((0, 2), 150.0), QT.Q5_K: ((0, 2), 300.0),
+           QT.Q6_K: ((208,), 1200.0)}
+
+
+def _random_blocks(qtype: QT, n_out: int, n_in: int, std: float, rng) -> np.ndarray:
+    """uint8[n_out, row_bytes] of random blocks whose fp16 scales are finite and positive, sized
+    so that the weights spread about ``std`` (roughly: the quants are uniform random bytes)."""
+    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    nb = n_out * (n_in // bs)
+    blocks = rng.integers(0, 256, (nb, ts), dtype=np.uint8)
+    offsets, spread = _SCALES[qtype]
+    for o in offsets:
+        d = (std / spread * rng.uniform(0.5, 1.5, nb)).astype(np.float16)
+        blocks[:, o:o + 2] = d.view(np.uint8).reshape(nb, 2)
+    return blocks.reshape(n_out, n_in // bs * ts)
 
 
 def _quantize(qtype: QT, x: np.ndarray) -> np.ndarray:
@@ -79,10 +101,12 @@ def _byte_vocab(n: int):
     types = [2, 3, 3] + [6] * 256
     letters = "abcdefghijklmnopqrstuvwxyz"
     i = 0
+    seen = set(tokens)
     while len(tokens) < n:
         a, b = divmod(i, 26)
         piece = ("\u2581" if a % 2 else "") + letters[b] + letters[(a // 2) % 26] * (1 + a // 52)
-        if piece not in tokens:
+        if piece not in seen:
+            seen.add(piece)
             tokens.append(piece)
             types.append(1)
         i += 1
@@ -167,6 +191,9 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
 
     def mat(name: str, n_in: int, n_out: int, qtype: QT = wtype, std: float | None = None) -> None:
         s = (1.0 / np.sqrt(n_in)) if std is None else std
+        if spec.random_blocks and qtype in _SCALES:
+            w.add_tensor(name, _random_blocks(qtype, n_out, n_in, s, rng), raw_dtype=qtype)
+            return
         x = rng.standard_normal((n_out, n_in), dtype=np.float32) * np.float32(s)
         w.add_tensor(name, _quantize(qtype, x), raw_dtype=qtype)
 

@@ -30,6 +30,9 @@ def require() -> None:
     import numba
     if numba.config.ENABLE_CUDASIM:
         return
+    from . import device
+    if device.compiling():          # compile-only mode: nothing runs, no GPU needed
+        return
     try:
         ok = cuda.is_available()
     except Exception as e:     # a driver that fails to initialise reports here

@@ -217,13 +217,14 @@ class DeviceSparseState(SparseState):
             self._mark(il, n_ctx, sel, cnt)
             if o.report or o.track:
                 rec = None
-                if o.report:
-                    lse = device.to_host(M)[0] + np.log(device.to_host(L)[0])
+                if o.report:      # recall = exp(lse_sparse - lse_dense), as on the CPU
+                    Ms, Ls = device.to_host(M)[0], device.to_host(L)[0]
                     dense = device.empty(out.shape, np.float32)
                     Md, Ld = attention.decode(q, kc, vc, bt, n_ctx, scale, window, dense,
                                               scratch=attention.Scratch())
-                    lse_d = device.to_host(Md)[0] + np.log(device.to_host(Ld)[0])
-                    rec = np.exp(lse - lse_d).astype(np.float32)
+                    Md, Ld = device.to_host(Md)[0], device.to_host(Ld)[0]
+                    with np.errstate(divide="ignore", invalid="ignore"):
+                        rec = np.where(Ld > 0, Ls / Ld * np.exp(Ms - Md), 0).astype(np.float32)
                 hsel, hcnt = device.to_host(sel), device.to_host(cnt)
                 self.stats.add(il, n_ctx, c.block_len, hsel, hcnt, rec)
                 self._record_selection(il, hsel, hcnt)

@@ -1,0 +1,417 @@
+"""The GPU check: everything that needs a real GPU, in one command that needs no network.
+
+    python -m tools.device_check OUT            # on a machine with a GPU (about 4 minutes)
+    NUMBA_ENABLE_CUDASIM=1 python -m tools.device_check OUT --dry   # tiny shapes, simulator
+
+Writes ``OUT/device_check.json`` and ``OUT/device_check.md`` (rewritten after every step, so a
+run cut short still leaves what it measured). Steps:
+
+1. ``kernel_tests``: the CUDA kernel tests of ``tests/cuda`` on the GPU (``PYIMP_CUDA_HW=1``:
+   the warp-shuffle reductions included). Skipped with ``--dry`` (CI runs them on the
+   simulator in ``tests/test_cuda.py``).
+2. ``agreement``: a Gemma-3-270M-shaped model written here (random quant blocks: the device
+   has no libggml and the real file does not travel), ``device="cuda"`` vs the CPU engine
+   with f32 KV: greedy tokens on a few prompts (identical or not) and the mean KL(cpu || gpu)
+   of the next-token distributions along the CPU's greedy path.
+3. ``attention``: the decode attention kernel alone at long context, dense vs block-sparse at
+   a 1/8 block budget (Gemma's and TinyLlama's head shapes).
+4. ``decode``: end-to-end decode tok/s at 1k / 16k / 32k context, dense vs sparse (1/8
+   budget), on a cache filled on the device with random keys and values; kernel launches per
+   token; the time per token the importance update and the anchor upkeep take.
+5. ``prefill``: prefill tok/s of a 1024-token prompt.
+6. ``tinyllama``: the TinyLlama-1.1B shape (22 global layers) at 32k, dense vs sparse.
+
+``--dry`` runs every step at tiny shapes (on the simulator in CI) so that this script has been
+executed end to end before it meets a GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Check:
+    """Results of the steps, written after each one."""
+
+    def __init__(self, out: str, dry: bool, budget_s: float):
+        self.out, self.dry, self.budget_s = out, dry, budget_s
+        self.t0 = time.perf_counter()
+        self.data: dict = {"dry": dry, "steps": {}}
+
+    def left(self) -> float:
+        return self.budget_s - (time.perf_counter() - self.t0)
+
+    def step(self, name: str, fn, need_s: float = 0.0) -> None:
+        if self.left() < need_s:
+            self.data["steps"][name] = {"status": "skipped", "why": f"under {need_s:.0f} s left"}
+            self.write()
+            return
+        t = time.perf_counter()
+        try:
+            res = fn(self) or {}
+            res = {"status": "ok", **res}
+        except Exception as e:  # a failed step is a result; the next steps still run
+            import traceback
+            res = {"status": "failed", "error": f"{type(e).__name__}: {e}",
+                   "trace": traceback.format_exc()[-3000:]}
+        res["seconds"] = round(time.perf_counter() - t, 2)
+        self.data["steps"][name] = res
+        self.write()
+        print(f"[device_check] {name}: {res['status']} ({res['seconds']} s)", flush=True)
+
+    def write(self) -> None:
+        os.makedirs(self.out, exist_ok=True)
+        with open(os.path.join(self.out, "device_check.json"), "w") as f:
+            json.dump(self.data, f, indent=1, default=float)
+        with open(os.path.join(self.out, "device_check.md"), "w") as f:
+            f.write(markdown(self.data))
+
+
+def markdown(data: dict) -> str:
+    lines = [f"# device_check{' (dry run, simulator)' if data.get('dry') else ''}", ""]
+    m = data.get("machine", {})
+    if m:
+        lines += [f"GPU: {m.get('gpu')} (cc {m.get('cc')}), numba-cuda {m.get('numba_cuda')}, "
+                  f"CPU cores {m.get('cpus')}", ""]
+    lines += ["| step | status | s | figures |", "|---|---|---|---|"]
+    for name, r in data["steps"].items():
+        figs = {k: v for k, v in r.items() if k not in ("status", "seconds", "trace")}
+        lines.append(f"| {name} | {r['status']} | {r.get('seconds', '')} | "
+                     f"{json.dumps(figs, default=float)[:1500]} |")
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _sync():
+    from numba import cuda
+    cuda.synchronize()
+
+
+def _timed(fn, n: int) -> float:
+    """Seconds per call of fn() (after one untimed call), synchronized."""
+    fn()
+    _sync()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    _sync()
+    return (time.perf_counter() - t) / n
+
+
+def _shapes(dry: bool) -> dict:
+    from tools.write_synthetic_gguf import PRESETS
+    if dry:
+        gemma = dict(arch="gemma3", n_layer=2, n_embd=64, n_head=4, n_head_kv=1, head_dim=16,
+                     n_ff=128, n_ctx=512, sliding_window=8, vocab_size=300)
+        gemma["swa_pattern"] = 2
+        tiny = dict(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
+                    n_ctx=512, vocab_size=300)
+        return dict(gemma=gemma, tinyllama=tiny, contexts=[64, 128], long=128, prompt=24,
+                    steps=3, n_prompts=2, gen=4, block_len=8, timed=2)
+    return dict(gemma=dict(PRESETS["gemma3-270m"]), tinyllama=dict(PRESETS["tinyllama"]),
+                contexts=[1024, 16384, 32768], long=32768, prompt=1024, steps=16, n_prompts=3,
+                gen=32, block_len=32, timed=20)
+
+
+def _model(check: Check, key: str, weight_type: str, embd_type: str) -> str:
+    from tools.write_synthetic_gguf import SynthSpec, write
+    cache = check.data.setdefault("_models", {})
+    if key not in cache:
+        spec = dict(_shapes(check.dry)[key])
+        spec["n_ctx"] = max(spec.get("n_ctx", 0), 40000)
+        path = os.path.join(check.tmp, f"{key}.gguf")
+        write(path, SynthSpec(weight_type=weight_type, embd_type=embd_type, random_blocks=True,
+                              **spec))
+        cache[key] = path
+    return cache[key]
+
+
+_FILL = []
+
+
+def _fill_kernel():
+    """A kernel writing hashed values in [-1, 1] into a flat array (compiled once)."""
+    if not _FILL:
+        from numba import cuda, float32
+
+        @cuda.jit
+        def fill(a, seed):
+            i = cuda.grid(1)
+            if i < a.size:
+                h = (i * 2654435761 + seed * 97) % 4294967296
+                h = (h ^ (h >> 13)) * 1274126177 % 4294967296
+                a[i] = float32(h % 2001) * float32(0.001) - float32(1.0)
+        _FILL.append(fill)
+    return _FILL[0]
+
+
+def _fill(engine, n: int, seed: int = 0) -> None:
+    """Make the device cache hold n tokens of random keys and values (and the anchors of a
+    sparse engine), as if a prompt of n tokens had been evaluated."""
+    from pyimp.cuda import device
+    c = engine.cache
+    c.reserve(n)
+    for store in (c.k_store, c.v_store):
+        flat = store.reshape(store.size)
+        device.launch(_fill_kernel(), device.blocks_for(store.size, 256), 256, flat,
+                      np.int64(seed))
+    c.commit(n)
+    engine.tokens = [0] * n
+    if engine.sparse is not None:
+        engine.sparse.after_prefill(n)
+    _sync()
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def machine(check: Check) -> dict:
+    import numba
+    from numba import cuda
+    info = {"cpus": os.cpu_count(), "python": platform.python_version(),
+            "numba": numba.__version__}
+    try:
+        from importlib.metadata import version
+        info["numba_cuda"] = version("numba-cuda")
+    except Exception:
+        info["numba_cuda"] = "?"
+    if numba.config.ENABLE_CUDASIM:
+        info.update(gpu="simulator", cc="-")
+    else:
+        dev = cuda.get_current_device()
+        info.update(gpu=dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name),
+                    cc=".".join(map(str, dev.compute_capability)))
+    check.data["machine"] = info
+    return info
+
+
+def kernel_tests(check: Check) -> dict:
+    if check.dry:
+        return {"status_note": "skipped in --dry: tests/test_cuda.py runs them on the simulator"}
+    env = dict(os.environ, PYIMP_CUDA_HW="1")
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        os.path.join(ROOT, "tests", "cuda")], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=max(30, check.left() - 120))
+    tail = (r.stdout + r.stderr).strip().splitlines()
+    if r.returncode:
+        raise RuntimeError("kernel tests failed: " + "\n".join(tail[-40:]))
+    return {"summary": tail[-1] if tail else ""}
+
+
+def agreement(check: Check) -> dict:
+    import pyimp
+    from tools.write_synthetic_gguf import prompt_ids
+    sh = _shapes(check.dry)
+    path = _model(check, "gemma", "Q5_0", "Q8_0")
+    V = sh["gemma"]["vocab_size"]
+    kw = dict(n_ctx=sh["prompt"] + sh["gen"] + 8, block_len=sh["block_len"], kv_type="f32")
+    cpu = pyimp.load(path, device="cpu", **kw)
+    gpu = pyimp.load(path, device="cuda", **kw)
+    same, kls = [], []
+    for i in range(sh["n_prompts"]):
+        ids = prompt_ids(min(sh["prompt"], 64), seed=i, n_vocab=V)
+        toks = {}
+        for name, eng in (("cpu", cpu), ("gpu", gpu)):
+            eng.reset()
+            rows = [eng.eval(ids)[-1]]
+            out = []
+            for _ in range(sh["gen"]):
+                out.append(int(np.argmax(rows[-1])))
+                rows.append(eng.eval([out[-1]])[-1])
+            toks[name] = (out, rows)
+        same.append(toks["cpu"][0] == toks["gpu"][0])
+        # KL along each engine's own path up to the first disagreement (then the contexts differ)
+        n = next((j for j, (a, b) in enumerate(zip(*[toks[k][0] for k in ("cpu", "gpu")]))
+                  if a != b), sh["gen"])
+        for a, b in zip(toks["cpu"][1][:n + 1], toks["gpu"][1][:n + 1]):
+            pa = _log_softmax(a)
+            pb = _log_softmax(b)
+            kls.append(float(np.sum(np.exp(pa) * (pa - pb))))
+    return {"greedy_identical": same, "mean_kl": float(np.mean(kls)), "max_kl": float(np.max(kls)),
+            "goal_mean_kl_le": 1e-3}
+
+
+def _log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max()
+    return x - m - math.log(np.exp(x - m).sum())
+
+
+def attention_kernel(check: Check) -> dict:
+    from pyimp.cuda import attention as CA
+    from pyimp.cuda import device
+    sh = _shapes(check.dry)
+    n = sh["long"]
+    B = sh["block_len"]
+    res = {}
+    for name, (Hq, Hkv, D) in (("gemma", (4, 1, 256 if not check.dry else 16)),
+                               ("tinyllama", (32, 4, 64 if not check.dry else 16))):
+        rng = np.random.default_rng(0)
+        NB = n // B
+        kc = device.to_device(rng.standard_normal((Hkv, NB, B * D)).astype(np.float16))
+        vc = device.to_device(rng.standard_normal((Hkv, NB, D * B)).astype(np.float16))
+        bt = device.to_device(np.arange(NB, dtype=np.int32))
+        q = device.to_device(rng.standard_normal((1, Hq, D)).astype(np.float32))
+        out = device.empty((1, Hq, D), np.float32)
+        K = max(1, NB // 8)
+        # KVHEAD sets of every 8th block (distinct, spread over the context)
+        sel = device.to_device(np.tile((np.arange(K) * 8).astype(np.int32), (Hkv, 1)))
+        cnt = device.to_device(np.full(Hkv, K, np.int32))
+        scr = CA.Scratch()
+        dense = _timed(lambda: CA.decode(q, kc, vc, bt, n, 0.1, 0, out, scratch=scr), sh["timed"])
+        sparse = _timed(lambda: CA.decode(q, kc, vc, bt, n, 0.1, 0, out, sel=sel, cnt=cnt,
+                                          scratch=scr), sh["timed"])
+        res[name] = {"context": n, "dense_us": dense * 1e6, "sparse_us": sparse * 1e6,
+                     "speedup": dense / sparse, "goal_speedup_ge": 5.0}
+    return res
+
+
+def _decode_rate(engine, n_ctx: int, steps: int) -> tuple[float, float]:
+    from pyimp.cuda import device
+    _fill(engine, n_ctx)
+    tok = 5
+    engine.eval([tok])                       # compile / warm
+    l0 = device.launches
+    t = time.perf_counter()
+    for _ in range(steps):
+        engine.eval([tok])
+    dt = time.perf_counter() - t
+    return steps / dt, (device.launches - l0) / steps
+
+
+def decode(check: Check) -> dict:
+    import pyimp
+    sh = _shapes(check.dry)
+    path = _model(check, "gemma", "Q5_0", "Q8_0")
+    B = sh["block_len"]
+    res = {}
+    for n in sh["contexts"]:
+        if check.left() < 40 and not check.dry:
+            res[str(n)] = "skipped: time budget"
+            continue
+        row = {}
+        for mode in ("dense", "sparse"):
+            kw = {}
+            if mode == "sparse":
+                kw = dict(sparse=True, topk=max(1, n // B // 8 - 3), init_blocks=1, local_blocks=2)
+            eng = pyimp.load(path, device="cuda", n_ctx=n + sh["steps"] + 4, block_len=B, **kw)
+            rate, launches = _decode_rate(eng, n, sh["steps"])
+            row[mode] = {"tok_s": rate, "launches_per_token": launches}
+            eng.close()
+        res[str(n)] = row
+    res["goal_tok_s_at_4k_ge"] = 300
+    res["upkeep"] = upkeep(check, path)
+    return res
+
+
+def upkeep(check: Check, path: str) -> dict:
+    """Per token: the importance update (decode with importance minus without, every layer) and
+    the anchor upkeep (one block's anchors recomputed per sparse layer)."""
+    import pyimp
+    from pyimp.cuda import attention as CA
+    from pyimp.cuda import device
+    from pyimp.cuda import sparse as dsparse
+    sh = _shapes(check.dry)
+    n, B = sh["contexts"][0], sh["block_len"]
+    eng = pyimp.load(path, device="cuda", n_ctx=n + 8, block_len=B, sparse=True,
+                     topk=max(1, n // B // 8 - 3))
+    _fill(eng, n)
+    c, sp, cfg = eng.cache, eng.sparse, eng.cfg
+    q = device.to_device(np.ones((1, cfg.n_head, cfg.head_dim), np.float32))
+    out = device.empty((1, cfg.n_head, cfg.head_dim), np.float32)
+    il = sp.sparse_layers[0]
+    scr = CA.Scratch()
+    with_imp = _timed(lambda: CA.decode(q, c.k_layer(il), c.v_layer(il), c.bt_dev, n, 0.1, 0, out,
+                                        importance=sp.importance_dev[il], scratch=scr), sh["timed"])
+    without = _timed(lambda: CA.decode(q, c.k_layer(il), c.v_layer(il), c.bt_dev, n, 0.1, 0, out,
+                                       scratch=scr), sh["timed"])
+    blocks = device.to_device(np.array([0], np.int32))
+    nv = device.to_device(np.array([B], np.int32))
+    anchor = _timed(lambda: dsparse.compute_anchors(sp.anchor_type, c.k_layer(il), blocks, nv,
+                                                    sp.anchor_.storage(il), sp.importance_dev[il]),
+                    sh["timed"])
+    return {"importance_ms_per_token": max(0.0, with_imp - without) * 1e3 * cfg.n_layer,
+            "anchor_ms_per_token": anchor * 1e3 * len(sp.anchor_.layers), "context": n}
+
+
+def prefill(check: Check) -> dict:
+    import pyimp
+    from tools.write_synthetic_gguf import prompt_ids
+    sh = _shapes(check.dry)
+    path = _model(check, "gemma", "Q5_0", "Q8_0")
+    eng = pyimp.load(path, device="cuda", n_ctx=sh["prompt"] + 8, block_len=sh["block_len"])
+    ids = prompt_ids(sh["prompt"], n_vocab=sh["gemma"]["vocab_size"])
+    eng.eval(ids[:8])
+    eng.reset()
+    t = time.perf_counter()
+    eng.eval(ids)
+    dt = time.perf_counter() - t
+    return {"prompt_tokens": len(ids), "tok_s": len(ids) / dt}
+
+
+def tinyllama(check: Check) -> dict:
+    import pyimp
+    sh = _shapes(check.dry)
+    path = _model(check, "tinyllama", "Q4_0", "Q4_0")
+    n, B = sh["long"], sh["block_len"]
+    row = {}
+    for mode in ("dense", "sparse"):
+        kw = {}
+        if mode == "sparse":
+            kw = dict(sparse=True, topk=max(1, n // B // 8 - 3), init_blocks=1, local_blocks=2)
+        eng = pyimp.load(path, device="cuda", n_ctx=n + sh["steps"] + 4, block_len=B, **kw)
+        rate, launches = _decode_rate(eng, n, sh["steps"])
+        row[mode] = {"tok_s": rate, "launches_per_token": launches}
+        eng.close()
+    row["speedup"] = row["sparse"]["tok_s"] / row["dense"]["tok_s"]
+    row["goal_speedup_ge"] = 2.0
+    return {"context": n, **row}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="directory for device_check.json and device_check.md")
+    ap.add_argument("--dry", action="store_true", help="tiny shapes (for the simulator)")
+    ap.add_argument("--budget-s", type=float, default=225.0,
+                    help="seconds after which the remaining long steps are skipped")
+    a = ap.parse_args(argv)
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from pyimp import cuda as pcuda
+    try:
+        pcuda.require()
+    except pcuda.DeviceUnavailable as e:
+        print(f"device_check: {e}", file=sys.stderr)
+        return 1
+    check = Check(a.out, a.dry, a.budget_s)
+    with tempfile.TemporaryDirectory() as tmp:
+        check.tmp = tmp
+        check.step("machine", machine)
+        check.step("kernel_tests", kernel_tests, need_s=60)
+        check.step("agreement", agreement, need_s=40)
+        check.step("attention", attention_kernel, need_s=20)
+        check.step("decode", decode, need_s=40)
+        check.step("prefill", prefill, need_s=15)
+        check.step("tinyllama", tinyllama, need_s=40)
+        check.data.pop("_models", None)
+        check.write()
+    failed = [k for k, v in check.data["steps"].items() if v["status"] == "failed"]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
