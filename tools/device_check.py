@@ -397,6 +397,9 @@ def main(argv=None) -> int:
     except pcuda.DeviceUnavailable as e:
         print(f"device_check: {e}", file=sys.stderr)
         return 1
+    import numba
+    if numba.config.ENABLE_CUDASIM:
+        sys.setswitchinterval(1e-4)     # simulated barriers wait for every Python thread
     check = Check(a.out, a.dry, a.budget_s)
     with tempfile.TemporaryDirectory() as tmp:
         check.tmp = tmp

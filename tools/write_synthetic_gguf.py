@@ -70,6 +70,8 @@ def _random_blocks(qtype: QT, n_out: int, n_in: int, std: float, rng) -> np.ndar
     """uint8[n_out, row_bytes] of random blocks whose fp16 scales are finite and positive, sized
     so that the weights spread about ``std`` (roughly: the quants are uniform random bytes)."""
     bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    if n_in % bs:
+        raise ValueError(f"{qtype.name} rows hold multiples of {bs} elements, not {n_in}")
     nb = n_out * (n_in // bs)
     blocks = rng.integers(0, 256, (nb, ts), dtype=np.uint8)
     offsets, spread = _SCALES[qtype]

@@ -12,8 +12,8 @@ simulator does no type checking; this is how CI catches what would not compile.
 **Reductions** over the threads of a block (:func:`block_sum`, :func:`block_max`): every
 thread calls them with its value and gets the result; ``red`` is a float32 shared
 array with one slot per thread. On hardware a warp reduces with ``shfl_xor_sync`` and
-the warps' results meet in ``red``; the simulator has no warp operations, so there a
-shared-memory tree over ``red`` is used (block sizes are powers of two, <= 1024).
+the warps' results meet in ``red``; the simulator has no warp operations, so there every
+thread sums all of ``red`` after one barrier (block sizes are powers of two, <= 1024).
 """
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def to_host(d) -> np.ndarray:
 
 
 def is_device_array(a) -> bool:
-    return cuda.is_cuda_array(a) and not isinstance(a, np.ndarray)
+    return not isinstance(a, np.ndarray) and hasattr(a, "copy_to_host")
 
 
 def blocks_for(n: int, threads: int) -> int:
@@ -112,38 +112,35 @@ def pow2_threads(n: int, lo: int = 32, hi: int = 256) -> int:
     return int(min(hi, max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1)))))))
 
 
+def row_threads(n: int, hi: int = 256) -> int:
+    """Threads of a block that strides over a row of n elements: a power of two in [32, hi] on
+    hardware; 8 on the simulator, where each thread is a Python thread."""
+    return 8 if SIMULATOR else pow2_threads(n, 32, hi)
+
+
 # ---------------------------------------------------------------- reductions
 
 if SIMULATOR:
+    # two barriers: every barrier costs the simulator a thread switch per Python thread
     @cuda.jit(device=True)
     def block_sum(v, red):
         tid = cuda.threadIdx.x
-        n = cuda.blockDim.x
         red[tid] = v
         cuda.syncthreads()
-        s = n // 2
-        while s > 0:
-            if tid < s:
-                red[tid] += red[tid + s]
-            cuda.syncthreads()
-            s //= 2
-        r = red[0]
+        r = float32(0.0)
+        for i in range(cuda.blockDim.x):
+            r += red[i]
         cuda.syncthreads()
         return r
 
     @cuda.jit(device=True)
     def block_max(v, red):
         tid = cuda.threadIdx.x
-        n = cuda.blockDim.x
         red[tid] = v
         cuda.syncthreads()
-        s = n // 2
-        while s > 0:
-            if tid < s:
-                red[tid] = max(red[tid], red[tid + s])
-            cuda.syncthreads()
-            s //= 2
         r = red[0]
+        for i in range(1, cuda.blockDim.x):
+            r = max(r, red[i])
         cuda.syncthreads()
         return r
 else:

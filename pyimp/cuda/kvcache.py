@@ -7,7 +7,7 @@ host); only the K/V storage lives on the device, in the same layout and under th
 The block table is mirrored to the device (``bt_dev``) whenever :meth:`reserve` changes it.
 Quantized KV types stay on the CPU path for now (a clear error names them).
 
-``_store``: one thread per (token, kv head, channel) of the written rows; K rows token-major,
+``_store``: a grid-stride loop over (token, kv head, channel) of the written rows; K rows token-major,
 V rows channel-major (transposed), fp16 rounded to nearest even as NumPy's ``astype``.
 """
 from __future__ import annotations
@@ -24,18 +24,18 @@ def _store(x, pos0, bt, store, by_token):
     T, Hkv, D = x.shape
     B = store.shape[2] // D
     i = cuda.grid(1)
-    if i >= T * Hkv * D:
-        return
-    t = i // (Hkv * D)
-    kvh = (i // D) % Hkv
-    d = i % D
-    p = pos0 + t
-    pb = bt[p // B]
-    r = p % B
-    if by_token:
-        store[kvh, pb, r * D + d] = x[t, kvh, d]
-    else:
-        store[kvh, pb, d * B + r] = x[t, kvh, d]
+    while i < T * Hkv * D:
+        t = i // (Hkv * D)
+        kvh = (i // D) % Hkv
+        d = i % D
+        p = pos0 + t
+        pb = bt[p // B]
+        r = p % B
+        if by_token:
+            store[kvh, pb, r * D + d] = x[t, kvh, d]
+        else:
+            store[kvh, pb, d * B + r] = x[t, kvh, d]
+        i += cuda.gridsize(1)
 
 
 class DeviceKVCache(KVCache):
@@ -73,8 +73,9 @@ class DeviceKVCache(KVCache):
         T, Hkv, D = k.shape
         n = T * Hkv * D
         for x, store, by_token in ((k, self.k_store, True), (v, self.v_store, False)):
-            device.launch(_store, device.blocks_for(n, 128), 128, x, np.int32(pos0), self.bt_dev,
-                          store[layer], by_token)
+            nt = 8 if device.SIMULATOR else 128
+            device.launch(_store, 1 if device.SIMULATOR else device.blocks_for(n, nt), nt, x,
+                          np.int32(pos0), self.bt_dev, store[layer], by_token)
 
     def k_layer(self, layer: int, seq: int = 0):
         return self.k_store[layer]

@@ -12,6 +12,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+# every simulated barrier waits for each Python thread to be scheduled: switch threads often
+# (the default 5 ms interval makes a barrier cost ~20 ms)
+sys.setswitchinterval(1e-4)
+
 if os.environ.get("NUMBA_ENABLE_CUDASIM") != "1" and os.environ.get("PYIMP_CUDA_HW") != "1":
     raise RuntimeError("tests/cuda runs under NUMBA_ENABLE_CUDASIM=1 (tests/test_cuda.py starts it) "
                        "or on a GPU with PYIMP_CUDA_HW=1 (tools/device_check.py)")
