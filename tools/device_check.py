@@ -37,6 +37,7 @@ import tempfile
 import time
 
 import numpy as np
+from numba import cuda, float32   # NUMBA_ENABLE_CUDASIM (the simulator) must be set before this
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,8 +120,8 @@ def _shapes(dry: bool) -> dict:
         gemma["swa_pattern"] = 2
         tiny = dict(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
                     n_ctx=512, vocab_size=300)
-        return dict(gemma=gemma, tinyllama=tiny, contexts=[64, 128], long=128, prompt=24,
-                    steps=3, n_prompts=2, gen=4, block_len=8, timed=2)
+        return dict(gemma=gemma, tinyllama=tiny, contexts=[64], long=64, prompt=12,
+                    steps=1, n_prompts=1, gen=3, block_len=8, timed=1)
     return dict(gemma=dict(PRESETS["gemma3-270m"]), tinyllama=dict(PRESETS["tinyllama"]),
                 contexts=[1024, 16384, 32768], long=32768, prompt=1024, steps=16, n_prompts=3,
                 gen=32, block_len=32, timed=20)
@@ -139,23 +140,15 @@ def _model(check: Check, key: str, weight_type: str, embd_type: str) -> str:
     return cache[key]
 
 
-_FILL = []
-
-
-def _fill_kernel():
-    """A kernel writing hashed values in [-1, 1] into a flat array (compiled once)."""
-    if not _FILL:
-        from numba import cuda, float32
-
-        @cuda.jit
-        def fill(a, seed):
-            i = cuda.grid(1)
-            if i < a.size:
-                h = (i * 2654435761 + seed * 97) % 4294967296
-                h = (h ^ (h >> 13)) * 1274126177 % 4294967296
-                a[i] = float32(h % 2001) * float32(0.001) - float32(1.0)
-        _FILL.append(fill)
-    return _FILL[0]
+@cuda.jit
+def _fill_kernel(a, seed):
+    """Hashed values in [-1, 1] into the flat array a."""
+    i = cuda.grid(1)
+    while i < a.size:
+        h = (i * 2654435761 + seed * 97) % 4294967296
+        h = (h ^ (h >> 13)) * 1274126177 % 4294967296
+        a[i] = float32(h % 2001) * float32(0.001) - float32(1.0)
+        i += cuda.gridsize(1)
 
 
 def _fill(engine, n: int, seed: int = 0) -> None:
@@ -166,8 +159,9 @@ def _fill(engine, n: int, seed: int = 0) -> None:
     c.reserve(n)
     for store in (c.k_store, c.v_store):
         flat = store.reshape(store.size)
-        device.launch(_fill_kernel(), device.blocks_for(store.size, 256), 256, flat,
-                      np.int64(seed))
+        nt = 8 if device.SIMULATOR else 256
+        device.launch(_fill_kernel, 1 if device.SIMULATOR else device.blocks_for(store.size, nt),
+                      nt, flat, np.int64(seed))
     c.commit(n)
     engine.tokens = [0] * n
     if engine.sparse is not None:
