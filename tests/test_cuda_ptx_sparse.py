@@ -6,7 +6,6 @@ runs kernels as Python, and the selection's warp-shuffle scan exists only on har
 Under CI=true a missing numba-cuda or NVVM fails instead of skipping."""
 import numpy as np
 import pytest
-
 from conftest import in_ci
 
 CC = (9, 0)

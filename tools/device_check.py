@@ -37,7 +37,10 @@ import tempfile
 import time
 
 import numpy as np
-from numba import cuda, float32   # NUMBA_ENABLE_CUDASIM (the simulator) must be set before this
+from numba import (  # NUMBA_ENABLE_CUDASIM (the simulator) must be set before this
+    cuda,
+    float32,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

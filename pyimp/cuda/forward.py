@@ -27,7 +27,7 @@ class DeviceLinear:
         self.qtype, self.n_in, self.n_out = qtype, n_in, n_out
 
     @classmethod
-    def of(cls, lin) -> "DeviceLinear":
+    def of(cls, lin) -> DeviceLinear:
         return cls(lin.raw, lin.qtype, lin.n_in, lin.n_out)
 
     def __call__(self, x, out) -> None:

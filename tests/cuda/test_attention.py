@@ -4,7 +4,8 @@ importance updates they feed. Caches are fp16 (and f32) with a permuted block ta
 partial tail block."""
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pyimp.attention import attention_decode_ref, attention_prefill_ref
 from pyimp.cuda import attention as CA

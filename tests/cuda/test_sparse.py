@@ -8,14 +8,21 @@ import sys
 
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pyimp.cuda import device
 from pyimp.cuda import sparse as cs
 from pyimp.sparse import AnchorType, RetrievalType, compute_anchors, decay_importance
 from pyimp.sparse.anchors import _round_down_f16, _round_up_f16, group_shared
-from pyimp.sparse.retrieval import (n_candidates, n_sets, retrieve_blocks, select_blocks,
-                                    select_blocks_ref, set_scores_ref)
+from pyimp.sparse.retrieval import (
+    n_candidates,
+    n_sets,
+    retrieve_blocks,
+    select_blocks,
+    select_blocks_ref,
+    set_scores_ref,
+)
 
 EPS32 = 2.0 ** -24          # float32 unit roundoff
 TWO_SLOT = (AnchorType.QUEST, AnchorType.CUBOID_MEAN)
