@@ -290,8 +290,22 @@ def _decode_rate(engine, n_ctx: int, steps: int) -> tuple[float, float]:
     return steps / dt, (device.launches - l0) / steps
 
 
-def decode(check: Check) -> dict:
+def _dense_vs_sparse(path: str, n: int, B: int, steps: int) -> dict:
+    """Decode tok/s and launches per token at context n, dense and at a 1/8 block budget."""
     import pyimp
+    row = {}
+    for mode in ("dense", "sparse"):
+        kw = {}
+        if mode == "sparse":
+            kw = dict(sparse=True, topk=max(1, n // B // 8 - 3), init_blocks=1, local_blocks=2)
+        eng = pyimp.load(path, device="cuda", n_ctx=n + steps + 4, block_len=B, **kw)
+        rate, launches = _decode_rate(eng, n, steps)
+        row[mode] = {"tok_s": rate, "launches_per_token": launches}
+        eng.close()
+    return row
+
+
+def decode(check: Check) -> dict:
     sh = _shapes(check.dry)
     path = _model(check, "gemma", "Q5_0", "Q8_0")
     B = sh["block_len"]
@@ -300,16 +314,7 @@ def decode(check: Check) -> dict:
         if check.left() < 40 and not check.dry:
             res[str(n)] = "skipped: time budget"
             continue
-        row = {}
-        for mode in ("dense", "sparse"):
-            kw = {}
-            if mode == "sparse":
-                kw = dict(sparse=True, topk=max(1, n // B // 8 - 3), init_blocks=1, local_blocks=2)
-            eng = pyimp.load(path, device="cuda", n_ctx=n + sh["steps"] + 4, block_len=B, **kw)
-            rate, launches = _decode_rate(eng, n, sh["steps"])
-            row[mode] = {"tok_s": rate, "launches_per_token": launches}
-            eng.close()
-        res[str(n)] = row
+        res[str(n)] = _dense_vs_sparse(path, n, B, sh["steps"])
     res["goal_tok_s_at_4k_ge"] = 300
     res["upkeep"] = upkeep(check, path)
     return res
@@ -361,19 +366,10 @@ def prefill(check: Check) -> dict:
 
 
 def tinyllama(check: Check) -> dict:
-    import pyimp
     sh = _shapes(check.dry)
     path = _model(check, "tinyllama", "Q4_0", "Q4_0")
     n, B = sh["long"], sh["block_len"]
-    row = {}
-    for mode in ("dense", "sparse"):
-        kw = {}
-        if mode == "sparse":
-            kw = dict(sparse=True, topk=max(1, n // B // 8 - 3), init_blocks=1, local_blocks=2)
-        eng = pyimp.load(path, device="cuda", n_ctx=n + sh["steps"] + 4, block_len=B, **kw)
-        rate, launches = _decode_rate(eng, n, sh["steps"])
-        row[mode] = {"tok_s": rate, "launches_per_token": launches}
-        eng.close()
+    row = _dense_vs_sparse(path, n, B, sh["steps"])
     row["speedup"] = row["sparse"]["tok_s"] / row["dense"]["tok_s"]
     row["goal_speedup_ge"] = 2.0
     return {"context": n, **row}

@@ -62,7 +62,8 @@ from numba import cuda, float32, int32, int64
 from numba.core.types import float16
 
 from pyimp.sparse.anchors import AnchorType, anchor_slots, group_shared
-from pyimp.sparse.retrieval import RetrievalType, n_candidates, n_sets, recent_blocks
+from pyimp.sparse.retrieval import (RetrievalType, _check_budget, n_candidates, n_sets,
+                                    recent_blocks)
 
 from . import device
 
@@ -612,16 +613,6 @@ def set_scores(q, anchor, block_table, lb_start: int, lb_end: int, nsets: int, n
         device.launch(_set_scores_kernel, device.blocks_for(C, cpb), THREADS, q, anchor, bt,
                       np.int32(lb_start), np.int32(n_slots), np.int32(gdiv), np.int32(astep), out)
     return out
-
-
-def _check_budget(n_ctx, block_len, init, pick, local) -> None:
-    if int(block_len) < 1:
-        raise ValueError(f"block_len must be >= 1, got {block_len}")
-    if int(n_ctx) < 1:
-        raise ValueError(f"n_ctx must be >= 1 (the query's own token is cached), got {n_ctx}")
-    for name, v in (("init_block_num", init), ("pick_block_num", pick), ("local_block_num", local)):
-        if int(v) < 0:
-            raise ValueError(f"{name} must be >= 0, got {v}")
 
 
 def _outputs(nsets: int, K: int, sel, cnt):
