@@ -209,7 +209,8 @@ def _summary(engine) -> str:
     return (f"{cfg.arch} '{cfg.name}': {size} params, {cfg.n_layer} layers, quant mix {mix}; "
             f"context {engine.n_ctx} (trained {cfg.n_ctx_train}), kv {engine.options.type_k}/"
             f"{engine.options.type_v}{' rotated' if engine.options.kv_rotate else ''}, "
-            f"numerics {engine.options.numerics}; {mem}")
+            f"numerics {engine.options.numerics}; {mem}"
+            f"{' on the GPU' if engine.device == 'cuda' else ''}")
 
 
 # seconds of warmup after which compiling (not loading kernels from Numba's cache) is announced
