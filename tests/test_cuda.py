@@ -57,3 +57,19 @@ def test_reductions_compile(ptx):
 
     with ptx.compile_only((9, 0)):
         ptx.launch(k, 1, 64, np.zeros(64, np.float32), np.zeros(1, np.float32))
+
+
+def test_device_cuda_without_gpu_is_one_error_line(tmp_path):
+    """--device cuda on a machine without a GPU: exit 1 and one line naming what is missing."""
+    _numba_cuda()
+    from tools.write_synthetic_gguf import SynthSpec, write
+    path = write(tmp_path / "m.gguf", SynthSpec(weight_type="Q8_0", random_blocks=True))
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    r = subprocess.run([sys.executable, "-m", "pyimp.cli", path, "--device", "cuda", "-p", "hi",
+                        "-n", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    from numba import cuda
+    if cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1, r.stderr
+    assert lines[0].startswith("pyimp-run: error: device cuda:") and "GPU" in lines[0]
