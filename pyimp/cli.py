@@ -309,6 +309,8 @@ def run(args: argparse.Namespace) -> int:
     from .sampling import SamplingParams
     from .sparse_policy import SparseOptions
 
+    if args.prompt_cache and args.device == "cuda":
+        return _error("--prompt-cache needs the KV cache on the host: run it with --device cpu")
     if args.model and args.model_opt and args.model != args.model_opt:
         return _error(f"two models given ({args.model_opt} and {args.model}): use -m/--model or the "
                       f"first argument")

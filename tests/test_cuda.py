@@ -73,3 +73,12 @@ def test_device_cuda_without_gpu_is_one_error_line(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert lines[0].startswith("pyimp-run: error: device cuda:") and "GPU" in lines[0]
+
+
+def test_prompt_cache_on_the_device_is_refused(tmp_path):
+    """Prompt-cache files need the cache on the host: one error line before anything loads."""
+    r = subprocess.run([sys.executable, "-m", "pyimp.cli", str(tmp_path / "absent.gguf"),
+                        "--device", "cuda", "--prompt-cache", str(tmp_path / "s.bin"), "-p", "hi"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "--device cpu" in lines[0], r.stderr
