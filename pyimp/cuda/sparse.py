@@ -62,8 +62,8 @@ from numba import cuda, float32, int32, int64
 from numba.core.types import float16
 
 from pyimp.sparse.anchors import AnchorType, anchor_slots, group_shared
-from pyimp.sparse.retrieval import (RetrievalType, _check_budget, n_candidates, n_sets,
-                                    recent_blocks)
+from pyimp.sparse.retrieval import (RetrievalType, _check_budget, check_anchor_heads,
+                                    n_candidates, n_sets, recent_blocks)
 
 from . import device
 
@@ -565,13 +565,7 @@ def _check_q_anchor(q, anchor, G: int, shared: bool) -> tuple:
     Hq, Dq = _arr("q", q, (np.float32,), 2, "[Hq, D]")
     if Dq != D:
         raise ValueError(f"q has head dim {Dq}, the anchors {D}")
-    if G < 1 or Hq % G:
-        raise ValueError(f"G = {G} query heads per kv head does not divide the {Hq} query heads")
-    Hkv = Hq // G
-    if not (Ha == Hq or (shared and Ha == Hkv)):
-        raise ValueError(f"anchor has {Ha} heads: expected {Hq} (per query head)"
-                         + (f" or {Hkv} (per kv head)" if shared else
-                            " (anchors that differ within a GQA group are stored per query head)"))
+    Hkv = check_anchor_heads(Ha, Hq, G, shared)
     if shared:
         return Hq, D, NB, A, G, Ha // Hkv
     return Hq, D, NB, A, 1, 1

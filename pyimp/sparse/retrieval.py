@@ -169,6 +169,18 @@ def block_scores(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, lb_
     return out
 
 
+def check_anchor_heads(Ha: int, Hq: int, G: int, shared: bool) -> int:
+    """Refuse (ValueError) anchors of Ha heads for Hq query heads in groups of G; returns Hkv."""
+    if G < 1 or Hq % G:
+        raise ValueError(f"G = {G} query heads per kv head does not divide the {Hq} query heads")
+    Hkv = Hq // G
+    if not (Ha == Hq or (shared and Ha == Hkv)):
+        raise ValueError(f"anchor has {Ha} heads: expected {Hq} (per query head)"
+                         + (f" or {Hkv} (per kv head)" if shared else
+                            " (anchors that differ within a GQA group are stored per query head)"))
+    return Hkv
+
+
 def _check_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared) -> int:
     """Validate a scoring call; returns the anchor-head stride of a group leader (astep)."""
     checks.array("anchor", anchor, (np.float16, np.float32), 4, layout="[NB][A][Ha][D]")
@@ -177,13 +189,7 @@ def _check_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared) 
         raise ValueError(f"q must be a float array [Hq, {D}] (the anchors' head dim), got "
                          f"{checks._desc(q)}")
     Hq = q.shape[0]
-    if G < 1 or Hq % G:
-        raise ValueError(f"G = {G} query heads per kv head does not divide the {Hq} query heads")
-    Hkv = Hq // G
-    if not (Ha == Hq or (shared and Ha == Hkv)):
-        raise ValueError(f"anchor has {Ha} heads: expected {Hq} (per query head)"
-                         + (f" or {Hkv} (per kv head)" if shared else
-                            " (anchors that differ within a GQA group are stored per query head)"))
+    Hkv = check_anchor_heads(Ha, Hq, G, shared)
     checks.count("n_slots", n_slots, 1, A)
     if not 0 <= int(lb_start) <= int(lb_end):
         raise ValueError(f"block range [{lb_start}, {lb_end}) is not a range of logical blocks")
