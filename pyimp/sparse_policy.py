@@ -341,12 +341,16 @@ class SparseState:
         cont = self._prefill is not None and self._prefill == (end, pos0)
         prefill = cont or T > 1 or end > pos0 + T
         if prefill and not cont and self.opts.decay != 1.0 and pos0 > 0:
-            bt = self.cache.block_table[0]
-            for imp in self.importance_:
-                decay_importance(imp, bt, pos0, self.opts.decay)
+            self._decay(pos0)
         self._prefill = (end, pos0 + T) if prefill and pos0 + T < end else None
         self._chunk_is_prefill = prefill
         return prefill
+
+    def _decay(self, n_ctx: int) -> None:
+        """importance_ <- decay * importance_ for the first n_ctx tokens of every layer."""
+        bt = self.cache.block_table[0]
+        for imp in self.importance_:
+            decay_importance(imp, bt, n_ctx, self.opts.decay)
 
     def end_forward(self, n_ctx: int) -> None:
         """Called by the engine once the forward's tokens are in every layer's cache."""

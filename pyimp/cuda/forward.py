@@ -77,6 +77,13 @@ class DeviceForward:
     def _buf(self, name: str, *shape):
         return self._bufs.get(name, shape, np.float32)
 
+    @staticmethod
+    def _residual(x, o, post_norm, eps) -> None:
+        """x += o, with o RMS-normed in place first where the architecture has post-norms."""
+        if post_norm is not None:
+            dops.rms_norm(o, post_norm, eps, o)
+        dops.add(x, o)
+
     def forward(self, engine, tokens: np.ndarray, decode: bool, prompt_end: int | None,
                 all_logits: bool, logits: bool) -> np.ndarray | None:
         """One forward of ``tokens`` after the cached ones (the engine reserved their blocks and
@@ -103,7 +110,6 @@ class DeviceForward:
         kn = self._buf("kn", T * Hkv, D)
         att = self._buf("att", T, Hq * D)
         o = self._buf("o", T, E)
-        on = self._buf("on", T, E)
         for il, lw in enumerate(self.layers):
             dops.rms_norm(x, lw["attn_norm"], eps, h)
             lw["attn_q"](h, q)
@@ -140,32 +146,23 @@ class DeviceForward:
                 attention.prefill(q3, kc, vc, bt, pos0, kq_scale, window, att3, importance=imp,
                                   obs_start=obs, scratch=self.scratch)
             lw["attn_output"](att, o)
-            if A.post_norms:
-                dops.rms_norm(o, lw["post_attention_norm"], eps, on)
-                dops.add(x, on)
-            else:
-                dops.add(x, o)
+            self._residual(x, o, lw["post_attention_norm"], eps)
             if il == cfg.n_layer - 1 and not all_logits and T > 1:
-                x, h, o, on = x[T - 1:T], h[T - 1:T], o[T - 1:T], on[T - 1:T]  # the last row only
+                x, h, o = x[T - 1:T], h[T - 1:T], o[T - 1:T]          # the last row only
             n = x.shape[0]
             dops.rms_norm(x, lw["ffn_norm"], eps, h)
             g = self._buf("g", n, F)
             u = self._buf("u", n, F)
             lw["ffn_gate"](h, g)
             lw["ffn_up"](h, u)
-            dops.glu(g, u, g, "silu" if A.ffn_act == "silu" else "gelu_tanh")
+            dops.glu(g, u, g, A.ffn_act)
             lw["ffn_down"](g, o)
-            if A.post_norms:
-                dops.rms_norm(o, lw["post_ffw_norm"], eps, on)
-                dops.add(x, on)
-            else:
-                dops.add(x, o)
+            self._residual(x, o, lw["post_ffw_norm"], eps)
         if not logits:
             return None
-        n = x.shape[0]
-        dops.rms_norm(x, self.output_norm, eps, h[:n] if h.shape[0] != n else h)
-        out = self._buf("logits", n, cfg.n_vocab)
-        self.output(h[:n] if h.shape[0] != n else h, out)
+        dops.rms_norm(x, self.output_norm, eps, h)              # h has x's rows
+        out = self._buf("logits", x.shape[0], cfg.n_vocab)
+        self.output(h, out)
         if cfg.final_softcap:
             dops.softcap(out, np.float32(cfg.final_softcap))
         return device.to_host(out)

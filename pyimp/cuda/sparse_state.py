@@ -112,17 +112,10 @@ class DeviceSparseState(SparseState):
         self.stats = type(self.stats)()
         self.selections.clear()
 
-    def begin_forward(self, pos0: int, T: int, prompt_end: int | None) -> bool:
-        decay = self.opts.decay
-        end = pos0 + T if prompt_end is None else int(prompt_end)
-        cont = self._prefill is not None and self._prefill == (end, pos0)
-        prefill = cont or T > 1 or end > pos0 + T
-        if prefill and not cont and decay != 1.0 and pos0 > 0:
-            for il in range(self.importance_dev.shape[0]):
-                dsparse.decay_importance(self.importance_dev[il], self.cache.bt_dev, pos0, decay)
-        self._prefill = (end, pos0 + T) if prefill and pos0 + T < end else None
-        self._chunk_is_prefill = prefill
-        return prefill
+    def _decay(self, n_ctx: int) -> None:
+        for il in range(self.importance_dev.shape[0]):
+            dsparse.decay_importance(self.importance_dev[il], self.cache.bt_dev, n_ctx,
+                                     self.opts.decay)
 
     def truncate(self, n_ctx: int) -> None:
         imp = self.importance_                      # a rewind is rare: host round trip
