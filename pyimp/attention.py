@@ -7,13 +7,16 @@ Layer-slice buffers (KVCACHE.md section 2), as the engine passes them:
 - float16 (kernels get ``.view(np.uint16)`` plus the fp16 table), float32, or a
   quantized layer (:class:`pyimp.kvcache.QuantizedKV`, read block by block by the
   kernels; the NumPy references dequantize it first). K and V types may differ.
-- ``block_table`` int32 ``[NB_logical]``: logical block -> physical block; the
-  token at absolute position p is row ``p % B`` of block ``block_table[p // B]``.
+- ``block_table`` int32 ``[NB_logical]``: slot block -> physical block; slot s
+  is row ``s % B`` of block ``block_table[s // B]``. Slots are in position
+  order; ``positions`` (int32, slot -> position, None: slot == position) gives
+  the positions of a compacted layer (see :mod:`pyimp.kvcache`).
 - ``importance`` float16 ``[NB][B][Hq]`` (optional), see ``pyimp.sparse.importance``.
 
 Query head h reads kv head ``h // G`` with ``G = Hq // Hkv``. Masks: a query at
 position ``p_q`` sees keys ``p_k <= p_q``, and with ``window > 0`` only keys with
-``p_q - p_k < window``. Softmax is max-stabilized in float32; ``scale``
+``p_q - p_k < window``. The kernels apply them in slot space: a query sees the
+slots before its own from the first visible one (:func:`first_visible`). Softmax is max-stabilized in float32; ``scale``
 multiplies the scores. Each kernel returns the log-sum-exp of the scaled,
 masked scores per row and head (for recall diagnostics).
 
@@ -29,6 +32,7 @@ import numpy as np
 
 from pyimp import attn_kernels as K
 from pyimp.kvcache import as_float
+from pyimp.sparse import checks
 from pyimp.sparse.importance import fp16_lut, importance_update, kernel_view
 from pyimp.sparse.sparse_attention import check_args, decode_over_blocks, every_block
 
@@ -55,8 +59,28 @@ def gather_kv(k_cache: np.ndarray, v_cache: np.ndarray, block_table: np.ndarray,
     return K, np.ascontiguousarray(V.transpose(1, 0, 2))
 
 
+def first_visible(positions, s0: int, T: int, window: int) -> np.ndarray:
+    """First slot each of the query rows in slots s0..s0+T-1 sees: int64 [T] (0 without a
+    window). ``positions``: int32 slot -> position of slots 0..s0+T-1, increasing (None: slot
+    == position)."""
+    if window <= 0:
+        return np.zeros(T, np.int64)
+    if positions is None:
+        return np.maximum(0, s0 + np.arange(T, dtype=np.int64) - window + 1)
+    pq = positions[s0:s0 + T].astype(np.int64)
+    return np.searchsorted(positions[:s0 + T], pq - window + 1).astype(np.int64)
+
+
+def slot_window(positions, n: int, window: int) -> int:
+    """The decode kernels' window in slots (they see slots n - w .. n - 1) for the query in
+    slot n - 1 and a window of ``window`` positions (0: global)."""
+    if window <= 0 or positions is None:
+        return window
+    return n - int(first_visible(positions, n - 1, 1, window)[0])
+
+
 def attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window, out,
-                          importance=None, obs_start=0, decay=1.0):
+                          importance=None, obs_start=0, decay=1.0, positions=None):
     """NumPy reference of :func:`attention_prefill` (float32 throughout)."""
     k_cache, v_cache = as_float(k_cache), as_float(v_cache)
     T, Hq, D = q.shape
@@ -64,9 +88,9 @@ def attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window,
     G = Hq // Hkv
     n = pos0 + T
     K, V = gather_kv(k_cache, v_cache, block_table, n, D)
-    pq = pos0 + np.arange(T)
-    pk = np.arange(n)
-    mask = pk[None, :] <= pq[:, None]
+    pk = np.arange(n) if positions is None else positions[:n].astype(np.int64)
+    pq = pk[pos0:]
+    mask = np.arange(n)[None, :] <= (pos0 + np.arange(T))[:, None]
     if window > 0:
         mask &= (pq[:, None] - pk[None, :]) < window
     obs = pq >= obs_start
@@ -105,40 +129,45 @@ def attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, window,
 def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                       block_table: np.ndarray, pos0: int, scale: float, window: int,
                       out: np.ndarray, importance: np.ndarray | None = None, obs_start: int = 0,
-                      decay: float = 1.0, backend: str = "numba") -> np.ndarray:
+                      decay: float = 1.0, backend: str = "numba",
+                      positions: np.ndarray | None = None) -> np.ndarray:
     """Causal (optionally sliding-window) attention of a prompt chunk over the cache.
 
-    q: float32 [T, Hq, D], row i at absolute position pos0 + i; the chunk's K/V
-    must already be in the cache (positions 0..pos0+T-1 valid).
+    q: float32 [T, Hq, D], row i in slot pos0 + i; the chunk's K/V must already be
+    in the cache (slots 0..pos0+T-1 valid). ``positions``: int32 slot -> position of
+    those slots (None: slot == position); the chunk's rows have consecutive positions.
     out: float32 [T, Hq, D], written. window: 0 = global, else keys with
     p_q - p_k < window. importance: float16 [NB][B][Hq] or None; when given,
     the probabilities of query rows at absolute positions >= ``obs_start`` are
     summed per key and added (old*decay + new, see pyimp.sparse.importance).
     For an observation window of the last W prompt rows pass
-    ``obs_start = max(0, prompt_len - W)`` to every chunk of that prompt
+    ``obs_start = max(0, prompt_len - W)`` (a position) to every chunk of that prompt
     (``obs_start=0``: every row counts). Returns float32 [T, Hq] log-sum-exp.
     """
     check_args(q, k_cache, v_cache, block_table, None, window, out, importance, pos0=pos0,
                decay=decay)
+    if positions is not None:
+        checks.positions(positions, int(pos0) + q.shape[0])
     if backend == "numpy":
         return attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window, out,
-                                     importance, obs_start, decay)
+                                     importance, obs_start, decay, positions)
     q = np.ascontiguousarray(q, dtype=np.float32)
     T, Hq, D = q.shape
     kc, vc = kernel_view(k_cache), kernel_view(v_cache)
     lut = fp16_lut()
     row_m = np.empty((T, Hq), np.float32)
     row_l = np.empty((T, Hq), np.float32)
-    K.prefill(q, kc, vc, block_table, int(pos0), float(scale), int(window), lut, PREFILL_TILE,
+    rlo = first_visible(positions, int(pos0), T, int(window))
+    K.prefill(q, kc, vc, block_table, int(pos0), float(scale), rlo, lut, PREFILL_TILE,
               out, row_m, row_l)
-    r0 = max(0, int(obs_start) - int(pos0))
+    p_row0 = int(pos0) if positions is None else int(positions[pos0])
+    r0 = max(0, int(obs_start) - p_row0)
     if importance is not None and r0 < T:
         n = pos0 + T
         new = np.empty((Hq, n), np.float32)
-        K.prefill_mass(q, kc, block_table, int(pos0), float(scale), int(window), lut, row_m,
+        K.prefill_mass(q, kc, block_table, int(pos0), float(scale), rlo, lut, row_m,
                        row_l, r0, new)
-        p_lo = 0 if window <= 0 else max(0, pos0 + r0 - window + 1)
-        importance_update(importance, block_table, new, p_lo, decay)
+        importance_update(importance, block_table, new, int(rlo[r0]), decay)
     return row_m + np.log(row_l)
 
 

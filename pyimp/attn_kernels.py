@@ -422,8 +422,9 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
 
 
 @jit.njit(parallel=True, fastmath=FM)
-def prefill(q, kc, vc, bt, pos0, scale, window, lut, tile, out, row_m, row_l):
-    """Flash-style prefill: work item = (query-row tile, kv head), online softmax over blocks."""
+def prefill(q, kc, vc, bt, s0, scale, rlo, lut, tile, out, row_m, row_l):
+    """Flash-style prefill of query rows in slots s0.. (row r sees slots rlo[r] .. s0 + r):
+    work item = (query-row tile, kv head), online softmax over blocks."""
     T, Hq, D = q.shape
     Hkv, _, BD = kv_dims(kc)
     B = BD // D
@@ -438,8 +439,8 @@ def prefill(q, kc, vc, bt, pos0, scale, window, lut, tile, out, row_m, row_l):
         it = j // 2 if j % 2 == 0 else ntile - 1 - j // 2
         i0 = it * tile
         R = min(T, i0 + tile) - i0
-        p_hi = pos0 + i0 + R - 1
-        p_lo = max(0, pos0 + i0 - window + 1) if window > 0 else 0
+        p_hi = s0 + i0 + R - 1
+        p_lo = rlo[i0]                      # rows' first visible slots never decrease
         kb = np.empty(B * D, np.float32)
         vb = np.empty(D * B, np.float32)
         s = np.empty((R * G, B), np.float32)
@@ -453,7 +454,7 @@ def prefill(q, kc, vc, bt, pos0, scale, window, lut, tile, out, row_m, row_l):
             load_keys(kc, kvh, bt[lb], t0, t1, D, kb, lut)
             load_values(vc, kvh, bt[lb], t0, t1, D, B, vb, lut)
             for r in range(R):
-                tt0, tt1 = _row_range(pos0 + i0 + r, window, base, t0, t1)
+                tt0, tt1 = _row_range(rlo[i0 + r], s0 + i0 + r, base, t0, t1)
                 for g in range(G):
                     if tt0 < tt1:
                         attend_block(q[i0 + r, kvh * G + g], kb, vb, tt0, tt1, D, B, sc,
@@ -469,15 +470,16 @@ def prefill(q, kc, vc, bt, pos0, scale, window, lut, tile, out, row_m, row_l):
 
 
 @jit.njit
-def _row_range(pq, window, base, t0, t1):
-    """Tokens of [t0, t1) (block at position base) that the query at position pq sees."""
-    rlo = max(0, pq - window + 1) if window > 0 else 0
-    return max(rlo - base, t0), min(pq - base + 1, t1)
+def _row_range(lo, sq, base, t0, t1):
+    """Rows of [t0, t1) (block starting at slot base) that the query in slot sq sees when its
+    first visible slot is lo."""
+    return max(lo - base, t0), min(sq - base + 1, t1)
 
 
 @jit.njit(parallel=True, fastmath=FM)
-def prefill_mass(q, kc, bt, pos0, scale, window, lut, row_m, row_l, r0, new):
-    """new[h, p] = sum over rows r >= r0 of P[r, h, p], for keys p >= the first visible one.
+def prefill_mass(q, kc, bt, s0, scale, rlo, lut, row_m, row_l, r0, new):
+    """new[h, s] = sum over rows r >= r0 of P[r, h, s], for slots s >= rlo[r0] (rows in slots
+    s0.., row r sees slots rlo[r] .. s0 + r).
 
     Recomputes the scores of the observed rows per key block (work item =
     (kv head, key block), so every output element has exactly one writer).
@@ -486,8 +488,8 @@ def prefill_mass(q, kc, bt, pos0, scale, window, lut, row_m, row_l, r0, new):
     Hkv, _, BD = kv_dims(kc)
     B = BD // D
     G = Hq // Hkv
-    n = pos0 + T
-    p_lo = max(0, pos0 + r0 - window + 1) if window > 0 else 0
+    n = s0 + T
+    p_lo = rlo[r0]
     lbA = p_lo // B
     nb = (n + B - 1) // B - lbA
     sc = np.float32(scale)
@@ -500,7 +502,7 @@ def prefill_mass(q, kc, bt, pos0, scale, window, lut, row_m, row_l, r0, new):
         load_keys(kc, kvh, bt[base // B], t0, t1, D, kb, lut)
         acc = np.zeros((G, B), np.float32)
         for r in range(r0, T):
-            tt0, tt1 = _row_range(pos0 + r, window, base, t0, t1)
+            tt0, tt1 = _row_range(rlo[r], s0 + r, base, t0, t1)
             for g in range(G):
                 h = kvh * G + g
                 inv = np.float32(1.0) / row_l[r, h]

@@ -23,6 +23,7 @@ from loaders.config import ModelConfig, read_config
 from loaders.gguf_file import GGUFFile
 
 from . import attention, ops
+from .kv_policy import KVPolicy, PolicyOptions
 from .kvcache import KVCache
 from .memory import check_fits, fmt_bytes
 from .model import ModelWeights
@@ -54,6 +55,12 @@ class EngineOptions:
     kv_rotate: bool = False          # Hadamard rotation of q, k, v along head_dim (see _rotation)
     device: str = "cpu"              # "cuda": weights, KV cache, importance_ and anchors on the GPU
     sparse: SparseOptions = field(default_factory=SparseOptions)
+    kv_policy: str = "full"          # eviction: full, streaming, h2o, snapkv, pyramidkv
+    kv_budget: int = 0               # tokens per layer an eviction policy keeps
+    keep: int = 4                    # sink tokens (the first positions) every policy keeps
+    kv_recent: int = 0               # h2o / streaming recent window (0: half the budget)
+    kv_obs_window: int = 32          # snapkv / pyramidkv observation window
+    kv_pool: int = 5                 # snapkv / pyramidkv pooling kernel
 
     def validate(self) -> None:
         if self.device not in DEVICES:
@@ -71,6 +78,24 @@ class EngineOptions:
             raise ValueError(f"batch size must be positive, got {self.batch_size}")
         if self.n_threads < 0:
             raise ValueError(f"thread count must be >= 0, got {self.n_threads}")
+        self.policy.validate()
+        if self.policy.evicts and self.device != "cpu":
+            raise ValueError(f"kv policy {self.kv_policy} runs on the CPU only (--device cpu)")
+
+    @property
+    def policy(self) -> PolicyOptions:
+        return PolicyOptions(self.kv_policy, self.kv_budget, self.keep, self.kv_recent,
+                             self.kv_obs_window, self.kv_pool)
+
+    def sparse_options(self) -> SparseOptions:
+        """The sparse state's options: the given ones, or importance tracking where the eviction
+        policy scores tokens by importance_ (h2o: every prompt row adds; snapkv / pyramidkv:
+        the observation window)."""
+        pol = self.kv_policy
+        if self.sparse.active or pol not in ("h2o", "snapkv", "pyramidkv"):
+            return self.sparse
+        return dataclasses.replace(self.sparse, track=True,
+                                   importance_window=0 if pol == "h2o" else self.kv_obs_window)
 
     @property
     def type_k(self) -> str:
@@ -124,9 +149,13 @@ class Engine:
         else:
             self.cache = KVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim, self.n_ctx,
                                  block_len=opts.block_len, type_k=opts.type_k, type_v=opts.type_v,
-                                 v_layout=opts.v_layout)
+                                 v_layout=opts.v_layout, max_slots=self._max_slots())
             # importance_ / anchor_ and the block-sparse decode path (None: plain dense attention)
-            self.sparse = SparseState(opts.sparse, self.cfg, self.cache) if opts.sparse.active else None
+            sp = opts.sparse_options()
+            self.sparse = SparseState(sp, self.cfg, self.cache) if sp.active else None
+        # what each layer keeps (None on the device: there every layer keeps every token)
+        self.policy = (None if self._gpu is not None else
+                       KVPolicy(opts.policy, self.cfg, self.cache, self.sparse))
         self._rot = ops.hadamard(self.cfg.head_dim) if opts.kv_rotate else None
         self._tokenizer = None
         self._vocab = None
@@ -157,19 +186,25 @@ class Engine:
     def device(self) -> str:
         return self.options.device
 
+    def _max_slots(self) -> int:
+        """Slots a layer holds at most: the context, or what the eviction budget needs."""
+        o = self.options
+        return KVPolicy.max_slots(o.policy, self.cfg, self.n_ctx, o.batch_size, o.block_len)
+
     def _check_memory(self) -> dict:
         """Bytes of the KV cache and sparse buffers this configuration allocates; refuses (one
         InsufficientMemoryError) what exceeds the available memory, before allocating anything."""
         opts, cfg = self.options, self.cfg
+        slots = self._max_slots()
         kv = KVCache.bytes_needed(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.n_ctx,
                                   block_len=opts.block_len, type_k=opts.type_k,
-                                  type_v=opts.type_v, v_layout=opts.v_layout)
+                                  type_v=opts.type_v, v_layout=opts.v_layout, max_slots=slots)
         if opts.kv_rotate:
             ops.hadamard(cfg.head_dim)            # refuses a head dim that is not a power of 2
         sparse = 0
-        if opts.sparse.active:
-            sparse = SparseState.bytes_needed(opts.sparse, cfg, -(-self.n_ctx // opts.block_len),
-                                              opts.block_len)
+        if opts.sparse_options().active:
+            sparse = SparseState.bytes_needed(opts.sparse_options(), cfg,
+                                              -(-slots // opts.block_len), opts.block_len)
         what = f"context {self.n_ctx} with block length {opts.block_len}: KV cache {fmt_bytes(kv)}"
         if sparse:
             what += f" + importance and anchors {fmt_bytes(sparse)}"
@@ -269,7 +304,6 @@ class Engine:
         self.cache.reserve(T)
         ckpt = self.cache.checkpoint()
         pos = np.arange(pos0, pos0 + T)
-        block_table = self.cache.block_table[0]
         kq_scale = 1.0 if A.q_prescale else 1.0 / math.sqrt(D)
         rope_memo: dict = {}
         blocks_memo: dict = {}
@@ -308,30 +342,36 @@ class Engine:
                 q *= np.float32(1.0 / math.sqrt(D))
             if self._rot is not None:        # q.k and the attention output are unchanged
                 q, k, v = q @ self._rot, k @ self._rot, v @ self._rot
-            # store k, v in the paged cache, then attend over everything cached so far
+            # store k, v in the layer's next slots, then attend over everything it holds: slot
+            # space, where a compacted layer's window is a first visible slot (kvcache docs)
+            s0 = self.cache.slot_count(il)
             self.cache.write(il, k, v, pos0)
+            bt = self.cache.table(il)
+            positions = self.cache.positions(il, n=s0 + T) if self.cache.compacted(il) else None
             window = cfg.sliding_window if cfg.is_swa(il) else 0
             att = np.empty((T, Hq, D), dtype=np.float32)
             kc, vc = self.cache.k_layer(il), self.cache.v_layer(il)
             sp = self.sparse
             if decode:
-                n_read = min(pos0 + 1, window or pos0 + 1)                # keys and values read
+                n = s0 + 1
+                window = attention.slot_window(positions, n, window)
+                n_read = min(n, window or n)                              # keys and values read
                 # serial or parallel as measured per layer and doubling of the bytes read
                 choice = self._attn_threads.setdefault(
                     (il, int(self.cache.layer_token_bytes() * n_read).bit_length()), quants.ThreadChoice())
                 if sp is not None:
-                    choice.run(sp.decode_attention, il, q[0], pos0 + 1, kq_scale, window, att[0])
+                    choice.run(sp.decode_attention, il, q[0], n, kq_scale, window, att[0])
                 else:      # the arguments are the engine's own: attention_decode less its checks
-                    if window not in blocks_memo:     # one block list per window size and step
-                        blocks_memo[window] = every_block(pos0 + 1, self.cache.block_len, window)
-                    sel, cnt = blocks_memo[window]
-                    choice.run(decode_over_blocks, q[0], kc, vc, block_table, pos0 + 1, kq_scale,
+                    if (n, window) not in blocks_memo:   # one block list per slot count and window
+                        blocks_memo[n, window] = every_block(n, self.cache.block_len, window)
+                    sel, cnt = blocks_memo[n, window]
+                    choice.run(decode_over_blocks, q[0], kc, vc, bt, n, kq_scale,
                                window, sel, cnt, att[0], None, 1.0, None, 8)
             else:
                 imp = None if sp is None else sp.importance_[il]
                 obs = 0 if sp is None else sp.obs_start(pos0 + T if prompt_end is None else prompt_end)
-                attention.attention_prefill(q, kc, vc, block_table, pos0, kq_scale, window, att,
-                                            importance=imp, obs_start=obs)
+                attention.attention_prefill(q, kc, vc, bt, s0, kq_scale, window, att,
+                                            importance=imp, obs_start=obs, positions=positions)
             if self._rot is not None:
                 att = att @ self._rot                                  # H is its own inverse
             # output projection
@@ -354,23 +394,31 @@ class Engine:
             x = x + f
         self.cache.commit(T)
         self.tokens.extend(int(t) for t in tokens)
+        out = None
+        if logits:
+            # output norm and head
+            x = ops.rms_norm(x, W.output_norm, eps)
+            out = W.output(x, num)
+            if cfg.final_softcap:
+                out = ops.softcap(out, cfg.final_softcap)
+            if not ops.all_finite(out):
+                # every layer's keys and values were finite (KVCache.write checks them): the last
+                # layer's attention or feed-forward, or the output head, produced the NaN / inf
+                self._truncate(pos0, ckpt)
+                raise ops.NonFiniteError(f"layer {cfg.n_layer - 1}: NaN or inf in the logits after "
+                                         f"the last layer (its attention or feed-forward, or the "
+                                         f"output head; corrupted weights?)")
+        self._end_forward(pos0 + T, decode, prompt_end)
+        return out
+
+    def _end_forward(self, n: int, decode: bool, prompt_end: int | None) -> None:
+        """After a forward that succeeded: the eviction policy and the sliding-window trim drop
+        what the layers no longer keep, then the sparse state's step bookkeeping (anchors once a
+        prefill is complete)."""
+        if self.policy is not None:
+            self.policy.after_forward(n, not decode and (prompt_end is None or n >= prompt_end))
         if self.sparse is not None:
-            self.sparse.end_forward(pos0 + T)        # step count; anchors once a prefill is complete
-        if not logits:
-            return None
-        # output norm and head
-        x = ops.rms_norm(x, W.output_norm, eps)
-        logits = W.output(x, num)
-        if cfg.final_softcap:
-            logits = ops.softcap(logits, cfg.final_softcap)
-        if not ops.all_finite(logits):
-            # every layer's keys and values were finite (KVCache.write checks them): the last
-            # layer's attention or feed-forward, or the output head, produced the NaN / inf
-            self._truncate(pos0, ckpt)
-            raise ops.NonFiniteError(f"layer {cfg.n_layer - 1}: NaN or inf in the logits after the last "
-                                     f"layer (its attention or feed-forward, or the output head; "
-                                     f"corrupted weights?)")
-        return logits
+            self.sparse.end_forward(n)
 
     def _forward_device(self, tokens, decode, prompt_end, all_logits, logits, pos0, ckpt):
         """The forward on the GPU (:class:`pyimp.cuda.forward.DeviceForward`), then the same
@@ -378,21 +426,32 @@ class Engine:
         out = self._gpu.forward(self, tokens, decode, prompt_end, all_logits, logits)
         self.cache.commit(len(tokens))
         self.tokens.extend(int(t) for t in tokens)
-        if self.sparse is not None:
-            self.sparse.end_forward(pos0 + len(tokens))
         if out is not None and not ops.all_finite(out):
             self._truncate(pos0, ckpt)
             raise ops.NonFiniteError("NaN or inf in the logits computed on the device (a layer's "
                                      "hidden state overflowed, or corrupted weights)")
+        self._end_forward(pos0 + len(tokens), decode, prompt_end)
         return out
 
-    def _truncate(self, n: int, checkpoint=None) -> None:
+    def _windows(self) -> list:
+        return [self.cfg.sliding_window if self.cfg.is_swa(il) else 0
+                for il in range(self.cfg.n_layer)]
+
+    def _truncate(self, n: int, checkpoint=None) -> bool:
         """Forget cached tokens from position n on (their blocks stay reserved); ``checkpoint``:
-        the cache's :meth:`KVCache.checkpoint` from when it held n tokens (exact rewind)."""
+        the cache's :meth:`KVCache.checkpoint` from when it held n tokens (exact rewind).
+
+        Where a layer dropped tokens the rewind needs (an eviction policy, or a sliding-window
+        layer trimmed past what position n sees) the cache is emptied instead, as llama.cpp
+        re-processes a prompt it cannot restore from an SWA cache; returns False then."""
+        if not self.cache.rewinds_exactly(n, self._windows()):
+            self.reset()
+            return False
         self.cache.truncate(n, checkpoint=checkpoint)
         del self.tokens[n:]
         if self.sparse is not None:
             self.sparse.truncate(n)
+        return True
 
     def _act(self, g: np.ndarray) -> np.ndarray:
         if self.weights.arch.ffn_act == "silu":
@@ -435,8 +494,11 @@ class Engine:
             try:
                 out = self.forward(arr[s:s + bs], all_logits=all_logits, prompt_end=end,
                                    logits=all_logits or last)
-            except ops.NonFiniteError:
-                self._truncate(start, ckpt)
+            except ops.NonFiniteError as e:
+                if not self._truncate(start, ckpt):
+                    raise ops.NonFiniteError(f"{e} (the KV cache was emptied: tokens before this "
+                                             f"call had been dropped by the eviction policy or "
+                                             f"the sliding-window trim)") from None
                 raise
             if out is not None:
                 outs.append(out)
@@ -472,8 +534,8 @@ class Engine:
         m = min(cached.size, arr.size - 1)
         same = np.flatnonzero(cached[:m] != arr[:m])
         keep = int(same[0]) if same.size else m
-        if keep < cached.size:
-            self._truncate(keep)
+        if keep < cached.size and not self._truncate(keep):
+            keep = 0                       # tokens the prefix needs were dropped: start over
         self.timings.extra["prefix_reused"] = keep
         return self.eval(arr[keep:], progress=progress)
 

@@ -3,10 +3,27 @@
 Buffers (allocated once in :class:`KVCache`; ``L`` layers, ``Hkv`` kv heads,
 ``NB`` physical blocks, ``B`` tokens per block, ``D`` head dim)::
 
-    K  [L][Hkv][NB][B*D]   row t of a block = post-RoPE key of token t
-    V  [L][Hkv][NB][D*B]   transposed: entry d*B + t = channel d of token t
-    block_table    int32[n_seq][NB]    logical block -> physical block (-1 = none)
-    cache_seqlens  int32[n_seq]        valid tokens per sequence
+    K  [L][Hkv][NB][B*D]   row t of a block = post-RoPE key of the token in that slot
+    V  [L][Hkv][NB][D*B]   transposed: entry d*B + t = channel d of the token in slot t
+    tables       int32[n_seq][L][NB_logical]  per layer: slot block -> physical block (-1 = none)
+    n_slots      int32[n_seq][L]              slots each layer holds
+    slot_pos     int32[n_seq][L][slots]       the position of the token in each slot
+    cache_seqlens int32[n_seq]                positions processed (the next token's position)
+
+**Slots and positions.** Attention kernels work in *slot* space: slot s of a
+layer is row ``s % B`` of physical block ``table[s // B]``, and slots are in
+position order. A layer that never dropped a token has slot == position. An
+eviction policy (:mod:`pyimp.kv_policy`) or the sliding-window trim drops
+tokens with :meth:`KVCache.compact`: the kept slots move, in order, to the
+front (whole leading blocks just leave the table), emptied blocks return to the
+layer's pool, and ``slot_pos`` keeps each token's original position. Keys keep
+the RoPE of that position. The causal mask needs no map (every cached slot
+precedes the query's), and a sliding window becomes a first visible slot per
+query row, found in ``slot_pos`` (:func:`pyimp.attention.first_visible`).
+Every layer has its own pool: the stores are allocated once (``max_slots``
+per layer: the context, or an eviction budget) and zero-filled by the OS on
+first touch; blocks are handed out lowest id first, so the pages a layer
+touches follow the most blocks it held at once.
 
 Cache types (``type_k`` / ``type_v``, llama.cpp's ``--cache-type-k/-v`` names):
 ``f16`` (the default), ``f32``, and the ggml block types ``q8_0``, ``q4_0``,
@@ -39,8 +56,8 @@ rows from float32 too). Rewinding into a quantized block (:meth:`truncate`)
 dequantizes its kept tokens back into the tail: a lossy step, taken only when
 a cache is cut inside a block (prompt-cache prefix reuse).
 
-Physical blocks come from a free pool as the sequence grows, so logical and
-physical order differ after a reset.
+Physical blocks come from a free pool as the sequence grows, so slot and
+physical order differ after a reset or a compaction.
 """
 from __future__ import annotations
 
@@ -154,14 +171,14 @@ def as_float(cache) -> np.ndarray:
 
 
 @jit.njit
-def _store_float(x, pos0, bt, store, by_token, half):
-    """Write x float32 [T, Hkv, D] (positions pos0..pos0+T-1) into a float layer store
+def _store_float(x, s0, bt, store, by_token, half):
+    """Write x float32 [T, Hkv, D] (slots s0..s0+T-1) into a float layer store
     [Hkv][NB][B*D]: token rows (t*D + d) or channel rows (d*B + t); ``half``: the store holds
     fp16 bits (uint16, rounded as NumPy's astype(float16)), else float32 values."""
     T, Hkv, D = x.shape
     B = store.shape[2] // D
     for i in range(T):
-        p = pos0 + i
+        p = s0 + i
         pb = bt[p // B]
         t = p % B
         for h in range(Hkv):
@@ -175,19 +192,19 @@ def _store_float(x, pos0, bt, store, by_token, half):
 
 
 @jit.njit
-def _store_quantized(x, pos0, bt, tail, tail_pb, data, code, bsz, by_token, tok_stride,
+def _store_quantized(x, s0, bt, tail, tail_pb, data, code, bsz, by_token, tok_stride,
                      ch_stride):
-    """Write x float32 [T, Hkv, D] (positions pos0..pos0+T-1) through the float tail
+    """Write x float32 [T, Hkv, D] (slots s0..s0+T-1) through the float tail
     (element (t, d) of a block at ``t*tok_stride + d*ch_stride``); each block completed here is
     quantized into data [Hkv][NB][bytes] (rows by token or by channel). Returns the physical
     block left in the tail (-1: none)."""
     T, Hkv, D = x.shape
     B = tail.shape[1] // D
-    n_end = pos0 + T
+    n_end = s0 + T
     tmp = np.empty(32, np.float32)
-    for lb in range(pos0 // B, (n_end - 1) // B + 1):
+    for lb in range(s0 // B, (n_end - 1) // B + 1):
         base = lb * B
-        p_lo = max(pos0, base)
+        p_lo = max(s0, base)
         p_hi = min(n_end, base + B)
         pb = bt[lb]
         if p_lo > base and tail_pb != pb:
@@ -196,7 +213,7 @@ def _store_quantized(x, pos0, bt, tail, tail_pb, data, code, bsz, by_token, tok_
             t = p - base
             for h in range(Hkv):
                 for d in range(D):
-                    tail[h, t * tok_stride + d * ch_stride] = x[p - pos0, h, d]
+                    tail[h, t * tok_stride + d * ch_stride] = x[p - s0, h, d]
         if p_hi < base + B:
             tail_pb = pb
             continue
@@ -221,22 +238,37 @@ def _store_quantized(x, pos0, bt, tail, tail_pb, data, code, bsz, by_token, tok_
 
 
 class KVCache:
-    """Paged K/V storage for one or more sequences (the engine uses sequence 0)."""
+    """Paged K/V storage for one or more sequences (the engine uses sequence 0).
+
+    Every layer has its own block table and slot count: slot s of layer l is row ``s % B`` of
+    physical block ``tables[seq, l, s // B]`` and holds the token at position
+    ``slot_pos[seq, l, s]``. Slots are in position order. Until a layer is compacted
+    (:meth:`compact`: eviction, or the sliding-window trim) slot == position.
+    """
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int,
                  block_len: int = 32, kv_type: str = "f16", n_seq: int = 1,
-                 type_k: str | None = None, type_v: str | None = None, v_layout: str = "token"):
+                 type_k: str | None = None, type_v: str | None = None, v_layout: str = "token",
+                 max_slots: int | None = None):
         type_k, type_v = type_k or kv_type, type_v or kv_type
         self.check_geometry(head_dim, block_len, n_ctx, type_k, type_v, v_layout)
         self.n_layer, self.n_head_kv, self.head_dim = n_layer, n_head_kv, head_dim
         self.block_len = B = block_len
         self.n_ctx = n_ctx
         self.type_k, self.type_v, self.v_layout = type_k, type_v, v_layout
-        self.max_blocks = NB = -(-n_ctx // B) * n_seq
-        self.blocks_per_seq = -(-n_ctx // B)
-        self.block_table = np.full((n_seq, self.blocks_per_seq), -1, dtype=np.int32)
-        self.cache_seqlens = np.zeros(n_seq, dtype=np.int32)
-        self._free = list(range(NB - 1, -1, -1))  # pop() hands out the lowest id first
+        # slots a layer holds at most (n_ctx unless an eviction policy bounds it)
+        self.max_slots = min(n_ctx, max_slots or n_ctx)
+        self.blocks_per_seq = -(-self.max_slots // B)
+        self.max_blocks = NB = self.blocks_per_seq * n_seq
+        self.tables = np.full((n_seq, n_layer, self.blocks_per_seq), -1, dtype=np.int32)
+        self.n_slots = np.zeros((n_seq, n_layer), dtype=np.int32)
+        self.slot_pos = np.zeros((n_seq, n_layer, self.blocks_per_seq * B), dtype=np.int32)
+        # largest position a layer has dropped (-1: none): what a rewind can still restore
+        self.max_evicted = np.full((n_seq, n_layer), -1, dtype=np.int64)
+        self.cache_seqlens = np.zeros(n_seq, dtype=np.int32)       # positions processed
+        # one pool per layer; pop() hands out the lowest id first, so the pages a layer touches
+        # (the stores are zero-filled on first touch) follow the most blocks it held at once
+        self._free = [list(range(NB - 1, -1, -1)) for _ in range(n_layer)]
         shape = (n_layer, n_head_kv, NB)
         self._tail: dict[str, np.ndarray | None] = {}
         self._tail_block: dict[str, np.ndarray | None] = {}
@@ -287,11 +319,12 @@ class KVCache:
     @staticmethod
     def bytes_needed(n_layer: int, n_head_kv: int, head_dim: int, n_ctx: int, block_len: int = 32,
                      kv_type: str = "f16", n_seq: int = 1, type_k: str | None = None,
-                     type_v: str | None = None, v_layout: str = "token") -> int:
+                     type_v: str | None = None, v_layout: str = "token",
+                     max_slots: int | None = None) -> int:
         """Bytes the buffers of a cache of this shape take (computed without allocating)."""
         type_k, type_v = type_k or kv_type, type_v or kv_type
         KVCache.check_geometry(head_dim, block_len, n_ctx, type_k, type_v, v_layout)
-        blocks_per_seq = -(-n_ctx // block_len)
+        blocks_per_seq = -(-min(n_ctx, max_slots or n_ctx) // block_len)
         nb = blocks_per_seq * n_seq
         total = 0
         for t in (type_k, type_v):
@@ -299,7 +332,9 @@ class KVCache:
             total += n_layer * n_head_kv * nb * per_block
             if t in QUANT_TYPES:                  # the float32 tail and its block id
                 total += n_seq * n_layer * (n_head_kv * block_len * head_dim * 4 + 8)
-        return total + n_seq * blocks_per_seq * 4 + n_seq * 4       # + block_table, cache_seqlens
+        # tables and slot positions (int32), slot counts (int32), max_evicted (int64), seqlens
+        book = n_seq * n_layer * (blocks_per_seq * 4 + blocks_per_seq * block_len * 4 + 4 + 8)
+        return total + book + n_seq * 4
 
     # ------------------------------------------------------------ layer views
     def layer(self, side: str, layer: int, seq: int = 0):
@@ -319,6 +354,23 @@ class KVCache:
     def v_layer(self, layer: int, seq: int = 0):
         return self.layer("v", layer, seq)
 
+    def table(self, layer: int, seq: int = 0) -> np.ndarray:
+        """Layer ``layer``'s block table, int32 [blocks]: slot block -> physical block (-1 none)."""
+        return self.tables[seq, layer]
+
+    def slot_count(self, layer: int, seq: int = 0) -> int:
+        """Slots layer ``layer`` holds (committed tokens it has not dropped)."""
+        return int(self.n_slots[seq, layer])
+
+    def positions(self, layer: int, seq: int = 0, n: int | None = None) -> np.ndarray:
+        """Positions of the first ``n`` slots of a layer (default: every committed slot),
+        int32, increasing (a view)."""
+        return self.slot_pos[seq, layer, :self.slot_count(layer, seq) if n is None else n]
+
+    def compacted(self, layer: int, seq: int = 0) -> bool:
+        """Has the layer dropped tokens (so slot != position)?"""
+        return bool(self.max_evicted[seq, layer] >= 0)
+
     @property
     def quantized(self) -> bool:
         return self.type_k in QUANT_TYPES or self.type_v in QUANT_TYPES
@@ -328,40 +380,72 @@ class KVCache:
         return self.n_head_kv * (self.bytes_per_token(self.head_dim, self.type_k) +
                                  self.bytes_per_token(self.head_dim, self.type_v))
 
+    def block_bytes(self) -> int:
+        """Bytes of K and V one physical block of one layer holds (all kv heads)."""
+        return int(self.k_store[0, :, 0].nbytes + self.v_store[0, :, 0].nbytes)
+
+    def bytes_held(self, seq: int = 0) -> int:
+        """Bytes of K and V in the blocks the sequence's layers hold now."""
+        return int((self.tables[seq] >= 0).sum()) * self.block_bytes()
+
     # ------------------------------------------------------------------ pool
+    def _release(self, layer: int, blocks) -> None:
+        self._free[layer].extend(int(b) for b in sorted((int(b) for b in blocks), reverse=True))
+        self._free[layer].sort(reverse=True)          # lowest id handed out first
+
     def reset(self, seq: int = 0) -> None:
         """Forget sequence ``seq``; its blocks return to the pool (contents are left as they are)."""
-        used = self.block_table[seq][self.block_table[seq] >= 0]
-        self._free.extend(int(b) for b in used[::-1])
-        self.block_table[seq] = -1
+        for il in range(self.n_layer):
+            row = self.tables[seq, il]
+            self._release(il, row[row >= 0])
+        self.tables[seq] = -1
+        self.n_slots[seq] = 0
+        self.max_evicted[seq] = -1
         self.cache_seqlens[seq] = 0
         for tb in self._tail_block.values():
             if tb is not None:
                 tb[seq] = -1
 
     def reserve(self, n_tokens: int, seq: int = 0) -> None:
-        """Make room for ``n_tokens`` more tokens, taking blocks from the pool."""
+        """Make room for ``n_tokens`` more tokens in every layer, taking blocks from the pools."""
         n_new = int(self.cache_seqlens[seq]) + n_tokens
         if n_new > self.n_ctx:
             raise ContextFullError(f"context full: {int(self.cache_seqlens[seq])} cached + "
                                    f"{n_tokens} new tokens exceed the context size {self.n_ctx}")
-        need = -(-n_new // self.block_len)
-        row = self.block_table[seq]
-        for lb in range(need):
-            if row[lb] < 0:
-                if not self._free:
-                    raise ContextFullError("KV block pool exhausted")
-                row[lb] = self._free.pop()
+        for il in range(self.n_layer):
+            s_new = int(self.n_slots[seq, il]) + n_tokens
+            if s_new > self.max_slots:
+                raise ContextFullError(f"layer {il}: {int(self.n_slots[seq, il])} held + "
+                                       f"{n_tokens} new tokens exceed the {self.max_slots} slots "
+                                       f"a layer holds")
+            row = self.tables[seq, il]
+            for lb in range(-(-s_new // self.block_len)):
+                if row[lb] < 0:
+                    if not self._free[il]:
+                        raise ContextFullError(f"layer {il}: KV block pool exhausted")
+                    row[lb] = self._free[il].pop()
 
     # ----------------------------------------------------------------- write
-    def slots(self, pos0: int, n: int, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Physical block and in-block row of positions pos0 .. pos0+n-1: (int64[n], int64[n])."""
-        pos = np.arange(pos0, pos0 + n)
-        blocks = self.block_table[seq][pos // self.block_len].astype(np.int64)
-        return blocks, pos % self.block_len
+    def slots(self, s0: int, n: int, seq: int = 0, layer: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Physical block and in-block row of slots s0 .. s0+n-1 of a layer: (int64[n], int64[n])."""
+        s = np.arange(s0, s0 + n)
+        blocks = self.tables[seq, layer][s // self.block_len].astype(np.int64)
+        return blocks, s % self.block_len
+
+    def slot_of(self, layer: int, pos: int, seq: int = 0) -> int:
+        """The slot a token at position ``pos`` (not yet committed, or any position of a layer
+        that never dropped a token) is written to."""
+        if not self.compacted(layer, seq):
+            return int(pos)
+        n = int(self.cache_seqlens[seq])
+        if pos < n:
+            raise ValueError(f"layer {layer} dropped tokens: position {pos} < {n} cannot be "
+                             f"rewritten in place")
+        return int(self.n_slots[seq, layer]) + int(pos) - n
 
     def write(self, layer: int, k: np.ndarray, v: np.ndarray, pos0: int, seq: int = 0) -> None:
-        """Store k, v float32[T, Hkv, D] of positions pos0 .. pos0+T-1 (blocks must be reserved)."""
+        """Store k, v float32[T, Hkv, D] of positions pos0 .. pos0+T-1 in their slots
+        (:meth:`slot_of`; blocks must be reserved)."""
         T = k.shape[0]
         if T == 0:
             return
@@ -373,12 +457,15 @@ class KVCache:
             lim = float("inf") if t == "f32" else _FINITE_LIMIT
             if not (x.max() < lim and x.min() > -lim):
                 raise NonFiniteError(self._non_finite_message(layer, k, v))
+        s0 = self.slot_of(layer, pos0, seq)
+        self.slot_pos[seq, layer, s0:s0 + T] = np.arange(pos0, pos0 + T, dtype=np.int32)
         B, D = self.block_len, self.head_dim
+        bt = self.tables[seq, layer]
         for side, x in (("k", k), ("v", v)):
             store = self.k_store if side == "k" else self.v_store
             if self._tail[side] is None:    # f16 / f32: K token rows, V channel rows
                 half = store.dtype == np.float16
-                _store_float(np.ascontiguousarray(x, dtype=np.float32), int(pos0), self.block_table[seq],
+                _store_float(np.ascontiguousarray(x, dtype=np.float32), s0, bt,
                              store[layer].view(np.uint16) if half else store[layer], side == "k", half)
                 continue
             qt = QUANT_TYPES[self.type_k if side == "k" else self.type_v]
@@ -386,7 +473,7 @@ class KVCache:
             tok_stride, ch_stride = (D, 1) if side == "k" else (1, B)
             tb = self._tail_block[side]
             tb[seq, layer] = _store_quantized(
-                np.ascontiguousarray(x, dtype=np.float32), int(pos0), self.block_table[seq],
+                np.ascontiguousarray(x, dtype=np.float32), s0, bt,
                 self._tail[side][seq, layer], int(tb[seq, layer]), store[layer], code,
                 BLOCK_BYTES[code], self._by_token[side], tok_stride, ch_stride)
 
@@ -405,6 +492,82 @@ class KVCache:
     def commit(self, n: int, seq: int = 0) -> None:
         """Mark ``n`` more tokens valid after every layer has written them."""
         self.cache_seqlens[seq] += n
+        self.n_slots[seq] += n
+
+    # -------------------------------------------------------------- eviction
+    def compact(self, layer: int, keep: np.ndarray, seq: int = 0, extra=()) -> None:
+        """Keep only slots ``keep`` (increasing slot indices) of a layer: they move, in order,
+        to slots 0..len(keep)-1 and the blocks left empty return to the pool. Keys keep the
+        RoPE of their positions; ``slot_pos`` moves with them. ``extra``: more per-slot arrays
+        indexed ``[physical block][row]...`` (a layer's ``importance_``) moved the same way.
+
+        A quantized side keeps its float tail as it is, so there a compaction must drop a
+        multiple of B slots and keep the tail's slots (the last ``n % B``); ValueError
+        otherwise. V stored by channel (``v_layout="channel"``) only drops whole leading
+        blocks (its rows span 32 tokens).
+        """
+        B, D, Hkv = self.block_len, self.head_dim, self.n_head_kv
+        n = int(self.n_slots[seq, layer])
+        keep = np.asarray(keep, dtype=np.int64)
+        m = keep.size
+        if m and (keep[0] < 0 or keep[-1] >= n or np.any(np.diff(keep) <= 0)):
+            raise ValueError(f"layer {layer}: slots to keep must be increasing, in 0..{n - 1}")
+        if m == n:
+            return
+        dropped = np.setdiff1d(np.arange(n), keep)
+        pos = self.slot_pos[seq, layer]
+        self.max_evicted[seq, layer] = max(int(self.max_evicted[seq, layer]),
+                                           int(pos[dropped].max()))
+        row = self.tables[seq, layer]
+        front = n - m
+        if front % B == 0 and np.array_equal(keep, np.arange(front, n)):
+            # whole leading blocks: rotate the table, nothing moves
+            k = front // B
+            self._release(layer, row[:k])
+            nb_used = -(-n // B)
+            row[:nb_used - k] = row[k:nb_used].copy()
+            row[nb_used - k:] = -1
+            pos[:m] = pos[front:n].copy()
+            self.n_slots[seq, layer] = m
+            return
+        if self.quantized:
+            tail_n = n % B
+            if front % B or (tail_n and not np.array_equal(keep[m - tail_n:], np.arange(n - tail_n, n))):
+                raise ValueError(f"layer {layer}: a quantized KV cache drops a multiple of "
+                                 f"{B} tokens and keeps the last {tail_n} (the float tail)")
+            if self._tail["v"] is not None and not self._by_token["v"]:
+                raise ValueError("V stored by channel (v_layout='channel') cannot drop single "
+                                 "tokens: use v_layout='token' with an eviction policy")
+        src_b, src_r = row[keep // B].astype(np.int64), keep % B
+        dst = np.arange(m)
+        dst_b, dst_r = row[dst // B].astype(np.int64), dst % B
+        moved = keep != dst
+        for side in ("k", "v"):
+            store = (self.k_store if side == "k" else self.v_store)[layer]
+            mv = moved.copy()
+            if self._tail[side] is not None and n % B:    # the tail's slots stay in the tail
+                mv[m - n % B:] = False
+            sb, sr, db, dr = src_b[mv], src_r[mv], dst_b[mv], dst_r[mv]
+            if self._tail[side] is None:
+                if side == "k":
+                    view = store.reshape(Hkv, -1, B, D)
+                    view[:, db, dr, :] = view[:, sb, sr, :]
+                else:
+                    view = store.reshape(Hkv, -1, D, B)
+                    view[:, db, :, dr] = view[:, sb, :, sr]
+            else:
+                view = store.reshape(Hkv, store.shape[1], B, -1)
+                view[:, db, dr, :] = view[:, sb, sr, :]
+        for arr in extra:
+            arr[dst_b[moved], dst_r[moved]] = arr[src_b[moved], src_r[moved]]
+        pos[:m] = pos[keep]
+        nb_old, nb_new = -(-n // B), -(-m // B)
+        self._release(layer, row[nb_new:nb_old])
+        row[nb_new:] = -1
+        self.n_slots[seq, layer] = m
+        for side, tb in self._tail_block.items():
+            if tb is not None and tb[seq, layer] >= 0:
+                tb[seq, layer] = row[(m - 1) // B] if m % B else -1
 
     # ------------------------------------------------------- rewind / restore
     def checkpoint(self, seq: int = 0):
@@ -416,13 +579,18 @@ class KVCache:
                 for side in ("k", "v") if self._tail[side] is not None}
 
     def truncate(self, n: int, seq: int = 0, checkpoint=None) -> None:
-        """Forget positions n.. of sequence ``seq`` (their blocks stay reserved).
+        """Forget positions n.. of sequence ``seq`` in every layer (their blocks stay reserved).
 
         With the ``checkpoint`` taken when the cache held exactly n tokens the float tails
-        are restored as they were (exact). Otherwise a quantized block that n cuts is
-        dequantized into its tail: the kept tokens read back as their quantized values.
+        are restored as they were (exact). Otherwise a quantized block that the cut falls
+        inside is dequantized into its tail: the kept tokens read back as their quantized
+        values. Slots a layer dropped (eviction, the sliding-window trim) do not come back:
+        see :meth:`rewinds_exactly`.
         """
         self.cache_seqlens[seq] = n
+        for il in range(self.n_layer):
+            s = int(self.n_slots[seq, il])
+            self.n_slots[seq, il] = int(np.searchsorted(self.slot_pos[seq, il, :s], n))
         if checkpoint is not None:
             for side, (tail, tb) in checkpoint.items():
                 self._tail[side][seq] = tail
@@ -433,15 +601,43 @@ class KVCache:
             if self._tail[side] is None:
                 continue
             tb = self._tail_block[side][seq]
-            if n % B == 0:
-                tb[:] = -1
-                continue
-            pb = int(self.block_table[seq][n // B])
             for layer in range(self.n_layer):
+                s = int(self.n_slots[seq, layer])
+                if s % B == 0:
+                    tb[layer] = -1
+                    continue
+                pb = int(self.tables[seq, layer][s // B])
                 if tb[layer] != pb:
                     view = self.layer(side, layer, seq)
                     self._tail[side][seq, layer] = view.blocks_f32([pb])[:, 0]
                     tb[layer] = pb
+
+    def rewinds_exactly(self, n: int, windows, seq: int = 0) -> bool:
+        """Would :meth:`truncate` to ``n`` leave every layer holding what it needs to continue
+        from position n, as if the tokens after n had never come? ``windows[il]``: the layer's
+        sliding window (0: global). A global layer must not have dropped anything; a
+        sliding-window layer only tokens that position n would no longer see."""
+        for il, w in enumerate(windows):
+            ev = int(self.max_evicted[seq, il])
+            if ev >= 0 and (w <= 0 or ev > n - w):
+                return False
+        return True
+
+    def install(self, n_tokens: int, positions, max_evicted, seq: int = 0) -> None:
+        """Take blocks for an emptied sequence that will hold ``positions[il]`` (int32, slot ->
+        position) in each layer after ``n_tokens`` positions (restoring a saved state: the
+        caller writes the blocks' contents)."""
+        if int(self.cache_seqlens[seq]) or self.n_slots[seq].any():
+            raise ValueError("install needs an empty sequence (reset it first)")
+        for il, pos in enumerate(positions):
+            s = len(pos)
+            row = self.tables[seq, il]
+            for lb in range(-(-s // self.block_len)):
+                row[lb] = self._free[il].pop()
+            self.slot_pos[seq, il, :s] = pos
+            self.n_slots[seq, il] = s
+        self.max_evicted[seq] = max_evicted
+        self.cache_seqlens[seq] = n_tokens
 
     def set_tail(self, side: str, layer: int, tail: np.ndarray, block: int, seq: int = 0) -> None:
         """Install a quantized side's float tail and the physical block it stands for
@@ -451,18 +647,25 @@ class KVCache:
 
     # ------------------------------------------------------------------ read
     def gather(self, layer: int, n: int | None = None, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values of the first ``n`` tokens in position order: float32[Hkv, n, D] each.
+        """Keys and values of the layer's first ``n`` slots in slot order: float32[Hkv, n, D] each
+        (their positions: :meth:`positions`).
 
         A readable (slow) view of the paged layout, used by references and tests.
         """
-        n = int(self.cache_seqlens[seq]) if n is None else n
-        blocks, rows = self.slots(0, n, seq)
+        n = self.slot_count(layer, seq) if n is None else n
+        blocks, rows = self.slots(0, n, seq, layer)
         B, D = self.block_len, self.head_dim
         kc = as_float(self.k_layer(layer, seq)).reshape(self.n_head_kv, -1, B, D)
         vc = as_float(self.v_layer(layer, seq)).reshape(self.n_head_kv, -1, D, B)
         k = kc[:, blocks, rows, :].astype(np.float32)          # [Hkv, n, D]
         v = vc[:, blocks, :, rows].transpose(1, 0, 2).astype(np.float32)  # [n, Hkv, D] -> [Hkv, n, D]
         return k, v
+
+    @property
+    def book_nbytes(self) -> int:
+        """Bytes of the bookkeeping: tables, slot positions and counts, sequence lengths."""
+        return int(self.tables.nbytes + self.slot_pos.nbytes + self.n_slots.nbytes +
+                   self.max_evicted.nbytes + self.cache_seqlens.nbytes)
 
     @property
     def nbytes(self) -> int:

@@ -311,7 +311,7 @@ class SparseState:
                        v_layout=c.v_layout)            # the same storage kinds, all zero
         tiny.reserve(4 * B)
         kc, vc = tiny.k_layer(0), tiny.v_layer(0)
-        bt = tiny.block_table[0]
+        bt = tiny.table(0)
         anchor = np.zeros((4, A, self.anchor_.heads, D), np.float16)
         imp = np.zeros((4, B, Hq), np.float16)
         compute_anchors(self.anchor_type, kc, np.arange(4), np.full(4, B), anchor, imp)
@@ -347,10 +347,10 @@ class SparseState:
         return prefill
 
     def _decay(self, n_ctx: int) -> None:
-        """importance_ <- decay * importance_ for the first n_ctx tokens of every layer."""
-        bt = self.cache.block_table[0]
-        for imp in self.importance_:
-            decay_importance(imp, bt, n_ctx, self.opts.decay)
+        """importance_ <- decay * importance_ for every slot each layer held before this forward
+        (``n_ctx``: the positions cached then)."""
+        for il, imp in enumerate(self.importance_):
+            decay_importance(imp, self.cache.table(il), self.cache.slot_count(il), self.opts.decay)
 
     def end_forward(self, n_ctx: int) -> None:
         """Called by the engine once the forward's tokens are in every layer's cache."""
@@ -359,27 +359,48 @@ class SparseState:
         elif self._prefill is None:
             self.after_prefill(n_ctx)
 
-    def _blocks_upto(self, n_ctx: int, lbs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """Physical ids and valid-token counts of logical blocks lbs (default: all of n_ctx)."""
+    def _blocks_upto(self, il: int, n_ctx: int,
+                     lbs: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Physical ids and valid-token counts of layer il's slot blocks lbs (default: every
+        block of its first n_ctx slots)."""
         B = self.cache.block_len
         if lbs is None:
             lbs = np.arange(-(-n_ctx // B))
-        blocks = self.cache.block_table[0][lbs]
+        blocks = self.cache.table(il)[lbs]
         n_valid = np.minimum(B, n_ctx - lbs * B)
         return blocks, n_valid
 
-    def refresh_anchors(self, n_ctx: int, lbs: np.ndarray | None = None) -> None:
-        """Recompute the anchors of logical blocks ``lbs`` (default: every block of n_ctx, the
-        partial tail included) on every layer that holds anchors."""
-        blocks, n_valid = self._blocks_upto(n_ctx, lbs)
+    def refresh_anchors(self, n_ctx: int | None = None, lbs: np.ndarray | None = None) -> None:
+        """Recompute the anchors of slot blocks ``lbs`` (default: every block a layer holds, the
+        partial tail included) on every layer that holds anchors. ``n_ctx``: the slots to
+        count (default: each layer's own)."""
         for il in self.anchor_.layers:
+            n = self.cache.slot_count(il) if n_ctx is None else n_ctx
+            blocks, n_valid = self._blocks_upto(il, n, lbs)
             compute_anchors(self.anchor_type, self.cache.k_layer(il), blocks, n_valid,
                             self.anchor_.storage(il), self.importance_[il])
             if lbs is None:
                 self._dirty[il][:] = False
 
     def after_prefill(self, n_ctx: int) -> None:
-        self.refresh_anchors(n_ctx)
+        self.refresh_anchors()
+        self._sel.clear()
+
+    def compacted(self, il: int, old_blocks: np.ndarray) -> None:
+        """Layer il was compacted (its importance_ moved with its slots, see
+        :meth:`KVCache.compact`); ``old_blocks``: the physical blocks it held before. The
+        importance of emptied slots and released blocks is zeroed (new tokens land there),
+        cached selections are dropped and the layer's anchors recomputed when next read."""
+        c, B = self.cache, self.cache.block_len
+        m = c.slot_count(il)
+        row = c.table(il)
+        held = row[:-(-m // B)]
+        gone = np.setdiff1d(old_blocks, held)
+        self.importance_[il, gone] = 0
+        if m % B:
+            self.importance_[il, row[m // B], m % B:] = 0
+        if il in self._dirty:
+            self._dirty[il][:] = True
         self._sel.clear()
 
     def after_decode(self, n_ctx: int) -> None:
@@ -391,7 +412,7 @@ class SparseState:
         d = self._dirty[il]
         lbs = np.flatnonzero(d[:-(-n_ctx // self.cache.block_len)])
         if lbs.size:
-            blocks, n_valid = self._blocks_upto(n_ctx, lbs)
+            blocks, n_valid = self._blocks_upto(il, n_ctx, lbs)
             compute_anchors(self.anchor_type, self.cache.k_layer(il), blocks, n_valid,
                             self.anchor_.storage(il), self.importance_[il])
             d[:] = False
@@ -429,8 +450,8 @@ class SparseState:
 
     # ------------------------------------------------------------ public API
     def restore_prefix(self, importance: np.ndarray, n_ctx: int) -> None:
-        """Install the ``importance_`` a prefill of ``n_ctx`` tokens left (as saved by a caller
-        that rewinds the cache to that prefix) and recompute the anchors, as a prefill ends."""
+        """Install the ``importance_`` a prefill left (as saved by a caller that rewinds the
+        cache to that prefix) and recompute the anchors, as a prefill ends."""
         self.importance_[...] = importance
         self.after_prefill(n_ctx)
 
@@ -443,18 +464,19 @@ class SparseState:
         self._prefill = None
 
     def truncate(self, n_ctx: int) -> None:
-        """The cache was cut back to ``n_ctx`` tokens: the importance of positions from n_ctx on
-        is zeroed (their slots will be written again and must not inherit mass) and the block
-        the cut falls in has its anchors recomputed when next read."""
-        bt, B = self.cache.block_table[0], self.cache.block_len
-        n_lb = int((bt >= 0).sum())
-        lb0 = n_ctx // B
-        if lb0 < n_lb:
-            self.importance_[:, bt[lb0], n_ctx - lb0 * B:] = 0
-            self.importance_[:, bt[lb0 + 1:n_lb]] = 0
-            if n_ctx % B:
-                for d in self._dirty.values():
-                    d[lb0] = True
+        """The cache was cut back to ``n_ctx`` tokens: in every layer the importance of the slots
+        past the ones it keeps is zeroed (they will be written again and must not inherit mass)
+        and the block the cut falls in has its anchors recomputed when next read."""
+        B = self.cache.block_len
+        for il in range(len(self.importance_)):
+            bt, s = self.cache.table(il), self.cache.slot_count(il)
+            n_lb = int((bt >= 0).sum())
+            lb0 = s // B
+            if lb0 < n_lb:
+                self.importance_[il, bt[lb0], s - lb0 * B:] = 0
+                self.importance_[il, bt[lb0 + 1:n_lb]] = 0
+                if s % B and il in self._dirty:
+                    self._dirty[il][lb0] = True
         self._sel.clear()
         self._prefill = None
 
@@ -472,9 +494,11 @@ class SparseState:
     # --------------------------------------------------------------- decode
     def decode_attention(self, il: int, q: np.ndarray, n_ctx: int, scale: float, window: int,
                          out: np.ndarray) -> None:
-        """Attention of the decode query q float32[Hq, D] of layer il into out float32[Hq, D]."""
+        """Attention of the decode query q float32[Hq, D] of layer il into out float32[Hq, D]
+        (``n_ctx``: the slots layer il holds, the new token's included; ``window`` in slots,
+        see :func:`pyimp.attention.slot_window`)."""
         o, c = self.opts, self.cache
-        kc, vc, bt = c.k_layer(il), c.v_layer(il), c.block_table[0]
+        kc, vc, bt = c.k_layer(il), c.v_layer(il), c.table(il)
         imp = self.importance_[il]
         if il in self._dirty:
             self._dirty[il][-(-n_ctx // c.block_len) - 1] = True   # the newest token's key joined it
@@ -506,7 +530,7 @@ class SparseState:
         cached = self._sel.get(lead)
         if lead == il and (cached is None or step - cached[2] >= o.token_step):
             # anchors are brought up to date right before retrieval reads them
-            sel, cnt = retrieve_blocks(q, self._fresh_anchors(il, n_ctx), self.cache.block_table[0],
+            sel, cnt = retrieve_blocks(q, self._fresh_anchors(il, n_ctx), self.cache.table(il),
                                        n_ctx, B, self.n_head_kv, self.retrieval_type,
                                        o.init_blocks, o.topk, o.local_blocks, self.anchor_type)
             self._sel[lead] = (sel, cnt, step, n_lb)
@@ -560,10 +584,13 @@ class SparseState:
             from matplotlib.figure import Figure
         except ImportError:
             raise RuntimeError("heatmaps need matplotlib: pip install 'pyimp[plot]'") from None
-        B = self.cache.block_len
+        B, c = self.cache.block_len, self.cache
         nlb = -(-n_ctx // B)
-        blocks = self.cache.block_table[0][:nlb]
-        imp = self.importance_[:, blocks].astype(np.float32).sum(-1).reshape(len(self.importance_), -1)[:, :n_ctx]
+        imp = np.zeros((len(self.importance_), n_ctx), np.float32)
+        for il in range(len(self.importance_)):     # by position (a compacted layer has gaps)
+            s = c.slot_count(il)
+            blocks, rows = c.slots(0, s, layer=il)
+            imp[il, c.positions(il)] = self.importance_[il, blocks, rows].astype(np.float32).sum(-1)
         fig = Figure(figsize=(10, 7))
         FigureCanvasAgg(fig)
         axes = fig.subplots(2, 1)

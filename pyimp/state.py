@@ -3,24 +3,28 @@
 A state file is a :mod:`pyimp.statefile` container (checksummed sections, entropy coded,
 written atomically). Its header holds::
 
-    format "pyimp-kv-state", version 1
+    format "pyimp-kv-state", version 2
     model       the GGUF fingerprint (:meth:`loaders.gguf_file.GGUFFile.fingerprint`)
     geometry    n_layer, n_head, n_head_kv, head_dim, block_len, type_k, type_v, v_layout,
                 kv_rotate, numerics (what the stored values depend on)
     sparse      the SparseOptions fields that shape importance_ / anchor_ (or null)
-    n_tokens    tokens cached; tail_k / tail_v: per layer, the logical block held in the
-                float tail of a quantized side (-1: none)
+    n_tokens    tokens (positions) processed
+    slots       per layer, the slots it holds (fewer than n_tokens once it dropped tokens)
+    max_evicted per layer, the largest position it dropped (-1: none)
+    tail_k / tail_v   per layer, the slot block held in the float tail of a quantized side
+                (-1: none)
 
-and its sections, in logical block order (block ids are not saved: a loaded state takes
-fresh physical blocks from the pool)::
+and its sections, per layer in slot block order (``nlb = ceil(slots / B)``; block ids are
+not saved: a loaded state takes fresh physical blocks from the pools)::
 
     tokens                 int32 [n]
+    pos.<il>               int32 [slots]: the position of each slot
     k.<il> / v.<il>        f16 / f32 sides: the layer's blocks [Hkv][nlb][B*D]
     k.<il>.head / .qs      quantized sides: block header bytes (d, m, qh) and quant bytes
                            of the stored blocks, split so each compresses on its own
     k.<il>.tail            quantized sides: the float32 tail's valid tokens [Hkv][r][D]
-                           (r = n_tokens % B when the tail holds a block, else 0)
-    importance             float16 [L][nlb][B][Hq] (sparse engines)
+                           (r = slots % B when the tail holds a block, else 0)
+    importance.<il>        float16 [nlb][B][Hq] (sparse engines)
     anchor.<il>            float16 [nlb][A][Ha][D] (sparse engines, anchor layers)
 
 Loading checks the header (model, geometry, sparse options) before decoding anything and
@@ -44,7 +48,7 @@ from .kvcache import FLOAT_TYPES, QUANT_TYPES
 from .statefile import StateFileError, read_header, read_state, write_state
 
 FORMAT = "pyimp-kv-state"
-VERSION = 1
+VERSION = 2
 # bytes of each block type's header fields (d; d, m; d, qh; d, m, qh) before its quants
 _HEAD_BYTES = {"q8_0": 2, "q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}
 _SPARSE_KEYS = ("anchor", "anchor_num", "retrieval", "layer_step", "dense_layers")
@@ -96,14 +100,17 @@ def save(engine, path: str | os.PathLike) -> dict:
     c = engine.cache
     n = len(engine.tokens)
     B = c.block_len
-    nlb = -(-n // B)
-    bt = c.block_table[0][:nlb].astype(np.int64)
+    slots = [c.slot_count(il) for il in range(c.n_layer)]
+    tables = [c.table(il)[:-(-s // B)].astype(np.int64) for il, s in enumerate(slots)]
     arrays: dict[str, np.ndarray] = {"tokens": np.asarray(engine.tokens, dtype=np.int32)}
+    for il in range(c.n_layer):
+        arrays[f"pos.{il}"] = np.ascontiguousarray(c.positions(il))
     tails: dict[str, list] = {}
     for side, kv_type in (("k", c.type_k), ("v", c.type_v)):
         store = c.k_store if side == "k" else c.v_store
         tails[side] = []
         for il in range(c.n_layer):
+            bt = tables[il]
             blocks = store[il][:, bt]
             if kv_type in FLOAT_TYPES:
                 arrays[f"{side}.{il}"] = blocks
@@ -118,15 +125,17 @@ def save(engine, path: str | os.PathLike) -> dict:
             hb = _HEAD_BYTES[kv_type]
             arrays[f"{side}.{il}.head"] = np.ascontiguousarray(rows[:, :hb].T)
             arrays[f"{side}.{il}.qs"] = np.ascontiguousarray(rows[:, hb:])
-            arrays[f"{side}.{il}.tail"] = _tail_rows(view.tail, side, n % B if tail_lb >= 0 else 0,
-                                                     B, c.head_dim)
+            arrays[f"{side}.{il}.tail"] = _tail_rows(
+                view.tail, side, slots[il] % B if tail_lb >= 0 else 0, B, c.head_dim)
     sp = engine.sparse
     if sp is not None:
-        arrays["importance"] = sp.importance_[:, bt]
+        for il in range(c.n_layer):
+            arrays[f"importance.{il}"] = sp.importance_[il, tables[il]]
         for il in sp.anchor_.layers:
-            arrays[f"anchor.{il}"] = sp.anchor_.storage(il)[bt]
+            arrays[f"anchor.{il}"] = sp.anchor_.storage(il)[tables[il]]
     header = {"format": FORMAT, "version": VERSION, "model": engine.file.fingerprint(),
               "geometry": geometry(engine), "sparse": _sparse_desc(engine), "n_tokens": n,
+              "slots": slots, "max_evicted": [int(x) for x in c.max_evicted[0]],
               "tail_k": tails["k"], "tail_v": tails["v"]}
     return write_state(path, header, arrays)
 
@@ -152,6 +161,17 @@ def _check_header(engine, path, header: dict) -> None:
     n = header.get("n_tokens")
     if not isinstance(n, int) or not 0 <= n <= engine.n_ctx:
         fail(f"{n!r} tokens do not fit this engine's context size {engine.n_ctx}")
+    L = engine.cfg.n_layer
+    for key, lo in (("slots", 0), ("max_evicted", -1)):
+        v = header.get(key)
+        if not isinstance(v, list) or len(v) != L or not all(isinstance(x, int) and lo <= x <= n
+                                                              for x in v):
+            fail(f"bad {key} {v!r}")
+    cap = engine.cache.max_slots
+    big = [il for il, s in enumerate(header["slots"]) if s > cap]
+    if big:
+        fail(f"layer {big[0]} holds {header['slots'][big[0]]} tokens, this engine's layers hold "
+             f"at most {cap} (a larger --kv-budget or context size)")
 
 
 def load(engine, path: str | os.PathLike) -> int:
@@ -162,7 +182,8 @@ def load(engine, path: str | os.PathLike) -> int:
     _check_header(engine, path, header)
     c = engine.cache
     n, B = header["n_tokens"], c.block_len
-    nlb = -(-n // B)
+    slots = header["slots"]
+    nlbs = [-(-s // B) for s in slots]
     Hkv, D, L = c.n_head_kv, c.head_dim, c.n_layer
 
     def need(name, shape, dtype):
@@ -176,52 +197,61 @@ def load(engine, path: str | os.PathLike) -> int:
     tokens = need("tokens", (n,), np.int32)
     if n and (tokens.min() < 0 or tokens.max() >= engine.cfg.n_vocab):
         raise StateFileError(path, "token ids outside the vocabulary")
+    positions = []
+    for il in range(L):
+        p = need(f"pos.{il}", (slots[il],), np.int32)
+        if p.size and (p[0] < 0 or p[-1] >= n or not (np.diff(p) > 0).all()):
+            raise StateFileError(path, f"slot positions of layer {il} are not increasing in 0..{n - 1}")
+        positions.append(p)
     sides = {}
     for side, kv_type in (("k", c.type_k), ("v", c.type_v)):
         per = []
         tails = header.get(f"tail_{side}")
         if kv_type in FLOAT_TYPES:
             for il in range(L):
-                per.append(need(f"{side}.{il}", (Hkv, nlb, B * D), FLOAT_TYPES[kv_type]))
+                per.append(need(f"{side}.{il}", (Hkv, nlbs[il], B * D), FLOAT_TYPES[kv_type]))
         else:
             if not isinstance(tails, list) or len(tails) != L or \
-                    not all(isinstance(t, int) and -1 <= t < nlb for t in tails):
+                    not all(isinstance(t, int) and -1 <= t < nb for t, nb in zip(tails, nlbs)):
                 raise StateFileError(path, f"bad tail_{side} {tails!r}")
             store = c.k_store if side == "k" else c.v_store
-            nrows = Hkv * nlb * store.shape[3] // _bsz(kv_type)
             hb = _HEAD_BYTES[kv_type]
             for il in range(L):
+                nrows = Hkv * nlbs[il] * store.shape[3] // _bsz(kv_type)
                 head = need(f"{side}.{il}.head", (hb, nrows), np.uint8)
                 qs = need(f"{side}.{il}.qs", (nrows, _bsz(kv_type) - hb), np.uint8)
-                r = n % B if tails[il] >= 0 else 0
+                r = slots[il] % B if tails[il] >= 0 else 0
                 rows = need(f"{side}.{il}.tail", (Hkv, r, D), np.float32)
-                per.append((np.concatenate([head.T, qs], axis=1).reshape(Hkv, nlb, -1),
+                per.append((np.concatenate([head.T, qs], axis=1).reshape(Hkv, nlbs[il], -1),
                             _tail_from_rows(rows, side, B, D), tails[il]))
         sides[side] = per
     sp = engine.sparse
     if sp is not None:
-        imp = need("importance", (L, nlb) + sp.importance_.shape[2:], np.float16)
-        anchors = {il: need(f"anchor.{il}", (nlb,) + sp.anchor_.storage(il).shape[1:], np.float16)
+        imp = [need(f"importance.{il}", (nlbs[il],) + sp.importance_.shape[2:], np.float16)
+               for il in range(L)]
+        anchors = {il: need(f"anchor.{il}", (nlbs[il],) + sp.anchor_.storage(il).shape[1:],
+                            np.float16)
                    for il in sp.anchor_.layers}
     # everything checked: now replace the engine's state
     engine.reset()
-    c.reserve(n)
-    bt = c.block_table[0][:nlb].astype(np.int64)
+    c.install(n, positions, header["max_evicted"])
+    tables = [c.table(il)[:nb].astype(np.int64) for il, nb in enumerate(nlbs)]
     for side, per in sides.items():
         store = c.k_store if side == "k" else c.v_store
         for il, item in enumerate(per):
+            bt = tables[il]
             if isinstance(item, np.ndarray):
                 store[il][:, bt] = item
                 continue
             data, tail, tail_lb = item
             store[il][:, bt] = data
             c.set_tail(side, il, tail, int(bt[tail_lb]) if tail_lb >= 0 else -1)
-    c.commit(n)
     engine.tokens = [int(t) for t in tokens]
     if sp is not None:
-        sp.importance_[:, bt] = imp
+        for il in range(L):
+            sp.importance_[il, tables[il]] = imp[il]
         for il, a in anchors.items():
-            sp.anchor_.storage(il)[bt] = a
+            sp.anchor_.storage(il)[tables[il]] = a
         sp.restored(n)
     engine.timings.extra["state_load_s"] = time.perf_counter() - t0
     return n

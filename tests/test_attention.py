@@ -102,7 +102,7 @@ def test_gqa_mapping_over_layers(L, Hkv, G, B, D, n, seed, data):
             if k:
                 cache.reserve(done[s] + k, seq=s)   # (counted from the committed 0 tokens)
                 done[s] += k
-    bt = cache.block_table[0]
+    bt = cache.table(0)
     assert bt[0] != 0
     flats = [(rng.standard_normal((n, Hkv, D)).astype(np.float16),
               rng.standard_normal((n, Hkv, D)).astype(np.float16)) for _ in range(L)]

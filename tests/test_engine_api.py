@@ -125,7 +125,7 @@ def test_close_releases_the_map(llama):
 def test_buffer_sizes_are_computed_before_allocating(llama):
     c = KVCache(3, 2, 16, 100, block_len=8, kv_type="f16")
     assert KVCache.bytes_needed(3, 2, 16, 100, block_len=8, kv_type="f16") == \
-        c.nbytes + c.block_table.nbytes + c.cache_seqlens.nbytes
+        c.nbytes + c.book_nbytes
     eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8, sparse=SparseOptions(
         enabled=True, anchor="quest", anchor_num=4)))
     b = eng.sparse.report()["bytes"]

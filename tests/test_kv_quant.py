@@ -48,7 +48,7 @@ def test_full_blocks_hold_ggml_bytes_and_the_tail_holds_floats(tk, tv, layout, n
     n_full = n // B
     for h in range(Hkv):
         for lb in range(n_full):               # blocks quantized from the float32 values at once
-            pb = c.block_table[0][lb]
+            pb = c.table(0)[lb]
             kk = k[lb * B:(lb + 1) * B, h]                      # [B, D] token rows
             vv = v[lb * B:(lb + 1) * B, h]
             assert np.array_equal(c.k_store[0, h, pb], gq.quantize(kk, QUANT_TYPES[tk]).ravel())
@@ -60,7 +60,7 @@ def test_full_blocks_hold_ggml_bytes_and_the_tail_holds_floats(tk, tv, layout, n
     assert np.array_equal(V[:, tail], v[tail].transpose(1, 0, 2))
     kv = c.k_layer(0)
     assert isinstance(kv, QuantizedKV)
-    assert kv.tail_block == (c.block_table[0][n_full] if n % B else -1)
+    assert kv.tail_block == (c.table(0)[n_full] if n % B else -1)
 
 
 @st.composite
@@ -97,7 +97,7 @@ def _tol(c):
 @given(case=attn_case(), window=st.sampled_from([0, 0, 7, 40]))
 def test_attention_kernels_on_quantized_layers_equal_references(case, window):
     c, q, n, rng = case
-    kc, vc, bt = c.k_layer(0), c.v_layer(0), c.block_table[0]
+    kc, vc, bt = c.k_layer(0), c.v_layer(0), c.table(0)
     TOL = _tol(c)
     Hq, D = q.shape[1:]
     # prefill: the last rows as one chunk (keys before them already cached), with importance
@@ -136,13 +136,13 @@ def test_stale_bytes_past_the_tail_are_never_read():
     clean, dirty = _cache("q4_0", "q8_0"), _cache("q4_0", "q8_0")
     for c in (clean, dirty):
         _fill(c, 75, [40], np.random.default_rng(1))
-    pb_tail = dirty.block_table[0][2]
+    pb_tail = dirty.table(0)[2]
     dirty.k_store[0, :, pb_tail] = 0xFF          # tail block's stale bytes: NaN scales
     dirty.v_store[0, :, pb_tail] = 0xFF
     q = rng.standard_normal((4, 64)).astype(np.float32)
     o1, o2 = np.empty((4, 64), np.float32), np.empty((4, 64), np.float32)
-    attention_decode(q, clean.k_layer(0), clean.v_layer(0), clean.block_table[0], 75, 0.2, 0, o1)
-    attention_decode(q, dirty.k_layer(0), dirty.v_layer(0), dirty.block_table[0], 75, 0.2, 0, o2)
+    attention_decode(q, clean.k_layer(0), clean.v_layer(0), clean.table(0), 75, 0.2, 0, o1)
+    attention_decode(q, dirty.k_layer(0), dirty.v_layer(0), dirty.table(0), 75, 0.2, 0, o2)
     assert np.array_equal(o1, o2)
 
 
@@ -169,7 +169,7 @@ def test_truncate_with_checkpoint_is_exact_and_without_dequantizes(tk, tv):
     c.truncate(50)
     K2, _ = c.gather(0)
     assert np.array_equal(K2, Kq[:, :50])
-    assert c.k_layer(0).tail_block == c.block_table[0][1]
+    assert c.k_layer(0).tail_block == c.table(0)[1]
     # and writing on from there works (the tail holds the block being continued)
     c.reserve(5)
     c.write(0, k2[:5], k2[:5], 50)
@@ -192,7 +192,7 @@ def test_bytes_needed_matches_allocation():
     for tk, tv, lay in [("q8_0", "q4_0", "token"), ("q5_1", "f32", "channel"), ("f16", "q4_1", "token")]:
         c = KVCache(3, 2, 64, 100, block_len=32, type_k=tk, type_v=tv, v_layout=lay)
         want = KVCache.bytes_needed(3, 2, 64, 100, block_len=32, type_k=tk, type_v=tv, v_layout=lay)
-        assert want == c.nbytes + c.block_table.nbytes + c.cache_seqlens.nbytes
+        assert want == c.nbytes + c.book_nbytes
     # q8_0 is 34/64 of f16 per token, q4_0 18/64
     assert KVCache.bytes_per_token(256, "q8_0") / KVCache.bytes_per_token(256, "f16") == 34 / 64
 
@@ -273,13 +273,13 @@ def test_float_stores_hold_numpys_conversion_at_the_paged_slots(t, n, splits, sc
     NumPy's astype (round to nearest even, subnormals included: scales down to 2**-20)."""
     rng = np.random.default_rng(seed)
     c = _cache(t, t, B=16, n_ctx=112)
-    c.block_table[0] = rng.permutation(c.block_table.shape[1]).astype(np.int32)  # non-identity table
-    c._free = []
+    c.tables[0, 0] = rng.permutation(c.tables.shape[2]).astype(np.int32)  # non-identity table
+    c._free = [[] for _ in c._free]
     k, v = _fill(c, n, splits, rng, scale=2.0 ** scale_exp)
     dt = np.float16 if t == "f16" else np.float32
     kst, vst = c.k_store[0], c.v_store[0]
     for p in range(n):
-        pb, r = c.block_table[0][p // 16], p % 16
+        pb, r = c.table(0)[p // 16], p % 16
         for h in range(c.n_head_kv):
             np.testing.assert_array_equal(kst[h, pb].reshape(16, -1)[r], k[p, h].astype(dt))
             np.testing.assert_array_equal(vst[h, pb].reshape(-1, 16)[:, r], v[p, h].astype(dt))

@@ -56,7 +56,7 @@ def test_reused_selection_attends_every_block_started_since(model):
         eng.eval([ids[n0 + i]])
         n_ctx = n0 + i + 1
         own_lb = (n_ctx - 1) // B
-        bt = eng.cache.block_table[0]
+        bt = eng.cache.table(0)
         for il in sparse_layers:
             # the decoded token received attention mass on every sparse layer (its own row)
             assert eng.sparse.importance_[il, bt[own_lb], (n_ctx - 1) % B].astype(np.float32).sum() > 0
@@ -223,7 +223,7 @@ def test_anchor_storage_and_view(anchor, layer_step, heads):
     st.importance_[:] = rng.uniform(0, 3, st.importance_.shape).astype(np.float16)
     st.after_prefill(n_ctx)
     assert st.anchor_.shape == (L, NB, 2, Hq, D)
-    bt = cache.block_table[0]
+    bt = cache.table(0)
     lbs = np.arange(-(-n_ctx // B))
     for il in range(L):
         view = st.anchor_[il]

@@ -86,7 +86,7 @@ def test_prefix_reuse_inside_a_quantized_block_zeroes_later_importance(model, tm
     a.eval(_ids(100, seed=3))
     a._truncate(70)
     imp = np.asarray(a.sparse.importance_)
-    bt = a.cache.block_table[0]
+    bt = a.cache.table(0)
     assert not imp[:, bt[2], 70 - 64:].any() and not imp[:, bt[3]].any()
     assert imp[:, bt[2], :70 - 64].any()
     K, _ = a.cache.gather(0, 70)

@@ -72,7 +72,7 @@ def _prefill(kv_type: str, n_tokens: int, sparse: bool) -> dict[str, np.ndarray]
           file=sys.stderr)
     cache = eng.cache
     n = int(cache.cache_seqlens[0])
-    ids = cache.block_table[0][:-(-n // cache.block_len)]
+    ids = cache.table(0)[:-(-n // cache.block_len)]
     k_store, v_store = _stores(cache)
     out = {"k": k_store[:, :, ids].copy(), "v": v_store[:, :, ids].copy()}
     if sparse:

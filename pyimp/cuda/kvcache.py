@@ -4,7 +4,9 @@ Same geometry and bookkeeping as :class:`pyimp.kvcache.KVCache` (block table, se
 lengths, the block pool, checkpoints and truncation are the host class's own code, kept on the
 host); only the K/V storage lives on the device, in the same layout and under the same names
 (``k_cache_fp16_`` / ``v_cache_fp16_`` for f16, ``k_cache_f32_`` / ``v_cache_f32_`` for f32).
-The block table is mirrored to the device (``bt_dev``) whenever :meth:`reserve` changes it.
+Layer 0's block table is mirrored to the device (``bt_dev``) whenever :meth:`reserve` changes
+it, and every layer reads it: the device cache never compacts a layer (no eviction policy, no
+sliding-window trim on the device), so every layer's pool hands out the same blocks.
 Quantized KV types stay on the CPU path for now (a clear error names them).
 
 ``_store``: a grid-stride loop over (token, kv head, channel) of the written rows; K rows token-major,
@@ -49,22 +51,22 @@ class DeviceKVCache(KVCache):
                                  f"type {t!r} runs on the CPU only (--device cpu)")
         super().__init__(n_layer, n_head_kv, head_dim, n_ctx, block_len=block_len,
                          type_k=type_k, type_v=type_v)
-        self.bt_dev = device.to_device(self.block_table[0])
+        self.bt_dev = device.to_device(self.table(0))
 
     @staticmethod
     def _alloc(shape: tuple, dtype):
         return device.zeros(shape, dtype)
 
     def reserve(self, n_tokens: int, seq: int = 0) -> None:
-        before = self.block_table[seq].copy()
+        before = self.table(0, seq).copy()
         super().reserve(n_tokens, seq)
-        if seq == 0 and not np.array_equal(before, self.block_table[0]):
-            self.bt_dev = device.to_device(self.block_table[0])
+        if seq == 0 and not np.array_equal(before, self.table(0)):
+            self.bt_dev = device.to_device(self.table(0))
 
     def reset(self, seq: int = 0) -> None:
         super().reset(seq)
         if seq == 0:
-            self.bt_dev = device.to_device(self.block_table[0])
+            self.bt_dev = device.to_device(self.table(0))
 
     def write(self, layer: int, k, v, pos0: int, seq: int = 0) -> None:
         """Store device k, v float32 ``[T, Hkv, D]`` of positions pos0.. (blocks reserved).

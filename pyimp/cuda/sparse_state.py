@@ -119,7 +119,7 @@ class DeviceSparseState(SparseState):
 
     def truncate(self, n_ctx: int) -> None:
         imp = self.importance_                      # a rewind is rare: host round trip
-        bt, B = self.cache.block_table[0], self.cache.block_len
+        bt, B = self.cache.table(0), self.cache.block_len
         n_lb = int((bt >= 0).sum())
         lb0 = n_ctx // B
         if lb0 < n_lb:
@@ -136,13 +136,15 @@ class DeviceSparseState(SparseState):
         self.after_prefill(n_ctx)
 
     def _anchors(self, il: int, lbs: np.ndarray, n_ctx: int) -> None:
-        blocks, n_valid = self._blocks_upto(n_ctx, lbs)
+        blocks, n_valid = self._blocks_upto(il, n_ctx, lbs)
         dsparse.compute_anchors(self.anchor_type, self.cache.k_layer(il),
                                 device.to_device(blocks.astype(np.int32)),
                                 device.to_device(n_valid.astype(np.int32)),
                                 self.anchor_.storage(il), self.importance_dev[il])
 
-    def refresh_anchors(self, n_ctx: int, lbs: np.ndarray | None = None) -> None:
+    def refresh_anchors(self, n_ctx: int | None = None, lbs: np.ndarray | None = None) -> None:
+        if n_ctx is None:               # the device cache never compacts: one count for all
+            n_ctx = self.cache.slot_count(0)
         if lbs is None:
             lbs = np.arange(-(-n_ctx // self.cache.block_len))
         for il in self.anchor_.layers:

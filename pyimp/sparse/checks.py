@@ -135,3 +135,12 @@ def selection(sel, cnt, Hq: int, G: int, n_lb: int) -> None:
         if (np.diff(x, axis=1) == 0).any():
             row = int(np.argmax((np.diff(x, axis=1) == 0).any(axis=1)))
             raise ValueError(f"sel[{row}] lists a block twice: {sel[row, :cnt[row]].tolist()}")
+
+
+def positions(pos, n: int) -> None:
+    """``pos``: int32 slot -> position of at least ``n`` slots, strictly increasing."""
+    array("positions", pos, np.int32, 1, layout="[slots] (slot -> position)")
+    if pos.shape[0] < n:
+        raise ValueError(f"positions holds {pos.shape[0]} slots, the call reads {n}")
+    if n > 1 and not (np.diff(pos[:n]) > 0).all():
+        raise ValueError("positions must increase with the slot (slots are kept in position order)")

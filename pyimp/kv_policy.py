@@ -1,0 +1,251 @@
+"""KV eviction policies: which cached tokens each layer keeps (``--kv-policy``).
+
+After every forward the engine asks :class:`KVPolicy` which slots each layer keeps and
+compacts the layer (:meth:`pyimp.kvcache.KVCache.compact`: the kept slots move to the
+front in order, emptied blocks return to the layer's pool, keys keep the RoPE of their
+positions, ``importance_`` moves with its tokens).
+
+Policies (``budget`` = ``--kv-budget`` tokens per layer, ``keep`` = ``--keep`` sink
+tokens, the first positions of the sequence, as llama.cpp's n_keep):
+
+- ``full``: nothing is dropped from global-attention layers (the default).
+- ``streaming`` (StreamingLLM): the sinks and the most recent tokens.
+- ``h2o`` (heavy hitters): the sinks, the ``recent`` most recent tokens and, from the
+  rest, the tokens with the most accumulated attention: ``importance_`` summed over the
+  layer's query heads (every prompt row and every decode step adds to it). Re-decided as
+  decode goes on.
+- ``snapkv``: once, at the end of each prefill: prompt tokens scored by the attention of
+  the last ``obs_window`` prompt rows (the observation window that feeds
+  ``importance_``), summed over query heads, 1-D average pooled (kernel ``pool``); the
+  window itself, the sinks and the top of the rest are kept. Decode tokens are not
+  evicted until the next prefill.
+- ``pyramidkv``: snapkv with a budget per layer shrinking linearly with depth (PyramidKV:
+  ``(budget - W) / 20`` above the window on the last layer, ``2 (budget - W)`` minus that
+  on the first; the mean over layers is ``budget``).
+
+Selection is per layer, over the layer's tokens, with the scores of all its query heads
+summed: a layer keeps one set of tokens for all its kv heads (Gemma 3 has one kv head, so
+there the selection is SnapKV's and H2O's per-head one).
+
+Rules every policy follows (property-tested):
+
+- **Sliding-window layers keep only their window** under every policy, ``full``
+  included (as llama.cpp's iSWA cache): tokens no later query can see are dropped. The
+  policy then applies to what is left.
+- **Budgets in whole blocks.** A layer is compacted when it holds more than ``budget``
+  tokens, down to ``budget + (excess mod B)``: whole blocks leave at a time (a quantized
+  cache keeps its float tail block as it is), so it holds at most ``budget + B - 1``
+  tokens after a forward, and a decode step compacts once every B steps.
+- The sinks (``keep`` first positions, while held), the newest ``n mod B`` tokens (the
+  partial block, which holds the current token) and, for h2o and streaming, the
+  ``recent`` window are always kept.
+- ``budget >= n`` keeps everything: full attention, exactly.
+
+The decision functions (``*_keep``) are plain NumPy over a layer's positions and scores.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+POLICIES = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
+PYRAMID_BETA = 20          # PyramidKV's ratio of the largest to the smallest layer budget
+
+
+@dataclass(frozen=True)
+class PolicyOptions:
+    """Options of the eviction policy (the CLI flags of the same names)."""
+
+    policy: str = "full"      # full, streaming, h2o, snapkv, pyramidkv
+    budget: int = 0           # tokens per layer (--kv-budget); needed by every policy but full
+    keep: int = 4             # sink tokens: the first positions (--keep, llama.cpp's n_keep)
+    recent: int = 0           # h2o / streaming recent window; 0 = half the budget
+    obs_window: int = 32      # snapkv / pyramidkv observation window (SnapKV's 32)
+    pool: int = 5             # snapkv / pyramidkv 1-D average pooling kernel (odd)
+
+    def validate(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"kv policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        for name in ("budget", "keep", "recent", "obs_window"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.pool < 1 or self.pool % 2 == 0:
+            raise ValueError(f"pooling kernel must be odd and >= 1, got {self.pool}")
+        if self.policy != "full":
+            if self.budget <= 0:
+                raise ValueError(f"kv policy {self.policy} needs a budget (--kv-budget N "
+                                 f"tokens per layer)")
+            if self.keep + self.window >= self.budget:
+                raise ValueError(f"kv budget {self.budget} must exceed the sink tokens "
+                                 f"({self.keep}) plus the recent window ({self.window})")
+
+    @property
+    def evicts(self) -> bool:
+        return self.policy != "full"
+
+    @property
+    def window(self) -> int:
+        """Recent tokens always kept (snapkv: the observation window)."""
+        if self.policy in ("snapkv", "pyramidkv"):
+            return self.obs_window
+        if self.policy == "full":
+            return 0
+        return self.recent or self.budget // 2
+
+    def layer_budgets(self, n_layer: int) -> np.ndarray:
+        """Tokens each layer keeps, int64 [n_layer] (pyramidkv shrinks them with depth)."""
+        if self.policy != "pyramidkv" or n_layer == 1:
+            return np.full(n_layer, self.budget, np.int64)
+        c = self.budget - self.obs_window
+        lo = c / PYRAMID_BETA
+        hi = 2 * c - lo
+        steps = hi - (hi - lo) * np.arange(n_layer) / (n_layer - 1)
+        return (np.round(steps).astype(np.int64) + self.obs_window).clip(min=self.keep + 1 +
+                                                                          self.obs_window)
+
+
+# --------------------------------------------------------------------------
+# decisions (NumPy): slots to keep, increasing
+# --------------------------------------------------------------------------
+
+
+def target_size(n: int, budget: int, block_len: int) -> int:
+    """Slots a layer of n keeps under ``budget``: n if within it, else budget + (excess mod B)
+    (whole blocks leave)."""
+    if n <= budget:
+        return n
+    return budget + (n - budget) % block_len
+
+
+def _forced(pos: np.ndarray, keep: int, recent: int, block_len: int) -> np.ndarray:
+    """Slots every policy keeps: sinks, the last ``recent`` and the partial block's."""
+    n = pos.size
+    must = pos < keep
+    must[max(0, n - max(recent, n % block_len)):] = True
+    return must
+
+
+def _top_up(must: np.ndarray, score: np.ndarray, m: int) -> np.ndarray:
+    """``must`` plus the best-scoring others up to m slots (ties: the later slot), increasing."""
+    chosen = np.flatnonzero(must)
+    free = m - chosen.size
+    if free > 0:
+        rest = np.flatnonzero(~must)
+        order = np.lexsort((-rest, -score[rest]))          # score desc, then later slot first
+        chosen = np.concatenate([chosen, rest[order[:free]]])
+    return np.sort(chosen)
+
+
+def streaming_keep(pos: np.ndarray, keep: int, m: int, block_len: int) -> np.ndarray:
+    """StreamingLLM: the sink slots and the most recent others, m in all."""
+    must = _forced(pos, keep, 0, block_len)
+    return _top_up(must, np.arange(pos.size, dtype=np.float64), m)
+
+
+def h2o_keep(pos: np.ndarray, score: np.ndarray, keep: int, recent: int, m: int,
+             block_len: int) -> np.ndarray:
+    """H2O: sinks, the ``recent`` newest, and the highest accumulated ``score`` of the rest."""
+    return _top_up(_forced(pos, keep, recent, block_len), score, m)
+
+
+def pool1d(score: np.ndarray, kernel: int) -> np.ndarray:
+    """Average pool over neighbouring slots (edges averaged over the slots that exist)."""
+    if kernel <= 1 or score.size == 0:
+        return score.astype(np.float64)
+    r = kernel // 2
+    c = np.concatenate([[0.0], np.cumsum(score, dtype=np.float64)])
+    i = np.arange(score.size)
+    lo, hi = np.maximum(0, i - r), np.minimum(score.size, i + r + 1)
+    return (c[hi] - c[lo]) / (hi - lo)
+
+
+def snapkv_keep(pos: np.ndarray, score: np.ndarray, keep: int, window: int, pool: int, m: int,
+                block_len: int) -> np.ndarray:
+    """SnapKV: the last ``window`` slots (the observation window), sinks, and the top of the
+    pooled observation-window ``score`` among the rest."""
+    return _top_up(_forced(pos, keep, window, block_len), pool1d(score, pool), m)
+
+
+def window_keep(pos: np.ndarray, next_pos: int, window: int, block_len: int) -> np.ndarray:
+    """Sliding-window trim: slots a query at ``next_pos`` or later can still see, rounded
+    down to whole leading blocks (the leading whole blocks of stale slots leave)."""
+    stale = int(np.searchsorted(pos, next_pos - window + 1))
+    return np.arange(stale - stale % block_len, pos.size)
+
+
+# --------------------------------------------------------------------------
+# the engine side
+# --------------------------------------------------------------------------
+
+
+class KVPolicy:
+    """Applies :class:`PolicyOptions` to an engine's cache after each forward."""
+
+    def __init__(self, opts: PolicyOptions, cfg, cache, sparse):
+        opts.validate()
+        self.opts, self.cfg, self.cache, self.sparse = opts, cfg, cache, sparse
+        self.windows = [cfg.sliding_window if cfg.is_swa(il) else 0 for il in range(cfg.n_layer)]
+        self.budgets = opts.layer_budgets(cfg.n_layer)
+        if opts.policy in ("h2o", "snapkv", "pyramidkv") and sparse is None:
+            raise ValueError(f"kv policy {opts.policy} scores tokens by importance_: the engine "
+                             f"needs its sparse state (tracking)")
+        self.evicted = 0                 # tokens dropped by the policy (not the window trim)
+
+    @staticmethod
+    def max_slots(opts: PolicyOptions, cfg, n_ctx: int, batch: int, block_len: int) -> int:
+        """Slots a layer needs at most: the largest budget plus one prefill chunk and a block
+        (n_ctx without a budget)."""
+        if not opts.evicts:
+            return n_ctx
+        top = int(opts.layer_budgets(cfg.n_layer).max())
+        return min(n_ctx, top + block_len + batch)
+
+    def after_forward(self, n_ctx: int, prefill_done: bool) -> None:
+        """Drop what the policy and the sliding windows no longer keep (``n_ctx``: positions
+        processed; ``prefill_done``: a prefill just completed)."""
+        c, o, B = self.cache, self.opts, self.cache.block_len
+        for il in range(c.n_layer):
+            pos = c.positions(il)
+            keep = None
+            w = self.windows[il]
+            if w > 0:
+                k = window_keep(pos, n_ctx, w, B)
+                if k.size < pos.size:
+                    keep = k
+            n_now = pos.size if keep is None else keep.size
+            budget = int(self.budgets[il])
+            m = target_size(n_now, budget, B)
+            decide = o.policy in ("streaming", "h2o") or (o.policy in ("snapkv", "pyramidkv")
+                                                         and prefill_done)
+            if o.evicts and decide and m < n_now:
+                sub = pos if keep is None else pos[keep]
+                picked = self._pick(il, sub, keep, m)
+                keep = picked if keep is None else keep[picked]
+                self.evicted += n_now - m
+            if keep is not None:
+                self._compact(il, keep)
+
+    def _pick(self, il: int, pos: np.ndarray, sub: np.ndarray | None, m: int) -> np.ndarray:
+        o, B = self.opts, self.cache.block_len
+        if o.policy == "streaming":
+            return streaming_keep(pos, o.keep, m, B)
+        score = self._scores(il)
+        if sub is not None:
+            score = score[sub]
+        if o.policy == "h2o":
+            return h2o_keep(pos, score, o.keep, o.window, m, B)
+        return snapkv_keep(pos, score, o.keep, o.obs_window, o.pool, m, B)
+
+    def _scores(self, il: int) -> np.ndarray:
+        """importance_ of each slot of layer il summed over query heads, float64 [slots]."""
+        c = self.cache
+        blocks, rows = c.slots(0, c.slot_count(il), layer=il)
+        return self.sparse.importance_[il, blocks, rows].astype(np.float64).sum(-1)
+
+    def _compact(self, il: int, keep: np.ndarray) -> None:
+        c, sp = self.cache, self.sparse
+        old = c.table(il)[:-(-c.slot_count(il) // c.block_len)].copy()
+        c.compact(il, keep, extra=() if sp is None else (sp.importance_[il],))
+        if sp is not None:
+            sp.compacted(il, old)
