@@ -81,6 +81,10 @@ class EngineOptions:
         self.policy.validate()
         if self.policy.evicts and self.device != "cpu":
             raise ValueError(f"kv policy {self.kv_policy} runs on the CPU only (--device cpu)")
+        if self.policy.evicts and self.v_layout == "channel" and self.type_v != "f16" \
+                and self.type_v != "f32":
+            raise ValueError(f"kv policy {self.kv_policy} drops single tokens, which V quantized "
+                             f"by channel (v_layout='channel') cannot: use v_layout='token'")
 
     @property
     def policy(self) -> PolicyOptions:

@@ -122,7 +122,7 @@ def _forced(pos: np.ndarray, keep: int, recent: int, block_len: int) -> np.ndarr
     """Slots every policy keeps: sinks, the last ``recent`` and the partial block's."""
     n = pos.size
     must = pos < keep
-    must[max(0, n - max(recent, n % block_len)):] = True
+    must[max(0, n - max(recent, n % block_len, 1)):] = True
     return must
 
 
@@ -190,13 +190,19 @@ class KVPolicy:
         if opts.policy in ("h2o", "snapkv", "pyramidkv") and sparse is None:
             raise ValueError(f"kv policy {opts.policy} scores tokens by importance_: the engine "
                              f"needs its sparse state (tracking)")
+        need = opts.keep + max(opts.window, cache.block_len)
+        if opts.evicts and self.budgets.min() <= need:
+            raise ValueError(f"kv budget {int(self.budgets.min())} (the smallest layer's) must "
+                             f"exceed the sink tokens ({opts.keep}) plus the larger of the recent "
+                             f"window ({opts.window}) and the block length ({cache.block_len})")
         self.evicted = 0                 # tokens dropped by the policy (not the window trim)
 
     @staticmethod
     def max_slots(opts: PolicyOptions, cfg, n_ctx: int, batch: int, block_len: int) -> int:
         """Slots a layer needs at most: the largest budget plus one prefill chunk and a block
-        (n_ctx without a budget)."""
-        if not opts.evicts:
+        (n_ctx without a budget, and for snapkv / pyramidkv, which see the whole prompt before
+        they evict)."""
+        if opts.policy in ("full", "snapkv", "pyramidkv"):
             return n_ctx
         top = int(opts.layer_budgets(cfg.n_layer).max())
         return min(n_ctx, top + block_len + batch)

@@ -190,6 +190,7 @@ class PrefixRunner:
         from pyimp.sparse_policy import SparseOptions, SparseState
         eng = self.engine
         eng.reset()
+        eng.policy = None        # no sliding-window trim: each config rewinds to the prefix
         if eng.sparse is None or eng.sparse.opts.enabled:
             eng.sparse = SparseState(SparseOptions(track=True, importance_window=self.importance_window),
                                      eng.cfg, eng.cache)
@@ -202,7 +203,7 @@ class PrefixRunner:
         """Rewind to the prefix and switch to ``config`` (None = dense)."""
         from pyimp.sparse_policy import SparseOptions, SparseState
         eng = self.engine
-        eng.cache.cache_seqlens[0] = self.n_prefix
+        eng.cache.truncate(self.n_prefix)
         del eng.tokens[self.n_prefix:]
         if config is None:
             eng.sparse = None

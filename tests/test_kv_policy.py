@@ -1,0 +1,383 @@
+"""Eviction policies and the compacted (slot-space) KV cache: decisions, compaction, attention
+over kept tokens, budgets and memory, and the engine end to end."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import pyimp
+from pyimp import attention
+from pyimp.kv_policy import (PolicyOptions, h2o_keep, pool1d, snapkv_keep, streaming_keep,
+                             target_size, window_keep)
+from pyimp.kvcache import KVCache
+from pyimp.statefile import StateFileError
+from tools.write_synthetic_gguf import SynthSpec, write
+from tools.write_synthetic_gguf import prompt_ids as _ids
+
+# --------------------------------------------------------------------------
+# decisions
+# --------------------------------------------------------------------------
+
+
+def _check_common(keep, n, m, pos, sinks, recent, B):
+    assert keep.size == m
+    assert np.all(np.diff(keep) > 0) and (keep.size == 0 or (keep[0] >= 0 and keep[-1] < n))
+    assert (n - m) % B == 0                                   # whole blocks leave
+    kept = set(keep.tolist())
+    assert all(s in kept for s in np.flatnonzero(pos < sinks))   # sinks
+    assert all(s in kept for s in range(max(0, n - max(recent, n % B)), n))  # recent, partial block
+    assert n - 1 in kept or n == 0                            # the current token
+
+
+policy_case = st.tuples(st.integers(1, 300), st.integers(1, 8), st.integers(0, 6),
+                        st.integers(0, 40), st.integers(0, 2**31 - 1))
+
+
+@settings(deadline=None, max_examples=150)
+@given(policy_case, st.integers(1, 200))
+def test_h2o_and_streaming_decisions(case, budget_extra):
+    n, B, sinks, recent, seed = case
+    rng = np.random.default_rng(seed)
+    budget = sinks + max(recent, B) + budget_extra
+    pos = np.sort(rng.choice(3 * n + 5, n, replace=False)).astype(np.int32)
+    m = target_size(n, budget, B)
+    assert m == n if n <= budget else budget <= m < budget + B
+    score = rng.integers(0, 5, n).astype(np.float64)         # many ties
+    keep = h2o_keep(pos, score, sinks, recent, m, B)
+    _check_common(keep, n, m, pos, sinks, recent, B)
+    if m == n:
+        assert np.array_equal(keep, np.arange(n))             # within budget: everything
+    forced = (pos < sinks)
+    forced[max(0, n - max(recent, n % B, 1)):] = True
+    free_kept = np.setdiff1d(keep, np.flatnonzero(forced))
+    dropped = np.setdiff1d(np.arange(n), keep)
+    if free_kept.size and dropped.size:                     # heavy hitters beat the dropped
+        assert score[free_kept].min() >= score[dropped].max()
+    skeep = streaming_keep(pos, sinks, m, B)
+    _check_common(skeep, n, m, pos, sinks, 0, B)
+    others = np.setdiff1d(skeep, np.flatnonzero(pos < sinks))
+    if others.size:                                         # the most recent of the rest
+        assert np.array_equal(others, np.arange(n - others.size, n))
+
+
+@settings(deadline=None, max_examples=100)
+@given(policy_case, st.integers(1, 200), st.sampled_from([1, 3, 5, 7]))
+def test_snapkv_decision_keeps_the_window_and_the_pooled_top(case, budget_extra, kernel):
+    n, B, sinks, window, seed = case
+    rng = np.random.default_rng(seed)
+    budget = sinks + max(window, B) + budget_extra
+    pos = np.arange(n, dtype=np.int32)
+    m = target_size(n, budget, B)
+    score = rng.uniform(0, 1, n)
+    keep = snapkv_keep(pos, score, sinks, window, kernel, m, B)
+    _check_common(keep, n, m, pos, sinks, window, B)
+    pooled = pool1d(score, kernel)
+    forced = pos < sinks
+    forced[max(0, n - max(window, n % B, 1)):] = True
+    free_kept = np.setdiff1d(keep, np.flatnonzero(forced))
+    dropped = np.setdiff1d(np.arange(n), keep)
+    if free_kept.size and dropped.size:
+        assert pooled[free_kept].min() >= pooled[dropped].max()
+
+
+def test_pool1d_is_a_centred_mean():
+    s = np.array([1.0, 2, 3, 4, 5])
+    np.testing.assert_allclose(pool1d(s, 3), [1.5, 2, 3, 4, 4.5])
+    np.testing.assert_array_equal(pool1d(s, 1), s)
+
+
+@settings(deadline=None, max_examples=100)
+@given(st.integers(1, 200), st.integers(1, 64), st.integers(1, 8), st.integers(0, 50))
+def test_window_trim_drops_only_unseen_whole_leading_blocks(n, W, B, gap):
+    pos = np.arange(n, dtype=np.int32) + gap
+    nxt = int(pos[-1]) + 1
+    keep = window_keep(pos, nxt, W, B)
+    assert keep.size == 0 or keep[-1] == n - 1
+    assert (n - keep.size) % B == 0
+    seen = pos >= nxt - W + 1                                # what the next query sees
+    assert set(np.flatnonzero(seen)) <= set(keep.tolist())
+    assert n - keep.size + B > int((~seen).sum()) or keep.size == n  # fewer than B stale kept
+
+
+def test_layer_budgets():
+    o = PolicyOptions("pyramidkv", budget=200, keep=4, obs_window=32)
+    b = o.layer_budgets(6)
+    assert np.all(np.diff(b) <= 0) and b[0] > b[-1]
+    assert abs(b.mean() - 200) <= 1                         # the mean is the budget (rounding)
+    assert np.array_equal(PolicyOptions("h2o", budget=100).layer_budgets(3), [100, 100, 100])
+
+
+@pytest.mark.parametrize("kw, msg", [
+    (dict(policy="lru"), "not one of"),
+    (dict(policy="h2o"), "needs a budget"),
+    (dict(policy="streaming", budget=10, keep=4, recent=6), "must exceed"),
+    (dict(policy="snapkv", budget=100, pool=4), "odd"),
+])
+def test_policy_options_refusals(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        PolicyOptions(**kw).validate()
+
+
+# --------------------------------------------------------------------------
+# compaction: attention over the compacted cache == over the kept tokens
+# --------------------------------------------------------------------------
+
+
+def _filled(kv_type, n, B, Hkv, D, seed, n_ctx=None):
+    rng = np.random.default_rng(seed)
+    c = KVCache(1, Hkv, D, n_ctx or n + 64, block_len=B, kv_type=kv_type)
+    for f in c._free:                                        # non-identity physical order
+        rng.shuffle(f)
+    k = rng.standard_normal((n, Hkv, D)).astype(np.float32)
+    v = rng.standard_normal((n, Hkv, D)).astype(np.float32)
+    done = 0
+    while done < n:
+        t = min(n - done, int(rng.integers(1, 2 * B + 1)))
+        c.reserve(t)
+        c.write(0, k[done:done + t], v[done:done + t], done)
+        c.commit(t)
+        done += t
+    return c, rng
+
+
+def _keep_rule(rng, n, B, quantized):
+    """Random slots to keep: for quantized caches a multiple of B leaves and the tail stays."""
+    if not quantized:
+        m = int(rng.integers(1, n + 1))
+        return np.sort(rng.choice(n, m, replace=False))
+    tail = n % B
+    full = n - tail
+    drop_blocks = int(rng.integers(0, full // B + 1))
+    body = np.sort(rng.choice(full, full - drop_blocks * B, replace=False))
+    return np.concatenate([body, np.arange(full, n)]).astype(np.int64)
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.sampled_from(["f16", "f32", "q8_0", "q4_1"]), st.integers(2, 120),
+       st.sampled_from([4, 8, 32]), st.integers(1, 2), st.integers(1, 3), st.integers(0, 40),
+       st.integers(0, 2**31 - 1))
+def test_attention_over_compacted_cache_equals_attention_over_kept_tokens(
+        kv_type, n, B, Hkv, G, window, seed):
+    """Decode and prefill over the compacted cache (slot space, positions map) equal the
+    NumPy reference over the uncompacted cache with the dropped tokens masked out."""
+    D = 32
+    quant = kv_type.startswith("q")
+    c, rng = _filled(kv_type, n, B, Hkv, D, seed)
+    K0, V0 = c.gather(0)                                   # [Hkv, n, D] before compaction
+    keep = _keep_rule(rng, n, B, quant)
+    if keep.size == 0 or keep[-1] != n - 1:
+        keep = np.union1d(keep, [n - 1]) if not quant else keep
+    if keep.size == 0:
+        return
+    imp = np.zeros((c.max_blocks, B, Hkv * G), np.float16)
+    blocks, rows = c.slots(0, n)
+    marks = rng.uniform(0, 100, (n, Hkv * G)).astype(np.float16)
+    imp[blocks, rows] = marks
+    held_before = int((c.table(0) >= 0).sum())
+    c.compact(0, keep, extra=(imp,))
+    m = keep.size
+    assert c.slot_count(0) == m and np.array_equal(c.positions(0), keep.astype(np.int32))
+    # memory: the layer holds ceil(m / B) blocks, the rest went back to its pool
+    held = int((c.table(0) >= 0).sum())
+    assert held == -(-m // B) and len(c._free[0]) == c.max_blocks - held <= c.max_blocks
+    assert held <= held_before
+    K1, V1 = c.gather(0)
+    np.testing.assert_array_equal(K1, K0[:, keep])         # data moved exactly
+    np.testing.assert_array_equal(V1, V0[:, keep])
+    b1, r1 = c.slots(0, m)
+    np.testing.assert_array_equal(imp[b1, r1], marks[keep])  # importance moved with its tokens
+    # decode: the query is the token in the last kept slot (position keep[-1])
+    Hq = Hkv * G
+    q = rng.standard_normal((Hq, D)).astype(np.float32)
+    scale = 0.3
+    pos = c.positions(0)
+    w = attention.slot_window(pos, m, window)
+    out = np.empty((Hq, D), np.float32)
+    attention.attention_decode(q, c.k_layer(0), c.v_layer(0), c.table(0), m, scale, w, out)
+    pq = int(pos[-1])
+    vis = (keep <= pq) & ((window <= 0) | (pq - keep < window))
+    ref = np.empty((Hq, D), np.float32)
+    for h in range(Hq):
+        s = (K0[h // G, keep[vis]] @ q[h]) * np.float32(scale)
+        p = np.exp(s - s.max())
+        ref[h] = (p / p.sum()) @ V0[h // G, keep[vis]]
+    # float32 softmax over <= 120 keys in a different order: 1e-5 of |V| (O(1))
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=1e-5)
+    # prefill: the last T kept slots as query rows (consecutive positions only: a chunk)
+    T = 1
+    while T < m and keep[m - T - 1] == keep[m - T] - 1:
+        T += 1
+    qs = rng.standard_normal((T, Hq, D)).astype(np.float32)
+    o_k = np.empty((T, Hq, D), np.float32)
+    o_r = np.empty((T, Hq, D), np.float32)
+    attention.attention_prefill(qs, c.k_layer(0), c.v_layer(0), c.table(0), m - T, scale, window,
+                                o_k, positions=pos)
+    attention.attention_prefill(qs, c.k_layer(0), c.v_layer(0), c.table(0), m - T, scale, window,
+                                o_r, positions=pos, backend="numpy")
+    np.testing.assert_allclose(o_k, o_r, atol=1e-5, rtol=1e-5)
+    for i in range(T):                          # and the reference itself masks by position
+        pq = int(pos[m - T + i])
+        vis = (keep <= pq) & ((window <= 0) | (pq - keep < window))
+        for h in range(Hq):
+            s = (K0[h // G, keep[vis]] @ qs[i, h]) * np.float32(scale)
+            p = np.exp(s - s.max())
+            np.testing.assert_allclose(o_r[i, h], (p / p.sum()) @ V0[h // G, keep[vis]],
+                                       atol=1e-5, rtol=1e-5)
+
+
+def test_quantized_compaction_refuses_what_the_tail_rule_forbids():
+    c, _ = _filled("q8_0", 70, 32, 1, 32, 0)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        c.compact(0, np.arange(1, 70))
+    with pytest.raises(ValueError, match="increasing"):
+        c.compact(0, np.array([5, 3]))
+
+
+def test_whole_leading_blocks_leave_without_moving_data():
+    c, _ = _filled("f16", 70, 16, 2, 32, 3)
+    row = c.table(0).copy()
+    K0, _ = c.gather(0)
+    c.compact(0, np.arange(32, 70))
+    assert np.array_equal(c.table(0)[:3], row[2:5])          # the table rotated
+    assert set(row[:2].tolist()) <= set(c._free[0])                  # back in the pool
+    np.testing.assert_array_equal(c.gather(0)[0], K0[:, 32:])
+    assert c.max_evicted[0, 0] == 31
+
+
+# --------------------------------------------------------------------------
+# engine
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return write(tmp_path_factory.mktemp("pol") / "llama.gguf",
+                 SynthSpec(arch="llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=256,
+                           vocab_size=300, seed=5))
+
+
+@pytest.fixture(scope="module")
+def gemma(tmp_path_factory):
+    return write(tmp_path_factory.mktemp("pol") / "gemma.gguf",
+                 SynthSpec(arch="gemma3", n_layer=4, n_embd=128, n_head=4, n_head_kv=1,
+                           head_dim=32, n_ff=256, vocab_size=300, sliding_window=24,
+                           swa_pattern=4, rope_base=1e6, rope_base_swa=1e4, seed=6))
+
+
+def _run(path, ids, n_decode, **opts):
+    eng = pyimp.load(path, n_ctx=256, block_len=8, batch_size=16, **opts)
+    rows = [eng.eval(ids)[-1]]
+    for _ in range(n_decode):
+        rows.append(eng.eval([int(np.argmax(rows[-1]))])[-1])
+    return eng, np.array(rows)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "streaming", "snapkv", "pyramidkv"])
+def test_budget_over_the_context_is_full_attention_exactly(llama, policy):
+    """A budget no layer reaches drops nothing: logits bit-identical to the full policy with
+    the same importance tracking (track=True runs the same kernels)."""
+    ids = _ids(60)
+    _, full = _run(llama, ids, 6, track=True)
+    budget = 2000 if policy == "pyramidkv" else 200     # pyramidkv's last layer gets ~1/20 of it
+    eng, got = _run(llama, ids, 6, track=True, kv_policy=policy, kv_budget=budget)
+    assert eng.policy.budgets.min() > 66
+    assert np.array_equal(full, got)
+    assert eng.policy.evicted == 0
+
+
+@pytest.mark.parametrize("policy, kv", [("streaming", "f16"), ("h2o", "f16"), ("h2o", "q8_0"),
+                                        ("snapkv", "f32"), ("pyramidkv", "f16")])
+def test_policies_hold_the_budget_and_keep_sinks_and_the_current_token(llama, policy, kv):
+    budget, B = 40, 8
+    eng = pyimp.load(llama, n_ctx=256, block_len=B, batch_size=16, kv_policy=policy,
+                     kv_budget=budget, keep=4, kv_type=kv)
+    budgets = eng.policy.budgets
+    ids = _ids(100)
+    logits = eng.eval(ids)[-1]
+    c = eng.cache
+    for step in range(20):
+        tok = int(np.argmax(logits))
+        logits = eng.eval([tok])[-1]
+        assert np.isfinite(logits).all()
+        n = len(eng.tokens)
+        for il in range(c.n_layer):
+            pos = c.positions(il)
+            if policy in ("streaming", "h2o"):
+                assert pos.size < budgets[il] + B                   # re-decided every step
+            assert set(range(4)) <= set(pos.tolist())                # sinks
+            assert pos[-1] == n - 1                                  # the current token
+            assert int((c.table(il) >= 0).sum()) == -(-pos.size // B)   # blocks follow slots
+    if policy in ("snapkv", "pyramidkv"):
+        # evicted once at the end of the prefill: the prompt down to the budget, decode appends
+        for il in range(c.n_layer):
+            assert c.slot_count(il) < budgets[il] + B + 20
+    assert eng.policy.evicted > 0
+    assert c.bytes_held() < 100 * c.layer_token_bytes() * c.n_layer
+
+
+def test_sliding_window_layers_keep_their_window_only(gemma):
+    """full policy: sliding-window layers hold < window + B tokens; the logits equal an engine
+    that keeps everything (trim switched off) to float32 reassociation."""
+    ids = _ids(90)
+    eng, got = _run(gemma, ids, 10)
+    ref_eng = pyimp.load(gemma, n_ctx=256, block_len=8, batch_size=16)
+    ref_eng.policy.windows = [0] * ref_eng.cfg.n_layer        # no trim
+    rows = [ref_eng.eval(ids)[-1]]
+    for _ in range(10):
+        rows.append(ref_eng.eval([int(np.argmax(rows[-1]))])[-1])
+    ref = np.array(rows)
+    # different block arrangements change the decode split and so the float32 summation order;
+    # measured differences are ~1e-6 of the largest logit
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+    cfg = eng.cfg
+    for il in range(cfg.n_layer):
+        if cfg.is_swa(il):
+            assert eng.cache.slot_count(il) < cfg.sliding_window + 8
+            assert ref_eng.cache.slot_count(il) == len(ids) + 10
+        else:
+            assert eng.cache.slot_count(il) == len(ids) + 10
+    assert eng.cache.bytes_held() < ref_eng.cache.bytes_held()
+
+
+def test_prefix_reuse_starts_over_when_the_trim_dropped_what_it_needs(gemma):
+    ids = _ids(90)
+    eng = pyimp.load(gemma, n_ctx=256, block_len=8, batch_size=16)
+    eng.eval(ids)
+    # a prefix of 70: the sliding-window layers dropped positions 70 - 24 would still see
+    got = eng.prime(ids[:70] + [5, 6])
+    assert eng.timings.extra["prefix_reused"] == 0
+    fresh = pyimp.load(gemma, n_ctx=256, block_len=8, batch_size=16).eval(ids[:70] + [5, 6])
+    np.testing.assert_array_equal(got, fresh)
+    # a prefix the trim has not touched is reused
+    got = eng.prime(ids[:70] + [5, 6, 7])
+    assert eng.timings.extra["prefix_reused"] == 72
+
+
+def test_state_round_trip_of_a_compacted_cache(llama, tmp_path):
+    ids = _ids(100)
+    kw = dict(n_ctx=256, block_len=8, batch_size=16, kv_policy="h2o", kv_budget=40)
+    a = pyimp.load(llama, **kw)
+    a.eval(ids)
+    a.save_state(tmp_path / "s.bin")
+    b = pyimp.load(llama, **kw)
+    b.load_state(tmp_path / "s.bin")
+    for il in range(a.cfg.n_layer):
+        np.testing.assert_array_equal(a.cache.positions(il), b.cache.positions(il))
+    ra, rb = a.eval([7])[-1], b.eval([7])[-1]
+    np.testing.assert_array_equal(ra, rb)
+    small = pyimp.load(llama, **{**kw, "kv_budget": 16, "batch_size": 8})
+    with pytest.raises(StateFileError, match="layers hold at most 32"):
+        small.load_state(tmp_path / "s.bin")
+
+
+def test_engine_refusals(llama):
+    with pytest.raises(ValueError, match="needs a budget"):
+        pyimp.load(llama, n_ctx=256, kv_policy="h2o")
+    with pytest.raises(ValueError, match="block length"):
+        pyimp.load(llama, n_ctx=256, kv_policy="h2o", kv_budget=12, keep=4, kv_recent=2,
+                   block_len=8)
+    with pytest.raises(ValueError, match="v_layout"):
+        pyimp.load(llama, n_ctx=256, kv_policy="h2o", kv_budget=64, kv_type="q8_0",
+                   v_layout="channel")
