@@ -167,6 +167,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help="print attention recall, attended fraction and buffer sizes (stderr; in --json too)")
     sp.add_argument("--heatmap", metavar="PATH",
                     help="write a PNG of importance_ and block selections (needs matplotlib: pyimp[plot])")
+    ev = p.add_argument_group("KV eviction (what each layer keeps; sliding-window layers always "
+                              "keep only their window)")
+    ev.add_argument("--kv-policy", choices=("full", "streaming", "h2o", "snapkv", "pyramidkv"),
+                    default="full", help="full (default): keep every token of global layers; "
+                    "streaming: sinks + recent; h2o: sinks + recent + heavy hitters by "
+                    "importance; snapkv / pyramidkv: compress the prompt once by its last "
+                    "queries' attention")
+    ev.add_argument("--kv-budget", type=_int_at_least(0, "--kv-budget"), default=0,
+                    help="tokens per layer an eviction policy keeps (held in whole blocks)")
+    ev.add_argument("--keep", type=_int_at_least(0, "--keep"), default=4,
+                    help="sink tokens (the first positions) every policy keeps, as llama.cpp's "
+                    "n_keep")
+    ev.add_argument("--kv-recent", type=_int_at_least(0, "--kv-recent"), default=0,
+                    help="h2o / streaming recent window (0: half the budget)")
+    ev.add_argument("--kv-obs-window", type=_int_at_least(0, "--kv-obs-window"), default=32,
+                    help="snapkv / pyramidkv observation window (last prompt rows)")
+    ev.add_argument("--kv-pool", type=_int_at_least(1, "--kv-pool"), default=5,
+                    help="snapkv / pyramidkv pooling kernel (odd)")
     p.add_argument("--stats", action="store_true", help="print timings at the end (stderr)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return p
@@ -344,7 +362,11 @@ def run(args: argparse.Namespace) -> int:
                                                 cache_type_k=args.cache_type_k,
                                                 cache_type_v=args.cache_type_v,
                                                 kv_rotate=args.kv_rotate, device=args.device,
-                                                sparse=sparse))
+                                                sparse=sparse, kv_policy=args.kv_policy,
+                                                kv_budget=args.kv_budget, keep=args.keep,
+                                                kv_recent=args.kv_recent,
+                                                kv_obs_window=args.kv_obs_window,
+                                                kv_pool=args.kv_pool))
     except (GGUFError, DefaultModelError, ValueError, MemoryError, DeviceUnavailable) as e:
         return _error(str(e) if str(e) else "out of memory")
     for w in caught:
@@ -426,6 +448,9 @@ def run(args: argparse.Namespace) -> int:
     timings = engine.timings.as_dict()
     if reuse:
         timings["prompt_cache_reused"] = engine.timings.extra.get("prefix_reused", 0)
+    if engine.policy is not None:
+        timings["kv_bytes_held"] = engine.cache.bytes_held()
+        timings["kv_evicted"] = engine.policy.evicted
     report = engine.sparse.report() if args.report and engine.sparse is not None else None
     if args.heatmap:
         try:
@@ -450,6 +475,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"load {t['load_s']:.2f} s | compile {t['compile_s']:.2f} s | prefill "
                   f"{t['prefill_tokens']} tok {t['prefill_tok_s']:.1f} tok/s | decode {t['decode_tokens']} tok "
                   f"{t['decode_tok_s']:.1f} tok/s", file=err)
+            if "kv_bytes_held" in t:
+                print(f"kv cache: {t['kv_bytes_held'] / 2**20:.1f} MiB held at the end, "
+                      f"{t['kv_evicted']} tokens evicted by --kv-policy {args.kv_policy}",
+                      file=err)
     engine.close()
     return 0
 

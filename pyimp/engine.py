@@ -543,6 +543,15 @@ class Engine:
         self.timings.extra["prefix_reused"] = keep
         return self.eval(arr[keep:], progress=progress)
 
+    def evict(self) -> None:
+        """Apply the eviction policy now, as at the end of a prefill (snapkv / pyramidkv compress
+        the cache here; a state loaded with :meth:`load_state` is compressed as if its prompt had
+        just been evaluated)."""
+        if self.file is None:
+            raise self._closed()
+        if self.policy is not None and self.tokens:
+            self.policy.after_forward(len(self.tokens), True)
+
     def save_state(self, path: str | os.PathLike) -> dict:
         """Save the cached tokens, KV, importance_ and anchors to ``path`` (see :mod:`pyimp.state`);
         returns the writer's statistics."""

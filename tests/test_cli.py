@@ -325,3 +325,20 @@ def test_non_finite_weights_are_one_error(capsys, tmp_path, tiny):
     assert code == 1 and "Traceback" not in err and len(err.strip().splitlines()) == 2, err
     assert err.strip().splitlines()[-1].startswith("pyimp-run: error: layer 0: NaN or inf in the logits")
     assert out == ""
+
+
+def test_kv_policy_flags(capsys, tiny):
+    """--kv-policy with a budget runs and reports what it held and evicted; a policy without a
+    budget, or a budget too small for the sinks and the window, is one error line."""
+    prompt = "the quick brown fox jumps over the lazy dog " * 3
+    code, out, err = _run([tiny, "-c", "256", "--block-len", "8", "-p", prompt, "-n", "8",
+                           "--temp", "0", "--json", "--kv-policy", "h2o", "--kv-budget", "40"],
+                          capsys)
+    assert code == 0, err
+    t = json.loads(out)["timings"]
+    assert t["kv_evicted"] > 0 and 0 < t["kv_bytes_held"]
+    code, out, err = _run([tiny, "-c", "256", "-p", "ab", "--kv-policy", "streaming"], capsys)
+    _one_line_error(code, err, "needs a budget (--kv-budget")
+    code, out, err = _run([tiny, "-c", "256", "-p", "ab", "--kv-policy", "h2o", "--kv-budget", "20"],
+                          capsys)
+    _one_line_error(code, err, "kv budget")

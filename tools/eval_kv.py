@@ -1,0 +1,390 @@
+"""Evaluation grid of the KV eviction policies on Dask: quality against memory.
+
+    python -m tools.eval_kv [MODEL] [--ctx 4096] [--windows 2] [--passkeys 6] [--out DIR]
+    python -m tools.eval_kv --scheduler tcp://host:8786 --workdir /shared/dir ...   # a cluster
+
+The grid is policy x memory fraction x prompt. Prompts are windows of real text (Python's
+pydoc topics, ``--ctx`` tokens) and passkey prompts (a five-digit key at a depth of filler,
+``--depths``). Each prompt is prefilled once with full attention (stage 1, one Dask task per
+prompt): the state is saved twice (:meth:`pyimp.Engine.save_state`), with ``importance_``
+summed over every prompt row (what h2o ranks by) and over the last ``--obs-window`` rows only
+(snapkv / pyramidkv). Stage 2 runs one task per (prompt, policy, fraction): load the state,
+apply the policy as at the end of a prefill (:meth:`pyimp.Engine.evict`), then
+
+- text windows: feed the window's last ``--steps`` tokens one by one (teacher forcing) and
+  compare each step's next-token distribution with full attention's: mean KL(full || policy)
+  and top-1 agreement;
+- passkeys: greedy-decode the answer; correct when the key's digits appear in it.
+
+Each task reports the KV bytes the layers hold at the end and the decode speed (one thread
+per worker). Memory fractions are relative to the *window-only baseline*: the bytes the
+``full`` policy holds after the prefill (sliding-window layers keep only their window under
+every policy). A fraction f becomes the per-layer token budget N whose held tokens
+``sum_l min(N, held_l)`` are f of the baseline's.
+
+Policies evict here once the prompt is in and then as decode goes on; ``pyimp-run`` evicts
+streaming and h2o during a long prefill too, which this grid does not measure.
+
+Output: ``DIR/eval_kv.csv`` (one row per task), ``DIR/eval_kv.png`` (KL and passkey accuracy
+against held memory) and a table ranking the policies at each fraction on stdout.
+
+Dask: a ``LocalCluster`` of ``--workers`` single-threaded processes by default, or an existing
+scheduler (``--scheduler``; every worker needs pyimp and this repository's ``tools`` importable,
+and ``--workdir`` on a filesystem the workers share). Each worker loads the model once per
+engine configuration and keeps it for the tasks that follow.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+POLICIES = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
+IMPORTANCE_OF = {"full": "obs", "streaming": "obs", "h2o": "all", "snapkv": "obs",
+                 "pyramidkv": "obs"}
+PASSKEY_ANSWER = 8            # tokens decoded for a passkey answer
+
+
+@dataclass(frozen=True)
+class Prompt:
+    name: str                 # "text0", "passkey3"
+    kind: str                 # "text" or "passkey"
+    prefix: tuple             # prefilled ids
+    tail: tuple               # text: the teacher-forced tokens; passkey: the prompt's last token
+    key: int = 0              # passkey: the key
+    depth: float = 0.0
+
+
+@dataclass
+class Task:
+    prompt: Prompt
+    policy: str
+    fraction: float
+    budget: int               # tokens per layer (0: full)
+
+
+# --------------------------------------------------------------------------
+# worker side
+# --------------------------------------------------------------------------
+
+_ENGINES: dict = {}
+
+
+def _engine(model: str, n_ctx: int, **opts):
+    """One engine per worker and configuration (the model's memory map stays loaded)."""
+    import pyimp
+    key = (model, n_ctx, tuple(sorted(opts.items())))
+    eng = _ENGINES.get(key)
+    if eng is None:
+        eng = _ENGINES[key] = pyimp.load(model, n_ctx=n_ctx, n_threads=1, batch_size=n_ctx,
+                                         track=True, **opts)
+    return eng
+
+
+def state_path(workdir: str, prompt: Prompt, mode: str) -> str:
+    return os.path.join(workdir, f"{prompt.name}.{mode}.state")
+
+
+def ref_path(workdir: str, prompt: Prompt) -> str:
+    return os.path.join(workdir, f"{prompt.name}.ref.npy")
+
+
+def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: Prompt) -> dict:
+    """Stage 1: full-attention prefill of one prompt; two states (importance over every row /
+    over the last obs_window rows), the reference logits or answer, the baseline's held slots."""
+    eng = _engine(model, n_ctx)
+    eng.reset()
+    pre = list(prompt.prefix)
+    head, last = pre[:-obs_window], pre[-obs_window:]
+    t0 = time.perf_counter()
+    eng.eval(head)
+    split = os.path.join(workdir, f"{prompt.name}.split.state")
+    eng.save_state(split)
+    eng.eval(last)
+    eng.save_state(state_path(workdir, prompt, "all"))
+    eng.load_state(split)
+    eng.sparse.importance_[:] = 0                 # only the observation window's mass
+    eng.eval(last)
+    eng.save_state(state_path(workdir, prompt, "obs"))
+    os.remove(split)
+    t_prefill = time.perf_counter() - t0
+    held = [eng.cache.slot_count(il) for il in range(eng.cfg.n_layer)]
+    out = {"name": prompt.name, "held": held, "baseline_bytes": eng.cache.bytes_held(),
+           "prefill_s": t_prefill}
+    if prompt.kind == "text":
+        rows = [eng.eval([t])[-1] for t in prompt.tail]
+        np.save(ref_path(workdir, prompt), np.array(rows, np.float32))
+    else:
+        out["answer"] = _answer(eng, eng.eval(list(prompt.tail))[-1])
+        out["passkey_ok"] = int(str(prompt.key) in out["answer"])
+    return out
+
+
+def _answer(eng, logits) -> str:
+    eog, toks = eng.eog_ids(), []
+    for _ in range(PASSKEY_ANSWER):
+        t = int(np.argmax(logits))
+        if t in eog:
+            break
+        toks.append(t)
+        logits = eng.eval([t])[-1]
+    return eng.detokenize(toks)
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(axis=-1, keepdims=True))
+
+
+def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Task) -> dict:
+    """Stage 2: one policy at one budget on one prefilled prompt."""
+    p = task.prompt
+    opts = {} if task.policy == "full" else {"kv_policy": task.policy, "kv_budget": task.budget,
+                                              "kv_obs_window": obs_window}
+    eng = _engine(model, n_ctx, **opts)
+    eng.reset()
+    eng.load_state(state_path(workdir, p, IMPORTANCE_OF[task.policy]))
+    eng.evict()
+    after_evict = eng.cache.bytes_held()
+    row = {"prompt": p.name, "kind": p.kind, "policy": task.policy, "fraction": task.fraction,
+           "budget": task.budget, "bytes_after_prefill": after_evict, "kl": "", "top1": "",
+           "passkey_ok": "", "answer": ""}
+    t0 = time.perf_counter()
+    if p.kind == "text":
+        ref = log_softmax(np.load(ref_path(workdir, p)))
+        got = log_softmax(np.array([eng.eval([t])[-1] for t in p.tail]))
+        kl = np.sum(np.exp(ref) * (ref - got), axis=-1)
+        row["kl"] = float(kl.mean())
+        row["top1"] = float((ref.argmax(-1) == got.argmax(-1)).mean())
+        n_dec = len(p.tail)
+    else:                     # the prompt's last token is evaluated after the eviction
+        ans = _answer(eng, eng.eval(list(p.tail))[-1])
+        row["answer"] = ans
+        row["passkey_ok"] = int(str(p.key) in ans)
+        n_dec = len(eng.tokens) - len(p.prefix)
+    dt = time.perf_counter() - t0
+    row["decode_tok_s"] = n_dec / dt if dt > 0 else 0.0
+    row["bytes_held"] = eng.cache.bytes_held()
+    return row
+
+
+# --------------------------------------------------------------------------
+# client side
+# --------------------------------------------------------------------------
+
+
+def budget_for(fraction: float, held: list, floor: int) -> int:
+    """The per-layer token budget N with sum_l min(N, held_l) closest to fraction * sum(held)
+    (at least ``floor``)."""
+    held = np.asarray(held, np.int64)
+    want = fraction * held.sum()
+    lo, hi = 1, int(held.max())
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if np.minimum(mid, held).sum() < want:
+            lo = mid + 1
+        else:
+            hi = mid
+    return max(lo, floor)
+
+
+def make_prompts(model: str, ctx: int, n_windows: int, steps: int, n_passkeys: int,
+                 depths: list, seed: int = 0) -> list:
+    import pyimp
+    from tools.eval_sparse import passkey_prompt, pydoc_text
+    eng = pyimp.load(model, n_ctx=ctx + PASSKEY_ANSWER + 8)
+    ids = eng.tokenize(pydoc_text(), add_bos=False)
+    bos = eng.cfg.bos_id
+    prompts = []
+    if len(ids) < n_windows * (ctx - 1):
+        raise SystemExit(f"the text has {len(ids)} tokens, {n_windows * (ctx - 1)} needed")
+    for w in range(n_windows):
+        win = [bos] + ids[w * (ctx - 1):(w + 1) * (ctx - 1)]
+        prompts.append(Prompt(f"text{w}", "text", tuple(win[:-steps]), tuple(win[-steps:])))
+    rng = np.random.default_rng(seed)
+    for i in range(n_passkeys):
+        key = int(rng.integers(10000, 100000))
+        d = depths[i % len(depths)]
+        hay, question = passkey_prompt(eng.tokenize, ctx, d, key)
+        full = hay + question
+        prompts.append(Prompt(f"passkey{i}", "passkey", tuple(full[:-1]), (full[-1],), key, d))
+    eng.close()
+    return prompts
+
+
+def run_grid(client, model: str, ctx: int, prompts: list, policies: list, fractions: list,
+             obs_window: int, workdir: str, log=print) -> tuple[list, list]:
+    """Both stages on ``client``; returns (stage-1 results, stage-2 rows)."""
+    n_ctx = ctx + PASSKEY_ANSWER + 8
+    futs = client.map(prefill_task, [model] * len(prompts), [n_ctx] * len(prompts),
+                      [obs_window] * len(prompts), [workdir] * len(prompts), prompts, pure=False)
+    pre = client.gather(futs)
+    for r in pre:
+        log(f"prefill {r['name']}: {r['prefill_s']:.1f} s, held per layer {min(r['held'])}.."
+            f"{max(r['held'])}" + (f", full answer {r['answer']!r}" if "answer" in r else ""))
+    held = pre[0]["held"]
+    tasks = []
+    for p in prompts:
+        for pol in policies:
+            if pol == "full":
+                tasks.append(Task(p, pol, 1.0, 0))
+                continue
+            for f in fractions:
+                floor = 4 + max(obs_window, 32) + 2 if pol in ("snapkv", "pyramidkv") else 4 + 32 + 2
+                tasks.append(Task(p, pol, f, budget_for(f, held, floor)))
+    futs = client.map(policy_task, [model] * len(tasks), [n_ctx] * len(tasks),
+                      [obs_window] * len(tasks), [workdir] * len(tasks), tasks, pure=False)
+    rows = []
+    base = {r["name"]: r["baseline_bytes"] for r in pre}
+    ref_ok = {r["name"]: r.get("passkey_ok") for r in pre}
+    for row in client.gather(futs):
+        row["baseline_bytes"] = base[row["prompt"]]
+        row["memory_fraction"] = row["bytes_after_prefill"] / base[row["prompt"]]
+        row["full_passkey_ok"] = ref_ok[row["prompt"]] if row["kind"] == "passkey" else ""
+        rows.append(row)
+    return pre, rows
+
+
+def summarize(rows: list) -> list:
+    """One line per (policy, fraction): mean KL, top-1, passkeys found among those full
+    attention finds, memory fraction, decode tok/s."""
+    out = {}
+    for r in rows:
+        k = (r["policy"], r["fraction"])
+        e = out.setdefault(k, {"policy": k[0], "fraction": k[1], "kl": [], "top1": [],
+                               "pk": [], "mem": [], "tok_s": []})
+        if r["kind"] == "text":
+            e["kl"].append(r["kl"])
+            e["top1"].append(r["top1"])
+        elif r["full_passkey_ok"]:
+            e["pk"].append(r["passkey_ok"])
+        e["mem"].append(r["memory_fraction"])
+        e["tok_s"].append(r["decode_tok_s"])
+    res = []
+    for e in out.values():
+        res.append({"policy": e["policy"], "fraction": e["fraction"],
+                    "mean_kl": float(np.mean(e["kl"])) if e["kl"] else float("nan"),
+                    "top1": float(np.mean(e["top1"])) if e["top1"] else float("nan"),
+                    "passkeys": f"{int(np.sum(e['pk']))}/{len(e['pk'])}",
+                    "memory": float(np.mean(e["mem"])), "tok_s": float(np.mean(e["tok_s"]))})
+    return sorted(res, key=lambda r: (r["fraction"], r["mean_kl"]))
+
+
+def format_table(summary: list) -> str:
+    lines = [f"{'fraction':>8} {'policy':<10} {'memory':>7} {'mean KL':>10} {'top-1':>6} "
+             f"{'passkeys':>9} {'tok/s':>7}"]
+    for r in summary:
+        lines.append(f"{r['fraction']:>8.3f} {r['policy']:<10} {r['memory']:>7.3f} "
+                     f"{r['mean_kl']:>10.4g} {r['top1']:>6.3f} {r['passkeys']:>9} "
+                     f"{r['tok_s']:>7.2f}")
+    return "\n".join(lines)
+
+
+def plot(summary: list, path: str) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(10, 4))
+    FigureCanvasAgg(fig)
+    ax1, ax2 = fig.subplots(1, 2)
+    for pol in POLICIES:
+        pts = sorted((r["memory"], r["mean_kl"], r["passkeys"]) for r in summary
+                     if r["policy"] == pol)
+        if not pts:
+            continue
+        mem = [p[0] for p in pts]
+        ax1.plot(mem, [max(p[1], 1e-6) for p in pts], "o-", label=pol)
+        acc = []
+        for p in pts:
+            a, b = (int(x) for x in p[2].split("/"))
+            acc.append(a / b if b else float("nan"))
+        ax2.plot(mem, acc, "o-", label=pol)
+    ax1.set_xlabel("KV memory held / window-only baseline")
+    ax1.set_ylabel("mean KL vs full attention (nats)")
+    ax1.set_yscale("log")
+    ax2.set_xlabel("KV memory held / window-only baseline")
+    ax2.set_ylabel("passkeys found / found by full")
+    ax1.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tools.eval_kv", description=__doc__.split("\n")[0])
+    ap.add_argument("model", nargs="?", help="GGUF model (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--ctx", type=int, default=4096, help="prompt tokens")
+    ap.add_argument("--windows", type=int, default=2, help="text windows (KL, top-1)")
+    ap.add_argument("--steps", type=int, default=32, help="teacher-forced steps per window")
+    ap.add_argument("--passkeys", type=int, default=6, help="passkey prompts")
+    ap.add_argument("--depths", default="0.1,0.5,0.9", help="passkey depths, cycled")
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--fractions", default="0.125,0.25,0.5",
+                    help="memory fractions of the window-only baseline")
+    ap.add_argument("--obs-window", type=int, default=32)
+    ap.add_argument("--workers", type=int, default=2, help="LocalCluster worker processes")
+    ap.add_argument("--scheduler", help="address of an existing Dask scheduler")
+    ap.add_argument("--workdir", help="states and reference logits (shared by the workers)")
+    ap.add_argument("--out", default="eval_kv_out", help="directory for the CSV and the plot")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    policies = [p for p in args.policies.split(",") if p]
+    bad = [p for p in policies if p not in POLICIES]
+    if bad:
+        print(f"eval_kv: unknown policy {bad[0]!r} (one of {', '.join(POLICIES)})", file=sys.stderr)
+        return 2
+    try:
+        fractions = [float(x) for x in args.fractions.split(",") if x]
+        depths = [float(x) for x in args.depths.split(",") if x]
+    except ValueError as e:
+        print(f"eval_kv: {e}", file=sys.stderr)
+        return 2
+    if args.steps < 1 or args.ctx <= args.steps + args.obs_window + 1:
+        print("eval_kv: --ctx must exceed --steps + --obs-window", file=sys.stderr)
+        return 2
+    from dask.distributed import Client, LocalCluster
+    from pyimp.default_model import default_model_path
+    model = os.path.abspath(args.model or default_model_path())
+    os.makedirs(args.out, exist_ok=True)
+    workdir = os.path.abspath(args.workdir or os.path.join(args.out, "work"))
+    os.makedirs(workdir, exist_ok=True)
+    t0 = time.perf_counter()
+    prompts = make_prompts(model, args.ctx, args.windows, args.steps, args.passkeys, depths)
+    cluster = None
+    if args.scheduler:
+        client = Client(args.scheduler)
+    else:
+        cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
+                               dashboard_address=None)
+        client = Client(cluster)
+    try:
+        pre, rows = run_grid(client, model, args.ctx, prompts, policies, fractions,
+                             args.obs_window, workdir)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    csv_path = os.path.join(args.out, "eval_kv.csv")
+    with open(csv_path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    summary = summarize(rows)
+    print(format_table(summary))
+    try:
+        plot(summary, os.path.join(args.out, "eval_kv.png"))
+    except ImportError:
+        print("eval_kv: no matplotlib, no plot (pip install 'pyimp[plot]')", file=sys.stderr)
+    print(f"{len(rows)} tasks in {time.perf_counter() - t0:.0f} s; {csv_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
