@@ -163,6 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--layer-step", type=_int_at_least(1, "--layer-step"), default=1,
                     help="reuse a lead layer's selection for this many sparse layers")
     sp.add_argument("--dense-layers", type=_int_list, default=(), help="comma-separated layers kept dense")
+    sp.add_argument("--recall-target", type=_float_in(0.0, 1.0, "--recall-target"), default=0.0,
+                    help="pick blocks in score order until the anchors' estimate of the captured "
+                    "softmax mass reaches this (e.g. 0.95; --topk is then the floor)")
+    sp.add_argument("--recall-max-blocks", type=_int_at_least(0, "--recall-max-blocks"), default=0,
+                    help="ceiling on the blocks --recall-target picks (0: none)")
     sp.add_argument("--report", action="store_true",
                     help="print attention recall, attended fraction and buffer sizes (stderr; in --json too)")
     sp.add_argument("--heatmap", metavar="PATH",
@@ -308,6 +313,8 @@ def _print_report(r: dict, sparse_on: bool, err) -> None:
         print(f"report: --sparse is off, every layer attended densely | buffers: {sizes}", file=err)
         return
     rec = "n/a" if r.get("mean_recall") is None else f"{r['mean_recall']:.4f}"
+    if r.get("mean_estimated_recall") is not None:      # --recall-target: estimate beside it
+        rec += f" (estimated {r['mean_estimated_recall']:.4f})"
     frac = "n/a" if r.get("mean_attended_fraction") is None else f"{r['mean_attended_fraction']:.3f}"
     print(f"sparse layers {r.get('sparse_layers')} | mean recall {rec} | attended fraction {frac} | "
           f"buffers: {sizes}", file=err)
@@ -353,6 +360,8 @@ def run(args: argparse.Namespace) -> int:
                                local_blocks=args.local_blocks, importance_window=args.importance_window,
                                token_step=args.token_step, layer_step=args.layer_step,
                                dense_layers=args.dense_layers, report=args.report,
+                               recall_target=args.recall_target,
+                               recall_max_blocks=args.recall_max_blocks,
                                track=args.heatmap is not None)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

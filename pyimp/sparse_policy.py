@@ -45,7 +45,8 @@ from .kvcache import KVCache
 from .sparse import AnchorType, RetrievalType, compute_anchors, retrieve_blocks, sparse_attention_decode
 from .sparse.anchors import group_shared, min_anchor_num
 from .sparse.importance import decay_importance
-from .sparse.retrieval import n_sets
+from .sparse.anchors import anchor_slots
+from .sparse.retrieval import ORDERED_ANCHORS, n_sets, select_for_recall, set_scores
 
 # decode steps whose block selections are kept (per sparse layer) for heatmaps and reports;
 # older ones are dropped so that a long --report / track run stays bounded in memory
@@ -73,6 +74,8 @@ class SparseOptions:
     layer_step: int = 1             # reuse a lead layer's selection for this many sparse layers
     dense_layers: tuple = ()        # layers kept dense besides the sliding-window ones
     decay: float = 1.0              # importance <- decay * importance + new
+    recall_target: float = 0.0      # > 0: blocks in score order until the estimated recall reaches it
+    recall_max_blocks: int = 0      # ceiling of the blocks picked for the recall target (0: none)
     report: bool = False            # measure attention recall (runs dense attention too)
     track: bool = False             # keep importance_ (and selections) even when not sparse
 
@@ -97,6 +100,10 @@ class SparseOptions:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0.0 < self.decay <= 1.0:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
+        if not 0.0 <= self.recall_target <= 1.0:
+            raise ValueError(f"recall target must be in (0, 1] (0: off), got {self.recall_target}")
+        if self.recall_max_blocks < 0:
+            raise ValueError(f"recall_max_blocks must be >= 0, got {self.recall_max_blocks}")
         bad = [il for il in self.dense_layers if not 0 <= il < n_layer]
         if bad:
             raise ValueError(f"dense layer {bad[0]} does not exist (the model has {n_layer} layers)")
@@ -225,11 +232,17 @@ class DecodeStats:
     recall_n: dict = field(default_factory=dict)        # layer -> sparse steps measured
     attended: dict = field(default_factory=dict)        # layer -> tokens attended (sum over steps, mean over sets)
     context: dict = field(default_factory=dict)         # layer -> context tokens (sum over steps)
+    est_sum: dict = field(default_factory=dict)         # layer -> estimated recall (recall target)
+    est_n: dict = field(default_factory=dict)
 
     def add(self, il: int, n_ctx: int, block_len: int, sel: np.ndarray, cnt: np.ndarray,
-            recall: np.ndarray | None) -> None:
+            recall: np.ndarray | None, est: np.ndarray | None = None) -> None:
         """One sparse step of layer il: real tokens attended per set (a partial tail counts its
-        valid tokens), mean over sets; the recall per head if measured."""
+        valid tokens), mean over sets; the recall per head if measured; the recall target's
+        estimate (mean over sets) if it chose the blocks."""
+        if est is not None:
+            self.est_sum[il] = self.est_sum.get(il, 0.0) + float(np.mean(est))
+            self.est_n[il] = self.est_n.get(il, 0) + 1
         if recall is not None:
             self.recall_sum[il] = self.recall_sum.get(il, 0.0) + recall.astype(np.float64)
             self.recall_n[il] = self.recall_n.get(il, 0) + 1
@@ -263,6 +276,7 @@ class SparseState:
         # per anchor layer: logical blocks whose anchor inputs changed since it was computed
         self._dirty = {il: np.zeros(cache.blocks_per_seq, bool) for il in self.anchor_.layers}
         self._sel: dict = {}   # lead layer -> (sel, cnt, step, logical blocks at selection time)
+        self._est: dict = {}   # layer -> this step's estimated recall per set (recall target)
         self._prefill = None   # (prompt end, next position) of the prefill in progress
         self._chunk_is_prefill = False
         # when every block would be selected (F <= init + topk + local) a sparse layer runs the
@@ -508,18 +522,21 @@ class SparseState:
                                        decay=o.decay)
             self._mark(il, n_ctx, None, None)
         else:
-            sel, cnt = self._selection(il, q, n_ctx)
+            sel, cnt = self._selection(il, q, n_ctx, scale)
             _, rec = sparse_attention_decode(q, kc, vc, bt, n_ctx, scale, window, sel, cnt, out,
                                              importance=imp, decay=o.decay, recall=o.report)
             self._mark(il, n_ctx, sel, cnt)
-            self.stats.add(il, n_ctx, c.block_len, sel, cnt, rec)
+            est = self._est.pop(il, None)
+            self.stats.add(il, n_ctx, c.block_len, sel, cnt, rec, est)
             self._record_selection(il, sel, cnt)
         for cb in self._observers:
             cb(il, q, n_ctx, scale, window, sparse)
 
-    def _selection(self, il: int, q: np.ndarray, n_ctx: int) -> tuple[np.ndarray, np.ndarray]:
+    def _selection(self, il: int, q: np.ndarray, n_ctx: int,
+                   scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """The blocks layer il attends: every block at full budget, else its lead layer's cached
-        selection while fresh (plus the blocks started since), else a new retrieval."""
+        selection while fresh (plus the blocks started since), else a new retrieval (with a
+        recall target: blocks in score order until the estimated recall reaches it)."""
         o, B = self.opts, self.cache.block_len
         n_lb = -(-n_ctx // B)
         if n_ctx // B <= o.init_blocks + o.topk + o.local_blocks:
@@ -530,12 +547,29 @@ class SparseState:
         cached = self._sel.get(lead)
         if lead == il and (cached is None or step - cached[2] >= o.token_step):
             # anchors are brought up to date right before retrieval reads them
+            if o.recall_target > 0:
+                sel, cnt, est = self._recall_selection(il, q, n_ctx, scale)
+                self._sel[lead] = (sel, cnt, step, n_lb)
+                self._est[il] = est
+                return sel, cnt
             sel, cnt = retrieve_blocks(q, self._fresh_anchors(il, n_ctx), self.cache.table(il),
                                        n_ctx, B, self.n_head_kv, self.retrieval_type,
                                        o.init_blocks, o.topk, o.local_blocks, self.anchor_type)
             self._sel[lead] = (sel, cnt, step, n_lb)
             return sel, cnt
         return self._extend(cached, n_lb)
+
+    def _recall_selection(self, il: int, q: np.ndarray, n_ctx: int, scale: float):
+        """(sel, cnt, estimated recall per set) for the recall target: every block scored."""
+        o, B = self.opts, self.cache.block_len
+        Hq = q.shape[0]
+        nsets = n_sets(self.retrieval_type, Hq, self.n_head_kv)
+        anchor = self._fresh_anchors(il, n_ctx)
+        scores = set_scores(q, anchor, self.cache.table(il), 0, -(-n_ctx // B), nsets,
+                            anchor_slots(self.anchor_type, anchor.shape[1]), Hq // self.n_head_kv,
+                            group_shared(self.anchor_type), self.anchor_type in ORDERED_ANCHORS)
+        return select_for_recall(scores, n_ctx, B, o.init_blocks, o.local_blocks, Hq // nsets,
+                                 scale, o.recall_target, o.topk, o.recall_max_blocks)
 
     def _record_selection(self, il: int, sel: np.ndarray, cnt: np.ndarray) -> None:
         """Keep set 0's blocks of this step for heatmaps (with ``report`` or ``track``)."""
@@ -559,16 +593,20 @@ class SparseState:
                 entry["recall"] = round(float(r.mean()), 6)
             if st.context.get(il):
                 entry["attended_fraction"] = round(st.attended[il] / st.context[il], 6)
+            if st.est_n.get(il):
+                entry["estimated_recall"] = round(st.est_sum[il] / st.est_n[il], 6)
             if entry:
                 layers[str(il)] = entry
         recalls = [v["recall"] for v in layers.values() if "recall" in v]
         fracs = [v["attended_fraction"] for v in layers.values() if "attended_fraction" in v]
+        ests = [v["estimated_recall"] for v in layers.values() if "estimated_recall" in v]
         return {
             "mode": "sparse" if self.opts.enabled else "tracking only (every layer dense)",
             "sparse_layers": list(self.sparse_layers),
             "decode_steps": st.steps,
             "mean_recall": float(np.mean(recalls)) if recalls else None,
             "mean_attended_fraction": float(np.mean(fracs)) if fracs else None,
+            "mean_estimated_recall": float(np.mean(ests)) if ests else None,
             "layers": layers,
             "bytes": {"kv": int(self.cache.nbytes), "importance": int(self.importance_.nbytes),
                       "anchors": int(self.anchor_.nbytes)},

@@ -1,5 +1,6 @@
 """Block retrieval: scores == naive loop; LAYER/KVHEAD/QHEAD selection == a naive implementation."""
 import numpy as np
+import pytest
 from hypothesis import given, settings, strategies as st
 
 from pyimp.sparse.anchors import AnchorType, block_spans, compute_anchors
@@ -242,3 +243,43 @@ def test_selection_large_sets_match_naive():
         want = naive_select(scores, n_ctx, B, init, pick, local)
         sel, cnt = select_blocks(scores, n_ctx, B, init, pick, local)
         assert [sel[i, :cnt[i]].tolist() for i in range(nsets)] == want
+
+
+@settings(deadline=None, max_examples=150)
+@given(st.integers(1, 400), st.sampled_from([1, 4, 16]), st.integers(0, 3), st.integers(0, 3),
+       st.integers(1, 3), st.floats(0.05, 1.0), st.integers(0, 6), st.integers(0, 30),
+       st.integers(0, 2**31 - 1))
+def test_recall_target_selection(n_ctx, B, init, local, nsets, target, floor, ceiling, seed):
+    """Forced blocks always; candidates in estimated-mass order; the smallest prefix of that
+    order whose estimate reaches the target, within the floor and ceiling; the estimate is
+    the selected share of the estimated mass."""
+    from pyimp.sparse.retrieval import estimated_mass, recent_blocks, select_for_recall
+    rng = np.random.default_rng(seed)
+    n_lb = -(-n_ctx // B)
+    F = n_ctx // B
+    scores = (rng.standard_normal((n_lb, nsets)) * 4).astype(np.float32)
+    sel, cnt, est = select_for_recall(scores, n_ctx, B, init, local, 2, 0.5, target, floor,
+                                      ceiling)
+    n_valid = np.minimum(B, n_ctx - np.arange(n_lb) * B)
+    w = estimated_mass(scores, 2, 0.5, n_valid)
+    forced = set(range(min(init, n_lb))) | set(range(max(F - recent_blocks(n_ctx, B, local), 0),
+                                                     n_lb))
+    cand = [b for b in range(n_lb) if b not in forced]
+    for si in range(nsets):
+        chosen = sel[si, :cnt[si]]
+        assert np.all(np.diff(chosen) > 0) and np.all(sel[si, cnt[si]:] == -1)
+        assert forced <= set(chosen.tolist())
+        picked = [b for b in chosen.tolist() if b not in forced]
+        k = len(picked)
+        ceil = len(cand) if ceiling <= 0 else min(ceiling, len(cand))
+        assert min(floor, ceil) <= k <= ceil
+        # the picked are the k heaviest candidates
+        order = sorted(cand, key=lambda b: (-w[b, si], b))
+        assert set(picked) == set(order[:k])
+        total = w[:, si].sum()
+        got = w[chosen, si].sum() / total
+        assert est[si] == pytest.approx(got, rel=1e-9)
+        if k < ceil:
+            assert got >= target * (1 - 1e-9)
+        if k > max(floor, 0):                       # one fewer would miss the target
+            assert (w[chosen, si].sum() - w[order[k - 1], si]) / total < target

@@ -56,7 +56,7 @@ from pyimp.sparse.importance import fp16_lut
 
 jit.kernel_module(__file__, attn_kernels)
 
-_ORDERED = (AnchorType.QUEST, AnchorType.CUBOID_MEAN)  # slot 0 >= slot 1 per channel
+ORDERED_ANCHORS = (AnchorType.QUEST, AnchorType.CUBOID_MEAN)  # slot 0 >= slot 1 per channel
 
 
 class RetrievalType(enum.Enum):
@@ -428,5 +428,69 @@ def retrieve_blocks(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, 
         lb_end = F - recent_blocks(n_ctx, block_len, local)
         scores = set_scores(q, anchor, block_table, init, lb_end, nsets,
                             anchor_slots(anchor_type, anchor.shape[1]), G,
-                            group_shared(anchor_type), anchor_type in _ORDERED, backend)
+                            group_shared(anchor_type), anchor_type in ORDERED_ANCHORS, backend)
     return select_blocks(scores, n_ctx, block_len, init, pick, local, backend)
+
+
+# --------------------------------------------------------------------------
+# recall-targeted budget
+# --------------------------------------------------------------------------
+
+
+def estimated_mass(scores: np.ndarray, heads_per_set: int, scale: float,
+                   n_valid: np.ndarray) -> np.ndarray:
+    """Estimated softmax mass (unnormalized, float64 [n_blocks, nsets]) of each block from its
+    set score: the anchors bound each head's largest q.k in the block, so ``scale * score /
+    heads`` bounds the set's mean largest logit, and a block of n tokens weighs at most
+    ``n * exp(that bound)``. Shifted by the largest bound (only ratios matter)."""
+    u = np.where(np.isnan(scores), -np.inf, scores.astype(np.float64)) * (scale / heads_per_set)
+    top = u.max(axis=0, keepdims=True) if u.size else 0.0
+    return np.asarray(n_valid, np.float64)[:, None] * np.exp(u - top)
+
+
+def select_for_recall(scores: np.ndarray, n_ctx: int, block_len: int, init: int, local: int,
+                      heads_per_set: int, scale: float, target: float, floor: int,
+                      ceiling: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Blocks per set in score order until the estimated captured mass reaches ``target``.
+
+    scores: float32 [n_lb, nsets], every logical block's set score (the partial tail's
+    included). The sinks, the ``local`` recent blocks and the tail are always selected and
+    count toward the estimate; then candidates join best first (ties: lower block) until
+    the estimate reaches the target, at least ``floor`` and at most ``ceiling`` of them
+    (ceiling 0: no limit). Returns (sel int32 [nsets, K], cnt int32 [nsets], the estimated
+    recall float64 [nsets]); sel ascending and -1 padded as :func:`select_blocks`.
+    """
+    F = n_ctx // block_len
+    n_lb = -(-n_ctx // block_len)
+    nsets = scores.shape[1]
+    if scores.shape[0] != n_lb:
+        raise ValueError(f"scores has {scores.shape[0]} rows, expected one per block ({n_lb})")
+    if not 0.0 < target <= 1.0:
+        raise ValueError(f"recall target must be in (0, 1], got {target}")
+    n_valid = np.minimum(block_len, n_ctx - np.arange(n_lb) * block_len)
+    w = estimated_mass(scores, heads_per_set, scale, n_valid)
+    loc = recent_blocks(n_ctx, block_len, local)
+    forced = np.zeros(n_lb, bool)
+    forced[:min(init, n_lb)] = True
+    forced[max(F - loc, 0):] = True
+    cand = np.flatnonzero(~forced)
+    ceil = cand.size if ceiling <= 0 else min(ceiling, cand.size)
+    chosen, est = [], np.empty(nsets)
+    for si in range(nsets):
+        total = w[:, si].sum()
+        have = w[forced, si].sum()
+        order = cand[np.lexsort((cand, -w[cand, si]))]          # mass desc, lower block first
+        got = np.cumsum(w[order, si]) + have
+        thr = target * total * (1 - 1e-12)
+        need = 0 if have >= thr else int(np.searchsorted(got, thr)) + 1
+        k = min(max(need, floor), ceil)
+        pick = np.sort(order[:k])
+        chosen.append(np.sort(np.concatenate([np.flatnonzero(forced), pick])))
+        est[si] = (have + w[pick, si].sum()) / total if total > 0 else 1.0
+    K = max(c.size for c in chosen)
+    sel = np.full((nsets, K), -1, np.int32)
+    cnt = np.empty(nsets, np.int32)
+    for si, c in enumerate(chosen):
+        sel[si, :c.size] = c
+        cnt[si] = c.size
+    return sel, cnt, est
