@@ -163,6 +163,16 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--layer-step", type=_int_at_least(1, "--layer-step"), default=1,
                     help="reuse a lead layer's selection for this many sparse layers")
     sp.add_argument("--dense-layers", type=_int_list, default=(), help="comma-separated layers kept dense")
+    sp.add_argument("--select", choices=("anchors", "lowrank", "lsh", "sink_window", "strided"),
+                    default="anchors", help="block scoring: the anchors (default), low-rank keys "
+                    "(Loki), SimHash collisions (MagicPIG-style), or a fixed pattern")
+    sp.add_argument("--rank", type=_int_at_least(0, "--rank"), default=0,
+                    help="lowrank: principal directions (0: head dim / 4)")
+    sp.add_argument("--lsh-tables", type=_int_at_least(1, "--lsh-tables"), default=16)
+    sp.add_argument("--lsh-bits", type=_int_at_least(1, "--lsh-bits"), default=8)
+    sp.add_argument("--lsh-min-hits", type=_int_at_least(1, "--lsh-min-hits"), default=2)
+    sp.add_argument("--stride", type=_int_at_least(1, "--stride"), default=4,
+                    help="strided: every stride-th block back from the newest")
     sp.add_argument("--recall-target", type=_float_in(0.0, 1.0, "--recall-target"), default=0.0,
                     help="pick blocks in score order until the anchors' estimate of the captured "
                     "softmax mass reaches this (e.g. 0.95; --topk is then the floor)")
@@ -360,7 +370,10 @@ def run(args: argparse.Namespace) -> int:
                                local_blocks=args.local_blocks, importance_window=args.importance_window,
                                token_step=args.token_step, layer_step=args.layer_step,
                                dense_layers=args.dense_layers, report=args.report,
-                               recall_target=args.recall_target,
+                               recall_target=args.recall_target, select=args.select,
+                               rank=args.rank, lsh_tables=args.lsh_tables,
+                               lsh_bits=args.lsh_bits, lsh_min_hits=args.lsh_min_hits,
+                               stride=args.stride,
                                recall_max_blocks=args.recall_max_blocks,
                                track=args.heatmap is not None)
         with warnings.catch_warnings(record=True) as caught:

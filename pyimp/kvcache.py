@@ -646,14 +646,16 @@ class KVCache:
         self._tail_block[side][seq, layer] = block
 
     # ------------------------------------------------------------------ read
-    def gather(self, layer: int, n: int | None = None, seq: int = 0) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and values of the layer's first ``n`` slots in slot order: float32[Hkv, n, D] each
-        (their positions: :meth:`positions`).
+    def gather(self, layer: int, n: int | None = None, seq: int = 0,
+               start: int = 0) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and values of the layer's slots ``start .. n-1`` in slot order: float32
+        [Hkv, n - start, D] each (their positions: :meth:`positions`).
 
-        A readable (slow) view of the paged layout, used by references and tests.
+        A readable (slow) view of the paged layout, used by references, tests and the
+        lowrank / lsh selection modes.
         """
         n = self.slot_count(layer, seq) if n is None else n
-        blocks, rows = self.slots(0, n, seq, layer)
+        blocks, rows = self.slots(start, n - start, seq, layer)
         B, D = self.block_len, self.head_dim
         kc = as_float(self.k_layer(layer, seq)).reshape(self.n_head_kv, -1, B, D)
         vc = as_float(self.v_layer(layer, seq)).reshape(self.n_head_kv, -1, D, B)

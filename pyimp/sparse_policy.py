@@ -46,7 +46,9 @@ from .sparse import AnchorType, RetrievalType, compute_anchors, retrieve_blocks,
 from .sparse.anchors import group_shared, min_anchor_num
 from .sparse.importance import decay_importance
 from .sparse.anchors import anchor_slots
-from .sparse.retrieval import ORDERED_ANCHORS, n_sets, select_for_recall, set_scores
+from .sparse.retrieval import (ORDERED_ANCHORS, n_sets, recent_blocks, select_blocks,
+                               select_for_recall, set_scores)
+from .sparse.select_modes import MODES, LayerKeys, block_max, pattern_scores
 
 # decode steps whose block selections are kept (per sparse layer) for heatmaps and reports;
 # older ones are dropped so that a long --report / track run stays bounded in memory
@@ -74,6 +76,12 @@ class SparseOptions:
     layer_step: int = 1             # reuse a lead layer's selection for this many sparse layers
     dense_layers: tuple = ()        # layers kept dense besides the sliding-window ones
     decay: float = 1.0              # importance <- decay * importance + new
+    select: str = "anchors"         # block scoring: anchors, lowrank, lsh, sink_window, strided
+    rank: int = 0                   # lowrank: principal directions kept (0: head_dim / 4)
+    lsh_tables: int = 16            # lsh: hash tables
+    lsh_bits: int = 8               # lsh: hyperplanes (bits) per table
+    lsh_min_hits: int = 2           # lsh: agreeing tables that make a token a candidate
+    stride: int = 4                 # strided: every stride-th block back from the newest
     recall_target: float = 0.0      # > 0: blocks in score order until the estimated recall reaches it
     recall_max_blocks: int = 0      # ceiling of the blocks picked for the recall target (0: none)
     report: bool = False            # measure attention recall (runs dense attention too)
@@ -102,6 +110,18 @@ class SparseOptions:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
         if not 0.0 <= self.recall_target <= 1.0:
             raise ValueError(f"recall target must be in (0, 1] (0: off), got {self.recall_target}")
+        if self.select not in MODES:
+            raise ValueError(f"selection mode {self.select!r} is not one of {', '.join(MODES)}")
+        if not 1 <= self.lsh_tables <= 256 or not 1 <= self.lsh_bits <= 32:
+            raise ValueError(f"lsh needs 1..256 tables of 1..32 bits, got {self.lsh_tables} of "
+                             f"{self.lsh_bits}")
+        if not 1 <= self.lsh_min_hits <= self.lsh_tables:
+            raise ValueError(f"lsh_min_hits must be in 1..{self.lsh_tables}, got {self.lsh_min_hits}")
+        if self.rank < 0 or self.stride < 1:
+            raise ValueError(f"rank must be >= 0 and stride >= 1, got {self.rank}, {self.stride}")
+        if self.recall_target > 0 and self.select != "anchors":
+            raise ValueError("the recall target estimates mass from the anchors: use it with "
+                             "select='anchors'")
         if self.recall_max_blocks < 0:
             raise ValueError(f"recall_max_blocks must be >= 0, got {self.recall_max_blocks}")
         bad = [il for il in self.dense_layers if not 0 <= il < n_layer]
@@ -277,6 +297,7 @@ class SparseState:
         self._dirty = {il: np.zeros(cache.blocks_per_seq, bool) for il in self.anchor_.layers}
         self._sel: dict = {}   # lead layer -> (sel, cnt, step, logical blocks at selection time)
         self._est: dict = {}   # layer -> this step's estimated recall per set (recall target)
+        self._keys: dict = {}  # lead layer -> LayerKeys (lowrank / lsh selection modes)
         self._prefill = None   # (prompt end, next position) of the prefill in progress
         self._chunk_is_prefill = False
         # when every block would be selected (F <= init + topk + local) a sparse layer runs the
@@ -310,6 +331,7 @@ class SparseState:
         for d in self._dirty.values():
             d[:] = False
         self._sel.clear()
+        self._keys.clear()
         self._prefill = None
         self.stats = DecodeStats()
         self.selections.clear()
@@ -399,6 +421,8 @@ class SparseState:
     def after_prefill(self, n_ctx: int) -> None:
         self.refresh_anchors()
         self._sel.clear()
+        for il in list(self._keys):       # lowrank / lsh: fitted again on the whole prompt
+            self._keys[il].data = None
 
     def compacted(self, il: int, old_blocks: np.ndarray) -> None:
         """Layer il was compacted (its importance_ moved with its slots, see
@@ -415,6 +439,9 @@ class SparseState:
             self.importance_[il, row[m // B], m % B:] = 0
         if il in self._dirty:
             self._dirty[il][:] = True
+        if il in self._keys:              # slots moved: summarized again (same basis)
+            lk = self._keys[il]
+            lk.data, lk.n = None, 0
         self._sel.clear()
 
     def after_decode(self, n_ctx: int) -> None:
@@ -491,6 +518,9 @@ class SparseState:
                 self.importance_[il, bt[lb0 + 1:n_lb]] = 0
                 if s % B and il in self._dirty:
                     self._dirty[il][lb0] = True
+            lk = self._keys.get(il)
+            if lk is not None and lk.data is not None and lk.n > s:
+                lk.data, lk.n = lk.data[:s], s
         self._sel.clear()
         self._prefill = None
 
@@ -547,6 +577,10 @@ class SparseState:
         cached = self._sel.get(lead)
         if lead == il and (cached is None or step - cached[2] >= o.token_step):
             # anchors are brought up to date right before retrieval reads them
+            if o.select != "anchors":
+                sel, cnt = self._mode_selection(il, q, n_ctx)
+                self._sel[lead] = (sel, cnt, step, n_lb)
+                return sel, cnt
             if o.recall_target > 0:
                 sel, cnt, est = self._recall_selection(il, q, n_ctx, scale)
                 self._sel[lead] = (sel, cnt, step, n_lb)
@@ -558,6 +592,25 @@ class SparseState:
             self._sel[lead] = (sel, cnt, step, n_lb)
             return sel, cnt
         return self._extend(cached, n_lb)
+
+    def _mode_selection(self, il: int, q: np.ndarray, n_ctx: int):
+        """(sel, cnt) of a selection mode other than the anchors (:mod:`pyimp.sparse.select_modes`)."""
+        o, B = self.opts, self.cache.block_len
+        nsets = n_sets(self.retrieval_type, q.shape[0], self.n_head_kv)
+        F = n_ctx // B
+        lb_end = F - recent_blocks(n_ctx, B, o.local_blocks)
+        if o.select in ("sink_window", "strided"):
+            scores, pick = pattern_scores(o.select, o.init_blocks, lb_end, F, o.stride, nsets)
+        else:
+            lk = self._keys.setdefault(il, LayerKeys(o.select, o.rank, o.lsh_tables, o.lsh_bits,
+                                                     seed=1000 + il))
+            if lk.data is None or (o.select == "lowrank" and lk.basis is None):
+                lk.build(self.cache.gather(il, n_ctx)[0])
+            elif lk.n < n_ctx:
+                lk.extend(self.cache.gather(il, n_ctx, start=lk.n)[0], lk.n)
+            ts = lk.token_scores(q, nsets, o.lsh_min_hits)
+            scores, pick = block_max(ts, o.init_blocks, lb_end, B, n_ctx), o.topk
+        return select_blocks(scores, n_ctx, B, o.init_blocks, pick, o.local_blocks)
 
     def _recall_selection(self, il: int, q: np.ndarray, n_ctx: int, scale: float):
         """(sel, cnt, estimated recall per set) for the recall target: every block scored."""

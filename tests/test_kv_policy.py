@@ -9,8 +9,15 @@ from hypothesis import strategies as st
 
 import pyimp
 from pyimp import attention
-from pyimp.kv_policy import (PolicyOptions, h2o_keep, pool1d, snapkv_keep, streaming_keep,
-                             target_size, window_keep)
+from pyimp.kv_policy import (
+    PolicyOptions,
+    h2o_keep,
+    pool1d,
+    snapkv_keep,
+    streaming_keep,
+    target_size,
+    window_keep,
+)
 from pyimp.kvcache import KVCache
 from pyimp.statefile import StateFileError
 from tools.write_synthetic_gguf import SynthSpec, write
@@ -110,10 +117,10 @@ def test_layer_budgets():
 
 
 @pytest.mark.parametrize("kw, msg", [
-    (dict(policy="lru"), "not one of"),
-    (dict(policy="h2o"), "needs a budget"),
-    (dict(policy="streaming", budget=10, keep=4, recent=6), "must exceed"),
-    (dict(policy="snapkv", budget=100, pool=4), "odd"),
+    ({"policy": "lru"}, "not one of"),
+    ({"policy": "h2o"}, "needs a budget"),
+    ({"policy": "streaming", "budget": 10, "keep": 4, "recent": 6}, "must exceed"),
+    ({"policy": "snapkv", "budget": 100, "pool": 4}, "odd"),
 ])
 def test_policy_options_refusals(kw, msg):
     with pytest.raises(ValueError, match=msg):
@@ -357,7 +364,7 @@ def test_prefix_reuse_starts_over_when_the_trim_dropped_what_it_needs(gemma):
 
 def test_state_round_trip_of_a_compacted_cache(llama, tmp_path):
     ids = _ids(100)
-    kw = dict(n_ctx=256, block_len=8, batch_size=16, kv_policy="h2o", kv_budget=40)
+    kw = {"n_ctx": 256, "block_len": 8, "batch_size": 16, "kv_policy": "h2o", "kv_budget": 40}
     a = pyimp.load(llama, **kw)
     a.eval(ids)
     a.save_state(tmp_path / "s.bin")

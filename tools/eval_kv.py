@@ -75,13 +75,15 @@ class Task:
 _ENGINES: dict = {}
 
 
-def _engine(model: str, n_ctx: int, **opts):
-    """One engine per worker and configuration (the model's memory map stays loaded)."""
+def _engine(model: str, n_ctx: int, batch_size: int = 512, **opts):
+    """One engine per worker and configuration (the model's memory map stays loaded). Policy
+    engines only decode, so their batch size is the context: an eviction budget sizes a layer
+    for budget + one prefill chunk, and a state holding the whole prompt must fit."""
     import pyimp
-    key = (model, n_ctx, tuple(sorted(opts.items())))
+    key = (model, n_ctx, batch_size, tuple(sorted(opts.items())))
     eng = _ENGINES.get(key)
     if eng is None:
-        eng = _ENGINES[key] = pyimp.load(model, n_ctx=n_ctx, n_threads=1, batch_size=n_ctx,
+        eng = _ENGINES[key] = pyimp.load(model, n_ctx=n_ctx, n_threads=1, batch_size=batch_size,
                                          track=True, **opts)
     return eng
 
@@ -147,7 +149,7 @@ def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Tas
     p = task.prompt
     opts = {} if task.policy == "full" else {"kv_policy": task.policy, "kv_budget": task.budget,
                                               "kv_obs_window": obs_window}
-    eng = _engine(model, n_ctx, **opts)
+    eng = _engine(model, n_ctx, batch_size=n_ctx, **opts)
     eng.reset()
     eng.load_state(state_path(workdir, p, IMPORTANCE_OF[task.policy]))
     eng.evict()
@@ -277,8 +279,9 @@ def summarize(rows: list) -> list:
 
 
 def format_table(summary: list) -> str:
-    lines = [f"{'fraction':>8} {'policy':<10} {'memory':>7} {'mean KL':>10} {'top-1':>6} "
-             f"{'passkeys':>9} {'tok/s':>7}"]
+    head = (f"{'fraction':>8} {'policy':<10} {'memory':>7} {'mean KL':>10} {'top-1':>6} "
+            f"{'passkeys':>9} {'tok/s':>7}")
+    lines = [head]
     for r in summary:
         lines.append(f"{r['fraction']:>8.3f} {r['policy']:<10} {r['memory']:>7.3f} "
                      f"{r['mean_kl']:>10.4g} {r['top1']:>6.3f} {r['passkeys']:>9} "
@@ -350,6 +353,7 @@ def main(argv=None) -> int:
         print("eval_kv: --ctx must exceed --steps + --obs-window", file=sys.stderr)
         return 2
     from dask.distributed import Client, LocalCluster
+
     from pyimp.default_model import default_model_path
     model = os.path.abspath(args.model or default_model_path())
     os.makedirs(args.out, exist_ok=True)
@@ -361,11 +365,13 @@ def main(argv=None) -> int:
     if args.scheduler:
         client = Client(args.scheduler)
     else:
+        # memory_limit 0: Dask's pause at 80% of a share of the RAM would stall the grid on
+        # the pages the engines' caches keep (a worker holds one engine per configuration)
         cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                               dashboard_address=None)
+                               dashboard_address=None, memory_limit=0)
         client = Client(cluster)
     try:
-        pre, rows = run_grid(client, model, args.ctx, prompts, policies, fractions,
+        _, rows = run_grid(client, model, args.ctx, prompts, policies, fractions,
                              args.obs_window, workdir)
     finally:
         client.close()

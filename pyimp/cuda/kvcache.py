@@ -88,10 +88,11 @@ class DeviceKVCache(KVCache):
     def layer(self, side: str, layer: int, seq: int = 0):
         return (self.k_store if side == "k" else self.v_store)[layer]
 
-    def gather(self, layer: int, n: int | None = None, seq: int = 0):
-        """Keys and values of the first n tokens, float32 ``[Hkv, n, D]`` each, on the host."""
+    def gather(self, layer: int, n: int | None = None, seq: int = 0, start: int = 0):
+        """Keys and values of tokens start..n-1, float32 ``[Hkv, n - start, D]`` each, on the
+        host."""
         n = int(self.cache_seqlens[seq]) if n is None else n
-        blocks, rows = self.slots(0, n, seq)
+        blocks, rows = self.slots(start, n - start, seq)
         B, D = self.block_len, self.head_dim
         kc = device.to_host(self.k_store[layer]).reshape(self.n_head_kv, -1, B, D)
         vc = device.to_host(self.v_store[layer]).reshape(self.n_head_kv, -1, D, B)
