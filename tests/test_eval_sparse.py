@@ -184,3 +184,16 @@ def test_passkey_prompt_and_eval(model):
         assert all(v == (str(s.key) in s.answers[k]) for k, v in s.correct.items())
     table = ev.format_passkey_table(samples).splitlines()
     assert [ln.split()[0] for ln in table[2:]] == ["dense", "quest"]
+
+
+def test_recall_target_row(model, ids):
+    """A --recall-target configuration runs through the harness: labelled, no oracle (it has
+    no fixed block count). On this random-weight model the anchors' bounds are nearly flat, so
+    a target of 0.5 takes about half the context and 0.99 nearly all of it."""
+    rows = ev.decode_quality(model, ids, CTX, STEPS,
+                             [ev.SparseConfig("quest", 0, recall_target=t) for t in (0.5, 0.99)],
+                             block_len=B)
+    assert [r.anchor for r in rows] == ["quest@rt0.5", "quest@rt0.99"]
+    assert all(r.oracle is None and r.sparse_steps == STEPS for r in rows)
+    assert 0 < rows[0].attended < rows[1].attended <= 1
+    assert rows[0].recall <= rows[1].recall + 1e-6

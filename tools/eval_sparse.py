@@ -64,12 +64,18 @@ class SparseConfig:
     # False: steps whose selection is every block still run the block-sparse kernels (over every
     # block) instead of the engine's dense fallback, to measure them against dense attention
     dense_fallback: bool = True
+    recall_target: float = 0.0      # > 0: --recall-target (topk is then the floor)
+
+    @property
+    def label(self) -> str:
+        return self.anchor + (f"@rt{self.recall_target:g}" if self.recall_target else "")
 
     def options(self, importance_window: int) -> dict:
         """Keyword options of ``pyimp.load`` for this configuration (recall measured)."""
         return dict(sparse=True, anchor=self.anchor, topk=self.topk, init_blocks=self.init_blocks,
                     local_blocks=self.local_blocks, retrieval=self.retrieval,
-                    importance_window=importance_window, report=True)
+                    importance_window=importance_window, report=True,
+                    recall_target=self.recall_target)
 
 
 def topk_for_budget(budget: float, ctx: int, block_len: int, init_blocks: int = 1,
@@ -283,7 +289,7 @@ def _summarize(config: SparseConfig, dense_logp: np.ndarray, logits: np.ndarray,
     if oracle is not None:
         n_layers = len(oracle) // ns if ns else 1
         orc = (float(np.sum(oracle)) / n_layers + (steps - ns)) / steps if ns else 1.0
-    return DecodeRow(config.anchor, config.budget, config.topk, float(kl.mean()), float(np.median(kl)),
+    return DecodeRow(config.label, config.budget, config.topk, float(kl.mean()), float(np.median(kl)),
                      float(kl.max()), top1, float(recall), float(attended), ns, steps, orc, r_sp, layers,
                      seconds, [float(x) for x in kl])
 
@@ -330,14 +336,14 @@ def decode_quality(path, ids: Sequence[int], ctx: int, steps: int, configs: Sequ
             eng.eval(prefix, all_logits=False)
         else:
             runner.use(c)
-        orc = [] if oracle else None
-        if oracle:
+        orc = [] if oracle and not c.recall_target else None   # the oracle needs a fixed topk
+        if orc is not None:
             track_oracle(eng.sparse, eng.cache, c, orc)
         logits = _decode(eng, fed)
         row = _summarize(c, dense_logp, logits, eng.sparse.report(), ctx, eng.cache.block_len,
                          time.perf_counter() - t0, orc)
         rows.append(row)
-        log(f"{c.anchor:>11} budget {budget_label(c.budget):>5} topk {c.topk:3d}: mean KL "
+        log(f"{c.label:>11} budget {budget_label(c.budget):>5} topk {c.topk:3d}: mean KL "
             f"{row.mean_kl:.2e} recall {row.recall:.4f} ({row.seconds:.1f} s)")
     return rows
 
@@ -533,6 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--anchors", default=",".join(ANCHORS), help="comma list of anchor types")
     g.add_argument("--budgets", default="1/16,1/8,1/4", help="comma list of context fractions")
     g.add_argument("--text-offset", type=int, default=0, help="first token of the text used")
+    g.add_argument("--recall-targets", default="",
+                   help="comma list of --recall-target values run per anchor type (topk floor 0)")
     g.add_argument("--no-oracle", action="store_true", help="skip the oracle recall column")
     g.add_argument("--skip-decode", action="store_true")
     g = ap.add_argument_group("passkey")
@@ -656,6 +664,9 @@ def main(argv=None) -> int:
                      f"--ctx + --steps needs {a.ctx + a.steps}")
         configs = make_configs(anchors, budgets, a.ctx, a.block_len, a.init_blocks, a.local_blocks,
                                a.retrieval)
+        configs += [SparseConfig(an, 0, None, a.init_blocks, a.local_blocks, a.retrieval,
+                                 recall_target=float(t))
+                    for an in anchors for t in _list(a.recall_targets)]
         rows = decode_quality(path, ids, a.ctx, a.steps, configs, a.block_len, a.importance_window,
                               fresh_prefill=a.fresh_prefill, runner=runner, oracle=not a.no_oracle,
                               log=log)
