@@ -667,9 +667,12 @@ def load(path: str | os.PathLike | None = None, **options) -> Engine:
     """Load a GGUF model (``None`` = the embedded default model) into an :class:`Engine`.
 
     Options are the fields of :class:`EngineOptions` (n_ctx, block_len, batch_size,
-    n_threads, numerics, kv_type, cache_type_k, cache_type_v, v_layout, kv_rotate, device) and of :class:`SparseOptions` (sparse=True, anchor,
-    anchor_num, retrieval, topk, init_blocks, local_blocks, importance_window,
-    token_step, layer_step, dense_layers, decay, report, track). ``sparse`` is a bool
+    n_threads, numerics, kv_type, cache_type_k, cache_type_v, v_layout, kv_rotate, device,
+    kv_policy, kv_budget, keep, kv_recent, kv_obs_window, kv_pool) and of
+    :class:`SparseOptions` (sparse=True, anchor, anchor_num, retrieval, topk, init_blocks,
+    local_blocks, importance_window, token_step, layer_step, dense_layers, decay, select,
+    rank, lsh_tables, lsh_bits, lsh_min_hits, stride, recall_target, recall_max_blocks,
+    report, track). ``sparse`` is a bool
     (``enabled``) or a whole :class:`SparseOptions`; sparse keywords given beside a
     SparseOptions override its fields of the same names.
     """

@@ -29,6 +29,7 @@ slower).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -65,9 +66,12 @@ class SparseConfig:
     # block) instead of the engine's dense fallback, to measure them against dense attention
     dense_fallback: bool = True
     recall_target: float = 0.0      # > 0: --recall-target (topk is then the floor)
+    select: str = "anchors"         # a selection mode other than the anchors (lowrank, lsh, ...)
 
     @property
     def label(self) -> str:
+        if self.select != "anchors":
+            return self.select
         return self.anchor + (f"@rt{self.recall_target:g}" if self.recall_target else "")
 
     def options(self, importance_window: int) -> dict:
@@ -75,7 +79,7 @@ class SparseConfig:
         return dict(sparse=True, anchor=self.anchor, topk=self.topk, init_blocks=self.init_blocks,
                     local_blocks=self.local_blocks, retrieval=self.retrieval,
                     importance_window=importance_window, report=True,
-                    recall_target=self.recall_target)
+                    recall_target=self.recall_target, select=self.select)
 
 
 def topk_for_budget(budget: float, ctx: int, block_len: int, init_blocks: int = 1,
@@ -539,6 +543,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--anchors", default=",".join(ANCHORS), help="comma list of anchor types")
     g.add_argument("--budgets", default="1/16,1/8,1/4", help="comma list of context fractions")
     g.add_argument("--text-offset", type=int, default=0, help="first token of the text used")
+    g.add_argument("--selects", default="",
+                   help="comma list of selection modes (lowrank, lsh, sink_window, strided) run "
+                   "at each budget beside the anchors")
     g.add_argument("--recall-targets", default="",
                    help="comma list of --recall-target values run per anchor type (topk floor 0)")
     g.add_argument("--no-oracle", action="store_true", help="skip the oracle recall column")
@@ -667,6 +674,9 @@ def main(argv=None) -> int:
         configs += [SparseConfig(an, 0, None, a.init_blocks, a.local_blocks, a.retrieval,
                                  recall_target=float(t))
                     for an in anchors for t in _list(a.recall_targets)]
+        configs += [dataclasses.replace(c, select=m) for m in _list(a.selects)
+                    for c in make_configs(anchors[:1], budgets, a.ctx, a.block_len,
+                                          a.init_blocks, a.local_blocks, a.retrieval)]
         rows = decode_quality(path, ids, a.ctx, a.steps, configs, a.block_len, a.importance_window,
                               fresh_prefill=a.fresh_prefill, runner=runner, oracle=not a.no_oracle,
                               log=log)
