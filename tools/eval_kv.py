@@ -99,7 +99,7 @@ def ref_path(workdir: str, prompt: Prompt) -> str:
 def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: Prompt) -> dict:
     """Stage 1: full-attention prefill of one prompt; two states (importance over every row /
     over the last obs_window rows), the reference logits or answer, the baseline's held slots."""
-    eng = _engine(model, n_ctx)
+    eng = _engine(model, n_ctx, importance_window=0)     # every prompt row adds importance
     eng.reset()
     pre = list(prompt.prefix)
     head, last = pre[:-obs_window], pre[-obs_window:]
