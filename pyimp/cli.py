@@ -189,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "streaming: sinks + recent; h2o: sinks + recent + heavy hitters by "
                     "importance; snapkv / pyramidkv: compress the prompt once by its last "
                     "queries' attention")
+    ev.add_argument("--swa-full", action="store_true",
+                    help="sliding-window layers keep every token (as llama.cpp's --swa-full): "
+                    "more memory, but --prompt-cache can reuse any prefix of a long prompt")
     ev.add_argument("--kv-budget", type=_int_at_least(0, "--kv-budget"), default=0,
                     help="tokens per layer an eviction policy keeps (held in whole blocks)")
     ev.add_argument("--keep", type=_int_at_least(0, "--keep"), default=4,
@@ -388,7 +391,8 @@ def run(args: argparse.Namespace) -> int:
                                                 kv_budget=args.kv_budget, keep=args.keep,
                                                 kv_recent=args.kv_recent,
                                                 kv_obs_window=args.kv_obs_window,
-                                                kv_pool=args.kv_pool))
+                                                kv_pool=args.kv_pool,
+                                                swa_full=args.swa_full))
     except (GGUFError, DefaultModelError, ValueError, MemoryError, DeviceUnavailable) as e:
         return _error(str(e) if str(e) else "out of memory")
     for w in caught:
@@ -470,6 +474,10 @@ def run(args: argparse.Namespace) -> int:
     timings = engine.timings.as_dict()
     if reuse:
         timings["prompt_cache_reused"] = engine.timings.extra.get("prefix_reused", 0)
+        if engine.timings.extra.get("prefix_restarted") and not args.json:
+            print(f"prompt cache {args.prompt_cache}: the prompt was processed again in full: the "
+                  f"cache had dropped tokens its prefix needs (sliding-window layers keep only "
+                  f"their window; --swa-full keeps them)", file=err)
     if engine.policy is not None:
         timings["kv_bytes_held"] = engine.cache.bytes_held()
         timings["kv_evicted"] = engine.policy.evicted

@@ -61,6 +61,7 @@ class EngineOptions:
     kv_recent: int = 0               # h2o / streaming recent window (0: half the budget)
     kv_obs_window: int = 32          # snapkv / pyramidkv observation window
     kv_pool: int = 5                 # snapkv / pyramidkv pooling kernel
+    swa_full: bool = False           # sliding-window layers keep every token (llama.cpp --swa-full)
 
     def validate(self) -> None:
         if self.device not in DEVICES:
@@ -159,7 +160,8 @@ class Engine:
             self.sparse = SparseState(sp, self.cfg, self.cache) if sp.active else None
         # what each layer keeps (None on the device: there every layer keeps every token)
         self.policy = (None if self._gpu is not None else
-                       KVPolicy(opts.policy, self.cfg, self.cache, self.sparse))
+                       KVPolicy(opts.policy, self.cfg, self.cache, self.sparse,
+                                trim_windows=not opts.swa_full))
         self._rot = ops.hadamard(self.cfg.head_dim) if opts.kv_rotate else None
         self._tokenizer = None
         self._vocab = None
@@ -538,9 +540,11 @@ class Engine:
         m = min(cached.size, arr.size - 1)
         same = np.flatnonzero(cached[:m] != arr[:m])
         keep = int(same[0]) if same.size else m
-        if keep < cached.size and not self._truncate(keep):
+        restarted = keep < cached.size and not self._truncate(keep)
+        if restarted:
             keep = 0                       # tokens the prefix needs were dropped: start over
         self.timings.extra["prefix_reused"] = keep
+        self.timings.extra["prefix_restarted"] = restarted
         return self.eval(arr[keep:], progress=progress)
 
     def evict(self) -> None:
@@ -668,7 +672,7 @@ def load(path: str | os.PathLike | None = None, **options) -> Engine:
 
     Options are the fields of :class:`EngineOptions` (n_ctx, block_len, batch_size,
     n_threads, numerics, kv_type, cache_type_k, cache_type_v, v_layout, kv_rotate, device,
-    kv_policy, kv_budget, keep, kv_recent, kv_obs_window, kv_pool) and of
+    kv_policy, kv_budget, keep, kv_recent, kv_obs_window, kv_pool, swa_full) and of
     :class:`SparseOptions` (sparse=True, anchor, anchor_num, retrieval, topk, init_blocks,
     local_blocks, importance_window, token_step, layer_step, dense_layers, decay, select,
     rank, lsh_tables, lsh_bits, lsh_min_hits, stride, recall_target, recall_max_blocks,

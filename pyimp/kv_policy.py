@@ -31,7 +31,9 @@ Rules every policy follows (property-tested):
 
 - **Sliding-window layers keep only their window** under every policy, ``full``
   included (as llama.cpp's iSWA cache): tokens no later query can see are dropped. The
-  policy then applies to what is left.
+  policy then applies to what is left. ``swa_full`` (``--swa-full``, llama.cpp's flag)
+  keeps them instead: a prompt cache can then reuse any prefix, where a trimmed layer
+  only allows prefixes whose window it still holds.
 - **Budgets in whole blocks.** A layer is compacted when it holds more than ``budget``
   tokens, down to ``budget + (excess mod B)``: whole blocks leave at a time (a quantized
   cache keeps its float tail block as it is), so it holds at most ``budget + B - 1``
@@ -182,10 +184,13 @@ def window_keep(pos: np.ndarray, next_pos: int, window: int, block_len: int) -> 
 class KVPolicy:
     """Applies :class:`PolicyOptions` to an engine's cache after each forward."""
 
-    def __init__(self, opts: PolicyOptions, cfg, cache, sparse):
+    def __init__(self, opts: PolicyOptions, cfg, cache, sparse, trim_windows: bool = True):
         opts.validate()
         self.opts, self.cfg, self.cache, self.sparse = opts, cfg, cache, sparse
-        self.windows = [cfg.sliding_window if cfg.is_swa(il) else 0 for il in range(cfg.n_layer)]
+        # trim_windows False (llama.cpp's --swa-full): sliding-window layers keep every token,
+        # so any prefix of the cache can be reused
+        self.windows = [cfg.sliding_window if cfg.is_swa(il) and trim_windows else 0
+                        for il in range(cfg.n_layer)]
         self.budgets = opts.layer_budgets(cfg.n_layer)
         if opts.policy in ("h2o", "snapkv", "pyramidkv") and sparse is None:
             raise ValueError(f"kv policy {opts.policy} scores tokens by importance_: the engine "

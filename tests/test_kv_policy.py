@@ -388,3 +388,12 @@ def test_engine_refusals(llama):
     with pytest.raises(ValueError, match="v_layout"):
         pyimp.load(llama, n_ctx=256, kv_policy="h2o", kv_budget=64, kv_type="q8_0",
                    v_layout="channel")
+
+
+def test_swa_full_keeps_every_token_and_any_prefix(gemma):
+    ids = _ids(90)
+    eng = pyimp.load(gemma, n_ctx=256, block_len=8, batch_size=16, swa_full=True)
+    eng.eval(ids)
+    assert all(eng.cache.slot_count(il) == 90 for il in range(eng.cfg.n_layer))
+    eng.prime(ids[:70] + [5, 6])
+    assert eng.timings.extra["prefix_reused"] == 70
