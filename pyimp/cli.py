@@ -502,13 +502,13 @@ def run(args: argparse.Namespace) -> int:
             _print_report(report, args.sparse, err)
         if args.stats:
             t = timings
-            print(f"load {t['load_s']:.2f} s | compile {t['compile_s']:.2f} s | prefill "
-                  f"{t['prefill_tokens']} tok {t['prefill_tok_s']:.1f} tok/s | decode {t['decode_tokens']} tok "
-                  f"{t['decode_tok_s']:.1f} tok/s", file=err)
-            if "kv_bytes_held" in t:
+            if args.kv_policy != "full":
                 print(f"kv cache: {t['kv_bytes_held'] / 2**20:.1f} MiB held at the end, "
                       f"{t['kv_evicted']} tokens evicted by --kv-policy {args.kv_policy}",
                       file=err)
+            print(f"load {t['load_s']:.2f} s | compile {t['compile_s']:.2f} s | prefill "
+                  f"{t['prefill_tokens']} tok {t['prefill_tok_s']:.1f} tok/s | decode {t['decode_tokens']} tok "
+                  f"{t['decode_tok_s']:.1f} tok/s", file=err)
     engine.close()
     return 0
 

@@ -342,3 +342,13 @@ def test_kv_policy_flags(capsys, tiny):
     code, out, err = _run([tiny, "-c", "256", "-p", "ab", "--kv-policy", "h2o", "--kv-budget", "20"],
                           capsys)
     _one_line_error(code, err, "kv budget")
+
+
+def test_kv_policy_stats_line(capsys, tiny):
+    code, out, err = _run([tiny, "-c", "256", "--block-len", "8", "-p", "abcdefgh" * 8, "-n", "4",
+                           "--temp", "0", "--stats", "--kv-policy", "streaming", "--kv-budget",
+                           "24", "--kv-recent", "8"], capsys)
+    assert code == 0, err
+    lines = err.strip().splitlines()
+    assert lines[-2].startswith("kv cache: ") and "evicted by --kv-policy streaming" in lines[-2]
+    assert lines[-1].startswith("load ")
