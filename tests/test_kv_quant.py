@@ -266,7 +266,9 @@ def test_engine_refuses_quantized_k_on_head_dim_16(tmp_path):
 
 @settings(deadline=None, max_examples=30)
 @given(t=st.sampled_from(["f16", "f32"]), n=st.integers(1, 100), splits=st.lists(st.integers(1, 99), max_size=4),
-       scale_exp=st.integers(-20, 15), seed=st.integers(0, 2**31 - 1))
+       # up to 2**12: a normal draw times 2**12 stays below the largest f16 (65504) unless it
+       # exceeds 16 sigma (2**15 made a 2-sigma draw overflow, which write() rightly refuses)
+       scale_exp=st.integers(-20, 12), seed=st.integers(0, 2**31 - 1))
 def test_float_stores_hold_numpys_conversion_at_the_paged_slots(t, n, splits, scale_exp, seed):
     """The compiled f16/f32 writer puts token p of kv head h at row p % B of block
     block_table[p // B], K as token rows and V as channel rows, each value converted as
