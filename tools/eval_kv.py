@@ -349,8 +349,9 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"eval_kv: {e}", file=sys.stderr)
         return 2
-    if args.steps < 1 or args.ctx <= args.steps + args.obs_window + 1:
-        print("eval_kv: --ctx must exceed --steps + --obs-window", file=sys.stderr)
+    if args.steps < 1 or args.obs_window < 1 or args.ctx <= args.steps + args.obs_window + 1:
+        print("eval_kv: --steps and --obs-window must be >= 1 and --ctx must exceed their sum",
+              file=sys.stderr)
         return 2
     from dask.distributed import Client, LocalCluster
 
