@@ -60,3 +60,16 @@ class TypeKernels(NamedTuple):
     matvec: Callable
     act_type: QT
     matmul_ggml: Callable
+
+
+# Byte offsets of the fp16 fields inside one block of each quantized type (the scale d, and the
+# min m / dmin where the type has one), as ggml's block structs lay them out; every other byte
+# holds quants or packed sub-block scales, any value of which is valid.
+FP16_FIELDS: dict[QT, tuple[int, ...]] = {
+    QT.Q4_0: (0,), QT.Q4_1: (0, 2), QT.Q5_0: (0,), QT.Q5_1: (0, 2), QT.Q8_0: (0,),
+    QT.Q2_K: (80, 82),      # scales[16], qs[64], d, dmin
+    QT.Q3_K: (108,),        # hmask[32], qs[64], scales[12], d
+    QT.Q4_K: (0, 2),        # d, dmin, scales[12], qs[128]
+    QT.Q5_K: (0, 2),        # d, dmin, scales[12], qh[32], qs[128]
+    QT.Q6_K: (208,),        # ql[128], qh[64], scales[16] (int8), d
+}

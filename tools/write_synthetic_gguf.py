@@ -21,6 +21,8 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
+from loaders.ggml_types import FP16_FIELDS
+
 PRESETS = {
     # TinyLlama-1.1B's shape
     "tinyllama": dict(arch="llama", n_layer=22, n_embd=2048, n_head=32, n_head_kv=4, n_ff=5632,
@@ -59,11 +61,9 @@ class SynthSpec:
                                  # no quantizer or libggml needed
 
 
-# byte offsets of the fp16 scales in a block, and the spread of the quants they multiply
-_SCALES = {QT.Q4_0: ((0,), 4.6), QT.Q4_1: ((0, 2), 4.6), QT.Q5_0: ((0,), 9.2),
-           QT.Q5_1: ((0, 2), 9.2), QT.Q8_0: ((0,), 74.0), QT.Q2_K: ((80, 82), 40.0),
-           QT.Q3_K: ((108,), 150.0), QT.Q4_K: ((0, 2), 150.0), QT.Q5_K: ((0, 2), 300.0),
-           QT.Q6_K: ((208,), 1200.0)}
+# the spread of the quants each type's fp16 scale multiplies (offsets: loaders.ggml_types)
+_SPREAD = {QT.Q4_0: 4.6, QT.Q4_1: 4.6, QT.Q5_0: 9.2, QT.Q5_1: 9.2, QT.Q8_0: 74.0, QT.Q2_K: 40.0,
+           QT.Q3_K: 150.0, QT.Q4_K: 150.0, QT.Q5_K: 300.0, QT.Q6_K: 1200.0}
 
 
 def _random_blocks(qtype: QT, n_out: int, n_in: int, std: float, rng) -> np.ndarray:
@@ -74,7 +74,7 @@ def _random_blocks(qtype: QT, n_out: int, n_in: int, std: float, rng) -> np.ndar
         raise ValueError(f"{qtype.name} rows hold multiples of {bs} elements, not {n_in}")
     nb = n_out * (n_in // bs)
     blocks = rng.integers(0, 256, (nb, ts), dtype=np.uint8)
-    offsets, spread = _SCALES[qtype]
+    offsets, spread = FP16_FIELDS[qtype], _SPREAD[qtype]
     for o in offsets:
         d = (std / spread * rng.uniform(0.5, 1.5, nb)).astype(np.float16)
         blocks[:, o:o + 2] = d.view(np.uint8).reshape(nb, 2)
@@ -193,7 +193,7 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
 
     def mat(name: str, n_in: int, n_out: int, qtype: QT = wtype, std: float | None = None) -> None:
         s = (1.0 / np.sqrt(n_in)) if std is None else std
-        if spec.random_blocks and qtype in _SCALES:
+        if spec.random_blocks and qtype in _SPREAD:
             w.add_tensor(name, _random_blocks(qtype, n_out, n_in, s, rng), raw_dtype=qtype)
             return
         x = rng.standard_normal((n_out, n_in), dtype=np.float32) * np.float32(s)
