@@ -1,0 +1,194 @@
+"""The conformance suite (pyimp.testing): pyimp's kernels pass it, seeded mutants fail it.
+
+Each mutant is the Numba backend with one minimal, realistic bug in one function; the suite
+must name that function's check as failed. The mutants are the bugs the design notes list
+for block-sparse KV caches (KVCACHE.md section 9) plus two classic kernel slips.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import types
+
+import numpy as np
+import pytest
+
+pytest.importorskip("hypothesis")
+
+from pyimp.testing import reference, suite  # noqa: E402
+from pyimp.testing.backends import numba as nb  # noqa: E402
+
+EXAMPLES = 25          # the CLI's default
+
+
+def _failed(results, name):
+    (r,) = [r for r in results if r.check == name]
+    return not r.passed and not r.skipped, r
+
+
+def test_numba_backend_passes_the_suite():
+    results = suite.run_suite(nb, max_examples=EXAMPLES)
+    bad = [f"{r.check}: {r.detail}" for r in results if not r.passed]
+    assert not bad, "\n".join(bad)
+    assert len(results) == len(suite.checks())          # every check ran, none skipped
+
+
+def test_reference_passes_and_exports_every_name():
+    assert all(callable(getattr(reference, n)) for n in reference.NAMES)
+    assert {c.function for c in suite.checks()} == set(reference.NAMES)
+    results = suite.run_suite(reference, max_examples=10)
+    assert all(r.passed for r in results), suite.table(results)
+
+
+# ----------------------------------------------------------------- mutants
+
+
+def _mutant(**fns) -> types.SimpleNamespace:
+    """The Numba backend with some functions replaced."""
+    base = {n: getattr(nb, n) for n in reference.NAMES}
+    base.update(fns)
+    return types.SimpleNamespace(FP16="float16", **base)
+
+
+def _interleaved_decode(q, k_cache, v_cache, block_table, n_ctx, scale, window, out):
+    """GQA mapping bug: query head h reads kv head h % Hkv instead of h // G."""
+    Hkv = k_cache.shape[0]
+    lse = np.empty(q.shape[0], np.float32)
+    for h in range(q.shape[0]):
+        kv = h % Hkv
+        o = np.empty((1, q.shape[1]), np.float32)
+        lse[h] = nb.attention_decode(q[h:h + 1].copy(), k_cache[kv:kv + 1].copy(),
+                                     v_cache[kv:kv + 1].copy(), block_table, n_ctx, scale,
+                                     window, o)[0]
+        out[h] = o[0]
+    return lse
+
+
+def _truncating_update(importance, block_table, new, pos_lo=0, decay=1.0):
+    """fp16 store bug: the float32 sum is truncated toward zero instead of rounded to nearest."""
+    NB, B, Hq = importance.shape
+    p = np.arange(new.shape[1])
+    rows = p if decay != 1.0 else p[p >= pos_lo]
+    pb, t = block_table[rows // B], rows % B
+    add = new.T[rows].astype(np.float32) * (rows >= pos_lo)[:, None]
+    old = importance[pb, t].astype(np.float32)
+    x = np.minimum((np.float32(decay) * old if decay != 1.0 else old) + add, np.float32(65504))
+    y = x.astype(np.float16)
+    up = np.abs(y.astype(np.float32)) > np.abs(x)
+    y[up] = np.nextafter(y[up], np.float16(0))
+    importance[pb, t] = y
+
+
+def _tail_dropping_decode(q, k_cache, v_cache, block_table, n_ctx, scale, window, out):
+    """Block count bug: a tail block holding a single token is not attended."""
+    B = k_cache.shape[2] // q.shape[1]
+    if n_ctx > 1 and n_ctx % B == 1:
+        n_ctx -= 1
+    return nb.attention_decode(q, k_cache, v_cache, block_table, n_ctx, scale, window, out)
+
+
+def _quest_at_kv_index(anchor_type, k_cache, blocks, n_valid, anchor, importance=None):
+    """The public reference's QUEST bug: each kv head's bound is written into query-head slot
+    kv_head (not into its G query heads' slots); the other slots keep what they held."""
+    if anchor_type != "quest":
+        return nb.compute_anchors(anchor_type, k_cache, blocks, n_valid, anchor, importance)
+    full = anchor.copy()
+    nb.compute_anchors(anchor_type, k_cache, blocks, n_valid, full, importance)
+    Hkv = k_cache.shape[0]
+    G = anchor.shape[2] // Hkv
+    for kvh in range(Hkv):
+        anchor[blocks, :, kvh] = full[blocks, :, kvh * G]
+
+
+MUTANTS = {
+    "interleaved GQA mapping": (dict(attention_decode=_interleaved_decode), "attention_decode"),
+    "fp16 truncation": (dict(importance_update=_truncating_update), "importance_update"),
+    "dropped one-token tail": (dict(attention_decode=_tail_dropping_decode), "attention_decode"),
+    "QUEST bound at the kv-head index": (dict(compute_anchors=_quest_at_kv_index),
+                                         "compute_anchors[quest]"),
+}
+
+
+@pytest.mark.parametrize("mutant", list(MUTANTS))
+def test_suite_catches_the_mutant(mutant):
+    fns, check = MUTANTS[mutant]
+    name = next(iter(fns))
+    results = suite.run_suite(_mutant(**fns), names=[name], max_examples=EXAMPLES)
+    failed, r = _failed(results, check)
+    assert failed, f"the suite let the {mutant} mutant through: {r}"
+    assert "raised" not in r.detail, r.detail        # a wrong answer, not a crash
+    # every other check of that function still passes: the suite points at the bug
+    others = [x for x in results if x.check != check]
+    assert all(x.passed for x in others), suite.table(others)
+
+
+def test_mutants_are_minimal():
+    """Each mutant agrees with the reference on the cases its bug does not touch (so the suite
+    catches it by its case coverage, not because the mutant is broken everywhere)."""
+    rng = np.random.default_rng(0)
+    Hkv, G, D, B, n = 1, 1, 8, 4, 6          # one kv head, no one-token tail
+    k = rng.standard_normal((Hkv, 2, B * D)).astype(np.float16)
+    v = rng.standard_normal((Hkv, 2, D * B)).astype(np.float16)
+    bt = np.array([1, 0], np.int32)
+    q = rng.standard_normal((Hkv * G, D)).astype(np.float32)
+    for fn in (_interleaved_decode, _tail_dropping_decode):
+        o1, o2 = np.empty_like(q), np.empty_like(q)
+        fn(q, k, v, bt, n, 0.3, 0, o1)
+        reference.attention_decode(q, k, v, bt, n, 0.3, 0, o2)
+        np.testing.assert_allclose(o1, o2, rtol=0, atol=1e-5)   # float32 order effects only
+    imp = np.zeros((2, B, 1), np.float16)
+    imp2 = imp.copy()
+    new = np.full((1, n), 0.5, np.float32)                  # exact in fp16: no rounding
+    _truncating_update(imp, bt, new)
+    reference.importance_update(imp2, bt, new)
+    assert np.array_equal(imp, imp2)
+
+
+# ----------------------------------------------------------------- the command line
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "pyimp.testing", *args], capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_cli_table_and_json():
+    p = _cli("--backend", "pyimp.testing.backends.numba", "--check", "select_blocks",
+             "--check", "dequantize[Q4_K]", "--examples", "5")
+    assert p.returncode == 0, p.stderr
+    assert "select_blocks" in p.stdout and "PASS" in p.stdout and "FAIL" not in p.stdout
+    assert "2 passed, 0 failed" in p.stdout
+    p = _cli("--backend", "pyimp.testing.reference", "--check", "select_blocks", "--json",
+             "--examples", "3")
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["results"][0]["check"] == "select_blocks" and doc["results"][0]["passed"]
+
+
+def test_cli_fails_on_a_mutant(tmp_path):
+    mod = tmp_path / "tail_mutant.py"
+    mod.write_text("from pyimp.testing.backends.numba import attention_decode as _d\n"
+                   "def attention_decode(q, k, v, bt, n, scale, window, out):\n"
+                   "    B = k.shape[2] // q.shape[1]\n"
+                   "    return _d(q, k, v, bt, n - 1 if n > 1 and n % B == 1 else n, scale,"
+                   " window, out)\n")
+    p = subprocess.run([sys.executable, "-m", "pyimp.testing", "--backend", "tail_mutant",
+                        "--no-shrink"], capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "attention_decode" in p.stdout and "FAIL" in p.stdout
+    assert "skip" in p.stdout                         # the functions it does not export
+
+
+@pytest.mark.parametrize("args, code, needle", [
+    (("--backend", "no_such_module_xyz"), 1, "cannot import backend 'no_such_module_xyz'"),
+    (("--backend", "pyimp.testing.reference", "--check", "nope"), 2, "no check or function"),
+    (("--backend", "pyimp.testing.reference", "--types", "Q9_9"), 2, "unknown or unsupported"),
+    (("--backend", "pyimp.testing.reference", "--examples", "0"), 2, "--examples must be >= 1"),
+])
+def test_cli_bad_input_is_one_line(args, code, needle):
+    p = _cli(*args)
+    assert p.returncode == code
+    assert needle in p.stderr and "Traceback" not in p.stderr
+
