@@ -88,14 +88,33 @@ def _int_list(s: str) -> tuple:
         raise argparse.ArgumentTypeError(f"--dense-layers must be comma-separated integers, got {s!r}") from None
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model as first argument or -m/--model (pyimp-run, pyimp-dump); see :func:`model_path`."""
+    p.add_argument("model", nargs="?", help="GGUF model file (default: embedded Gemma 3 270M Q4_K_M)")
+    p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL",
+                   help="GGUF model file, as llama-cli's -m (or give it as the first argument)")
+
+
+def model_path(args: argparse.Namespace) -> str:
+    """The model :func:`add_model_args` parsed, or the embedded default model's path (written to
+    the cache on first use). Raises ValueError for two different models, and
+    :class:`pyimp.default_model.DefaultModelError` when the default model cannot be provided."""
+    if args.model and args.model_opt and args.model != args.model_opt:
+        raise ValueError(f"two models given ({args.model_opt} and {args.model}): use -m/--model "
+                         f"or the first argument")
+    model = args.model_opt or args.model
+    if model:
+        return model
+    from .default_model import default_model_path
+    return str(default_model_path())
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     p = _Parser(prog="pyimp-run", formatter_class=_Help,
                 description="Generate text with a GGUF model (llama, gemma3).")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    p.add_argument("model", nargs="?", help="GGUF model file (default: embedded Gemma 3 270M Q4_K_M)")
-    p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL",
-                   help="GGUF model file, as llama-cli's -m (or give it as the first argument)")
+    add_model_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text")
     src.add_argument("-f", "--file", help="read the prompt from this file")
@@ -340,7 +359,7 @@ def run(args: argparse.Namespace) -> int:
     from loaders.gguf_file import GGUFError
 
     from .cuda import DeviceUnavailable
-    from .default_model import DefaultModelError, default_model_path
+    from .default_model import DefaultModelError
     from .engine import Engine, EngineOptions
     from .kvcache import ContextFullError
     from .ops import NonFiniteError
@@ -352,7 +371,6 @@ def run(args: argparse.Namespace) -> int:
     if args.model and args.model_opt and args.model != args.model_opt:
         return _error(f"two models given ({args.model_opt} and {args.model}): use -m/--model or the "
                       f"first argument")
-    model = args.model_opt or args.model
     if args.heatmap:
         why = _check_heatmap(args.heatmap)
         if why:
@@ -367,7 +385,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = args.prompt if args.prompt is not None else ""
     err = sys.stderr
     try:
-        path = model or default_model_path()
+        path = model_path(args)
         sparse = SparseOptions(enabled=args.sparse, anchor=args.anchor, anchor_num=args.anchor_num,
                                retrieval=args.retrieval, topk=args.topk, init_blocks=args.init_blocks,
                                local_blocks=args.local_blocks, importance_window=args.importance_window,

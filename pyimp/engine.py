@@ -111,6 +111,10 @@ class EngineOptions:
         return self.cache_type_v or self.kv_type
 
 
+def _no_tap(name: str, il: int, x: np.ndarray) -> None:
+    """The forward's tap while no trace runs: records nothing (see :meth:`Engine.trace`)."""
+
+
 @dataclass
 class Timings:
     load_s: float = 0.0
@@ -167,6 +171,7 @@ class Engine:
         self._vocab = None
         self.tokens: list[int] = []          # what the cache holds, in order
         self._attn_threads: dict = {}        # (layer, bit length of bytes read) -> ThreadChoice
+        self._tap = _no_tap                  # the forward's tap (a recorder while trace() runs)
         self.timings = Timings(load_s=time.perf_counter() - t0)
 
     def _init_device(self) -> None:
@@ -319,31 +324,47 @@ class Engine:
         if self._gpu is not None:
             return self._forward_device(tokens, decode, prompt_end, all_logits, logits, pos0, ckpt)
 
-        x = W.embed(tokens)                                            # [T, E] token embeddings
+        # tap(llama.cpp's name, layer or -1, value): records intermediates while a trace runs
+        # (Engine.trace, pyimp.dump); otherwise a function that does nothing
+        tap = self._tap
+        x = W.embed(tokens, scaled=False)                              # [T, E] token embeddings
+        tap("embd", -1, x)
+        if A.embd_scale:
+            x = W.scale_embd(x)
+            tap("inp_scaled", -1, x)
         for il, lw in enumerate(W.layers):
+            last = il == cfg.n_layer - 1 and not all_logits   # the last layer keeps one row
             # attention rmsnorm
             h = ops.rms_norm(x, lw.attn_norm, eps)
+            tap("attn_norm", il, h)
             # q, k, v projections
             q = lw.attn_q(h, num)
             k = lw.attn_k(h, num)
             v = lw.attn_v(h, num)
-            if lw.attn_q_bias is not None:
-                q += lw.attn_q_bias
-            if lw.attn_k_bias is not None:
-                k += lw.attn_k_bias
-            if lw.attn_v_bias is not None:
-                v += lw.attn_v_bias
+            for name, y, bias in (("Qcur", q, lw.attn_q_bias), ("Kcur", k, lw.attn_k_bias),
+                                  ("Vcur", v, lw.attn_v_bias)):
+                tap(name, il, y)
+                if bias is not None:
+                    y += bias
+                    tap(name, il, y)
             q = q.reshape(T, Hq, D)
             k = k.reshape(T, Hkv, D)
             v = v.reshape(T, Hkv, D)
+            tap("Qcur", il, q)
+            tap("Kcur", il, k)
+            tap("Vcur", il, v)
             # per-head q/k norms (gemma3)
             if A.qk_norm:
                 q = ops.rms_norm(q, lw.attn_q_norm, eps)
                 k = ops.rms_norm(k, lw.attn_k_norm, eps)
+                tap("Qcur_normed", il, q)
+                tap("Kcur_normed", il, k)
             # rotary position embedding
             cos, sin = self._rope_tables(il, pos, rope_memo)
             ops.rope(q, cos, sin, A.rope_neox)
             ops.rope(k, cos, sin, A.rope_neox)
+            tap("Qcur", il, q)
+            tap("Kcur", il, k)
             if A.q_prescale:
                 q *= np.float32(1.0 / math.sqrt(D))
             if self._rot is not None:        # q.k and the attention output are unchanged
@@ -380,33 +401,50 @@ class Engine:
                                             importance=imp, obs_start=obs, positions=positions)
             if self._rot is not None:
                 att = att @ self._rot                                  # H is its own inverse
+            tap("kqv", il, att.transpose(1, 0, 2))                     # [Hq, T, D] as ggml's kqv
+            tap("kqv_out", il, att.reshape(T, Hq * D))
             # output projection
             o = lw.attn_output(att.reshape(T, Hq * D), num)
             if lw.attn_output_bias is not None:
+                tap("kqv_wo", il, o)
                 o += lw.attn_output_bias
             if A.post_norms:
                 o = ops.rms_norm(o, lw.post_attention_norm, eps)
+                tap("attn_post_norm", il, o[-1:] if last else o)
+            else:
+                tap("attn_out", il, o)
             # residual
             x = x + o
-            if il == cfg.n_layer - 1 and not all_logits:
+            if last:
                 x = x[-1:]                                             # only the last row is needed now
+            tap("sa_out" if A.post_norms else "ffn_inp", il, x)
             # feed-forward rmsnorm, gated FFN, residual
             h = ops.rms_norm(x, lw.ffn_norm, eps)
+            tap("ffn_norm", il, h)
             g = lw.ffn_gate(h, num)
             u = lw.ffn_up(h, num)
-            f = lw.ffn_down(self._act(g) * u, num)
+            tap("ffn_gate", il, g)
+            tap("ffn_up", il, u)
+            gu = self._act(g) * u
+            tap("ffn_geglu" if A.ffn_act == "gelu_tanh" else "ffn_swiglu", il, gu)
+            f = lw.ffn_down(gu, num)
+            tap("ffn_out", il, f)
             if A.post_norms:
                 f = ops.rms_norm(f, lw.post_ffw_norm, eps)
+                tap("ffn_post_norm", il, f)
             x = x + f
+            tap("l_out", il, x)
         self.cache.commit(T)
         self.tokens.extend(int(t) for t in tokens)
         out = None
         if logits:
             # output norm and head
             x = ops.rms_norm(x, W.output_norm, eps)
+            tap("result_norm", -1, x)
             out = W.output(x, num)
             if cfg.final_softcap:
                 out = ops.softcap(out, cfg.final_softcap)
+            tap("result_output", -1, out)
             if not ops.all_finite(out):
                 # every layer's keys and values were finite (KVCache.write checks them): the last
                 # layer's attention or feed-forward, or the output head, produced the NaN / inf
@@ -518,6 +556,16 @@ class Engine:
             self.timings.decode_tokens += 1
             self.timings.decode_s += dt
         return np.concatenate(outs, axis=0) if all_logits else outs[-1]
+
+    def trace(self, prompt, steps: int = 0, keep=None, add_bos: bool = True):
+        """Run ``prompt`` (text or token ids) as one prefill forward and ``steps`` greedy decode
+        steps, recording every named intermediate tensor under llama.cpp's graph names; returns
+        a :class:`pyimp.dump.Trace` (``.write(path)``: the GGUF tensor dump). ``keep(name)``
+        selects what is copied (None: everything). The cache is reset first and holds the run
+        afterwards. CPU only (device="cuda" raises ValueError). Names, order and format:
+        :mod:`pyimp.dump`."""
+        from .dump import run_trace
+        return run_trace(self, prompt, steps, keep, add_bos)
 
     def reset(self) -> None:
         """Empty the KV cache (and the importance matrix and anchors)."""

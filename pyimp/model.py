@@ -146,10 +146,15 @@ class ModelWeights:
                 lw.post_ffw_norm = _vector(f, p + "post_ffw_norm.weight", E)
             self.layers.append(lw)
 
-    def embed(self, tokens: np.ndarray) -> np.ndarray:
-        """float32[T, n_embd] rows of token_embd (scaled by sqrt(n_embd) for gemma3)."""
+    def embed(self, tokens: np.ndarray, scaled: bool = True) -> np.ndarray:
+        """float32[T, n_embd] rows of token_embd (scaled by sqrt(n_embd) for gemma3, unless
+        ``scaled`` is False: then :meth:`scale_embd` does it)."""
         t = self.token_embd
         x = quants.dequantize_rows(t.raw, t.qtype, t.shape[0], np.asarray(tokens, dtype=np.int64))
+        return self.scale_embd(x) if scaled else x
+
+    def scale_embd(self, x: np.ndarray) -> np.ndarray:
+        """Embedding rows times sqrt(n_embd) where the architecture scales them (gemma3), else x."""
         if self.arch.embd_scale:
             x = x * np.float32(math.sqrt(self.cfg.n_embd))
         return x

@@ -306,6 +306,8 @@ class SparseState:
         self.dense_fallback = True
         self.stats = DecodeStats()
         self._observers: list = []   # see observe()
+        # layer -> (sel, cnt) of its latest block-sparse decode step (what a trace records)
+        self.last_selection: dict = {}
         # (step, layer, sorted logical block ids attended by set 0), the last SELECTION_HISTORY
         # decode steps of every sparse layer, for heatmaps
         self.selections: deque = deque(maxlen=SELECTION_HISTORY * max(len(self.sparse_layers), 1))
@@ -335,6 +337,7 @@ class SparseState:
         self._prefill = None
         self.stats = DecodeStats()
         self.selections.clear()
+        self.last_selection.clear()
 
     def warmup(self) -> None:
         """Compile the anchor, retrieval and sparse-attention kernels on a throwaway 4-block cache."""
@@ -553,6 +556,7 @@ class SparseState:
             self._mark(il, n_ctx, None, None)
         else:
             sel, cnt = self._selection(il, q, n_ctx, scale)
+            self.last_selection[il] = (sel, cnt)
             _, rec = sparse_attention_decode(q, kc, vc, bt, n_ctx, scale, window, sel, cnt, out,
                                              importance=imp, decay=o.decay, recall=o.report)
             self._mark(il, n_ctx, sel, cnt)
