@@ -87,7 +87,7 @@ producers. Metadata (``general.architecture`` is ``pyimp.dump``)::
     pyimp.dump.order              [string] tensor names in graph order
 
 ``--layers``, ``--tensors`` and ``--steps`` limit what is written: layer filters keep tensors
-without a layer (embd, result_*, inp_tokens); a ``--tensors`` glob (fnmatch, repeatable) matches
+without a layer (embd, result_*); ``inp_tokens`` is always written; a ``--tensors`` glob (fnmatch, repeatable) matches
 the full name or the name without its ``@s``. The prefill is one forward (one llama.cpp ubatch):
 the batch size is raised to the prompt length.
 """
@@ -455,6 +455,8 @@ def _keep(args):
         return None
 
     def keep(name: str) -> bool:
+        if name.startswith("inp_tokens@"):
+            return True                      # always: tools.llamacpp_trace --follow reads them
         parts = split_name(name)
         if layers is not None and parts is not None and parts[1] >= 0 and parts[1] not in layers:
             return False
