@@ -7,17 +7,22 @@ for block-sparse KV caches (KVCACHE.md section 9) plus two classic kernel slips.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import types
 
 import numpy as np
 import pytest
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
+
+from loaders.ggml_types import FP16_FIELDS
 
 pytest.importorskip("hypothesis")
 
-from pyimp.testing import reference, suite  # noqa: E402
-from pyimp.testing.backends import numba as nb  # noqa: E402
+from pyimp.testing import reference, suite
+from pyimp.testing.backends import numba as nb
 
 EXAMPLES = 25          # the CLI's default
 
@@ -67,7 +72,7 @@ def _interleaved_decode(q, k_cache, v_cache, block_table, n_ctx, scale, window, 
 
 def _truncating_update(importance, block_table, new, pos_lo=0, decay=1.0):
     """fp16 store bug: the float32 sum is truncated toward zero instead of rounded to nearest."""
-    NB, B, Hq = importance.shape
+    B = importance.shape[1]
     p = np.arange(new.shape[1])
     rows = p if decay != 1.0 else p[p >= pos_lo]
     pb, t = block_table[rows // B], rows % B
@@ -175,7 +180,7 @@ def test_cli_fails_on_a_mutant(tmp_path):
                    " window, out)\n")
     p = subprocess.run([sys.executable, "-m", "pyimp.testing", "--backend", "tail_mutant",
                         "--no-shrink"], capture_output=True, text=True, timeout=600,
-                       cwd=tmp_path, env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+                       cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert p.returncode == 1, p.stdout + p.stderr
     assert "attention_decode" in p.stdout and "FAIL" in p.stdout
     assert "skip" in p.stdout                         # the functions it does not export
@@ -192,3 +197,48 @@ def test_cli_bad_input_is_one_line(args, code, needle):
     assert p.returncode == code
     assert needle in p.stderr and "Traceback" not in p.stderr
 
+
+
+# ----------------------------------------------------------------- the strategies
+
+
+def test_strategies_draw_what_they_promise():
+    """The edge cases the mutants need are drawn, and the data are what the docs say."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from pyimp.testing import strategies as S
+    seen = {"one_tail": 0, "gqa": 0, "zero_scale": 0, "extreme_scale": 0, "near_max": 0}
+
+    @settings(max_examples=60, deadline=None, database=None, derandomize=True)
+    @given(S.paged_caches(), st.sampled_from(S.TYPES).flatmap(
+        lambda t: st.tuples(st.just(t), S.quant_rows(t))))
+    def probe(c, q):
+        sh, B, n = c["shape"], c["shape"]["B"], c["n_ctx"]
+        bt = c["block_table"]
+        assert len(set(bt.tolist())) == bt.size                 # distinct physical blocks
+        if c["k_cache"].shape[1] > 1:
+            assert not np.array_equal(bt, np.arange(bt.size))   # never the identity
+        seen["one_tail"] += n % B == 1 or B == 1
+        seen["gqa"] += sh["Hkv"] >= 2 and sh["G"] >= 2
+        qtype, (raw, nel) = q
+        w = reference.dequantize(qtype, raw, nel)
+        assert np.isfinite(w).all()                             # NaN- and inf-free
+        for off in FP16_FIELDS.get(QT[qtype], ()):
+            ts = GGML_QUANT_SIZES[QT[qtype]][1]
+            d = raw.reshape(-1, ts)[:, off:off + 2].copy().view(np.float16)
+            seen["zero_scale"] += bool((d == 0).any())
+            seen["extreme_scale"] += bool((np.abs(d) == 65504).any())
+
+    probe()
+    assert seen["one_tail"] >= 5 and seen["gqa"] >= 10, seen
+    assert seen["zero_scale"] >= 3 and seen["extreme_scale"] >= 3, seen
+
+    @settings(max_examples=40, deadline=None, database=None, derandomize=True)
+    @given(S.importance_buffers(3, 4, 2))
+    def imp_probe(x):
+        assert x.dtype == np.float16 and x.shape == (3, 4, 2) and np.isfinite(x).all()
+        seen["near_max"] += bool((x > 65000).any())
+
+    imp_probe()
+    assert seen["near_max"] >= 3, seen

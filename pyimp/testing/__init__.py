@@ -48,7 +48,7 @@ from __future__ import annotations
 from . import reference
 from .reference import NAMES
 
-__all__ = ["reference", "NAMES", "run_suite", "checks", "table"]
+__all__ = ["NAMES", "checks", "reference", "run_suite", "table"]
 
 
 def __getattr__(name):

@@ -20,7 +20,8 @@ Requires hypothesis (``pip install 'pyimp[testing]'``).
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as QT
 from hypothesis import strategies as st
 
 from loaders.ggml_types import FP16_FIELDS, SUPPORTED_TYPES

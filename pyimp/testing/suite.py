@@ -16,8 +16,8 @@ import dataclasses
 import io
 import math
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 from hypothesis import HealthCheck, Phase, given, settings
