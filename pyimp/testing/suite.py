@@ -54,6 +54,7 @@ class Result:
     passed: bool = False
     skipped: bool = False
     detail: str = ""
+    case: str = ""                  # the (shrunk) failing case, described
 
 
 # ----------------------------------------------------------------- helpers
@@ -70,13 +71,31 @@ def _copy(case: dict, *names) -> list:
     return [None if case[n] is None else np.array(case[n], copy=True) for n in names]
 
 
+def _at(i: int, shape) -> tuple:
+    return tuple(int(x) for x in np.unravel_index(i, shape)) if len(shape) else ()
+
+
 def _fail(what: str, got, want, err, tol) -> None:
     i = int(np.argmax(err > tol)) if np.ndim(err) else 0
-    g, w = np.ravel(got)[i], np.ravel(want)[i]
+    g, w = float(np.ravel(got)[i]), float(np.ravel(want)[i])
     t = np.ravel(np.broadcast_to(tol, np.shape(err)))[i] if np.ndim(err) else tol
-    raise Mismatch(f"{what}: element {np.unravel_index(i, np.shape(got)) if np.ndim(got) else ()}"
-                   f" is {g!r}, reference {w!r} (|diff| {abs(float(g) - float(w)):.3g} > "
-                   f"tolerance {float(t):.3g}); {int(np.sum(err > tol))} of {np.size(err)} differ")
+    raise Mismatch(f"{what}: element {_at(i, np.shape(got))} is {g:.7g}, reference {w:.7g} "
+                   f"(|diff| {abs(g - w):.3g} > tolerance {float(t):.3g}); "
+                   f"{int(np.sum(err > tol))} of {np.size(err)} differ")
+
+
+def describe(case) -> str:
+    """A case in one line: arrays by dtype and shape, scalars by value."""
+    if isinstance(case, dict):
+        items = [(k, v) for k, v in case.items() if k != "rng"]
+        return " ".join(f"{k}={describe(v)}" for k, v in items)
+    if isinstance(case, (tuple, list)):
+        return "(" + ", ".join(describe(v) for v in case) + ")"
+    if isinstance(case, np.ndarray):
+        return f"{case.dtype}{list(case.shape)}"
+    if isinstance(case, (float, np.floating)):
+        return f"{float(case):.4g}"
+    return str(case)
 
 
 def _close(what: str, got, want, tol) -> None:
@@ -104,8 +123,9 @@ def _ulps16(what: str, got, want, ulps: int) -> None:
     d = np.abs(_f16_order(got) - _f16_order(want))
     if np.any(d > ulps):
         i = int(np.argmax(d > ulps))
-        idx = np.unravel_index(i, got.shape)
-        raise Mismatch(f"{what}: element {idx} is {got[idx]!r}, reference {want[idx]!r} "
+        idx = _at(i, got.shape)
+        raise Mismatch(f"{what}: element {idx} is {float(got[idx]):.5g}, reference "
+                       f"{float(want[idx]):.5g} "
                        f"({int(d[idx])} fp16 ulps apart, tolerance {ulps}); "
                        f"{int(np.sum(d > ulps))} of {d.size} differ")
 
@@ -116,9 +136,9 @@ def _equal(what: str, got, want) -> None:
         raise Mismatch(f"{what}: {got.dtype}{list(got.shape)}, reference "
                        f"{want.dtype}{list(want.shape)}")
     if not np.array_equal(got, want):
-        i = np.argwhere(got != want)[0]
-        raise Mismatch(f"{what}: element {tuple(int(x) for x in i)} is {got[tuple(i)]!r}, "
-                       f"reference {want[tuple(i)]!r} (exact comparison); "
+        i = tuple(int(x) for x in np.argwhere(got != want)[0])
+        raise Mismatch(f"{what}: element {i} is {got[i].item()!r}, "
+                       f"reference {want[i].item()!r} (exact comparison); "
                        f"{int(np.sum(got != want))} of {got.size} differ")
 
 
@@ -488,6 +508,7 @@ def run_check(check: Check, fn, fp16: str = "float16", max_examples: int = 25,
     @given(check.cases())
     def probe(case):
         res.examples += 1
+        res.case = describe(case)
         with np.errstate(all="ignore"):     # inf / NaN in a result are compared, not warned of
             check.run(fn, case, fp16)
 
@@ -496,6 +517,7 @@ def run_check(check: Check, fn, fp16: str = "float16", max_examples: int = 25,
         with with_reporter(lambda s: log.write(str(s) + "\n")):
             probe()
         res.passed = True
+        res.case = ""
     except Mismatch as e:
         res.detail = str(e)
     except Exception as e:      # a backend that raises fails the check, with its error
@@ -531,8 +553,9 @@ def table(results: list[Result]) -> str:
     rows = [("check", "result", "examples", "tolerance", "detail")]
     for r in results:
         status = "skip" if r.skipped else ("PASS" if r.passed else "FAIL")
+        detail = r.detail + (f" [case: {r.case}]" if r.case and not r.passed else "")
         rows.append((r.check, status, str(r.examples) if not r.skipped else "-", r.tolerance,
-                     r.detail))
+                     detail))
     w = [max(len(row[i]) for row in rows) for i in range(4)]
     lines = ["  ".join(c.ljust(w[i]) for i, c in enumerate(row[:4])) + ("  " + row[4] if row[4]
                                                                        else "") for row in rows]
