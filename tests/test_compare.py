@@ -100,7 +100,7 @@ def test_injected_divergence_is_first(pyimp_dump, tmp_path, capsys, target):
 
 def test_tokens_compared_exactly(pyimp_dump, tmp_path, capsys):
     b = _copy(pyimp_dump, tmp_path / "b.gguf", change={"inp_tokens@2": lambda x: x + 1})
-    rc, out, _ = _run(capsys, pyimp_dump, b, "--json")
+    _, out, _ = _run(capsys, pyimp_dump, b, "--json")
     res = json.loads(out)
     row = next(r for r in res["tensors"] if r["name"] == "inp_tokens@2")
     assert row["status"] == "differ" and row["differing"] == 1
@@ -125,7 +125,7 @@ def test_bad_inputs_one_line(pyimp_dump, llama, tmp_path, capsys):
     garbage = tmp_path / "garbage.gguf"
     garbage.write_bytes(np.random.default_rng(1).bytes(4000))
     trunc = tmp_path / "trunc.gguf"
-    trunc.write_bytes(open(pyimp_dump, "rb").read()[:3000])
+    trunc.write_bytes(pyimp_dump.read_bytes()[:3000])
     for bad, needle in ((tmp_path / "missing.gguf", "no such file"),
                         (garbage, "not a readable GGUF file"),
                         (trunc, "not a readable GGUF file"),
@@ -144,7 +144,7 @@ def test_bad_inputs_one_line(pyimp_dump, llama, tmp_path, capsys):
 
 def test_console_script_module(pyimp_dump):
     r = subprocess.run([sys.executable, "-m", "pyimp.compare", str(pyimp_dump), str(pyimp_dump),
-                        "--diverged-only"], capture_output=True, text=True, timeout=120)
+                        "--diverged-only"], check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "no divergence" in r.stdout
     assert len(r.stdout.splitlines()) < 8              # the header and the summary only
 
@@ -161,11 +161,11 @@ def test_pyimp_vs_llamacpp_trace(llama, pyimp_dump, tmp_path, capsys):
     out = tmp_path / "llama.gguf"
     r = subprocess.run([sys.executable, "-m", "tools.llamacpp_trace", str(llama), "--follow",
                         str(pyimp_dump), "--kv-type", "f32", "-o", str(out)],
-                       capture_output=True, text=True, timeout=300)
+                       check=False, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     b = dump.read(out)
     assert b.meta["producer"] == "llama.cpp" and b.meta["steps"] == 3
-    rc, text, _ = _run(capsys, pyimp_dump, out, "--json")
+    _, text, _ = _run(capsys, pyimp_dump, out, "--json")
     res = json.loads(text)
     assert res["same_model"]
     assert not res["shape_mismatch"] and not res["only_in_a"]

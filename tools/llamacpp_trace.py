@@ -21,7 +21,6 @@ unnamed nodes (``node_12``) nor views (``Kcur-0 (view)``, ``cache_k_l0 (view)``)
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import re
@@ -136,7 +135,7 @@ def trace_run(path: str, tokens, steps: int = 0, follow=None, kv_type: str = "f3
         t = ctypes.cast(tp, ctypes.POINTER(_Tensor)).contents
         name = t.name.decode(errors="replace")
         if not _GRAPH_NAME.match(name):
-            return False if ask else True
+            return not ask
         if ask:
             return True
         k = state["count"].get(name, 0)
