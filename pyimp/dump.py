@@ -536,6 +536,10 @@ def run(args: argparse.Namespace) -> int:
         return _error(str(e) if str(e) else "out of memory")
     try:
         tr = engine.trace(ids, steps=args.steps, keep=_keep(args))
+        if args.tensors and all(n.startswith("inp_tokens@") for n in tr.tensors):
+            return _error(f"--tensors {' '.join(args.tensors)}: matches no tensor of this model "
+                          f"(names look like l_out-0@0, Qcur-0#1@0, result_output@1; see "
+                          f"pydoc pyimp.dump), nothing written")
         tr.meta["prompt"] = prompt
         tr.write(out)
     except (NonFiniteError, ValueError) as e:

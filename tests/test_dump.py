@@ -190,6 +190,7 @@ def test_cli_filters(models, tmp_path, capsys):
     (["--layers", "x"], 2, "--layers must be"),
     (["--layers", "7"], 1, "--layers 7: the model has layers 0..2"),
     (["--tensors", ""], 2, "empty glob"),
+    (["--tensors", "l_outt-*"], 1, "--tensors l_outt-*: matches no tensor"),
     (["--device", "cuda"], 1, "CPU forward only"),
     (["-p", "", "--no-bos"], 1, "the prompt is empty"),
 ])
