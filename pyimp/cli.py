@@ -109,6 +109,18 @@ def model_path(args: argparse.Namespace) -> str:
     return str(default_model_path())
 
 
+def read_prompt(args: argparse.Namespace) -> str:
+    """The prompt of ``-p TEXT`` or ``-f FILE`` ("" when neither is given); a file that cannot
+    be read raises OSError with a message naming it."""
+    if getattr(args, "file", None) is None:
+        return args.prompt if args.prompt is not None else ""
+    try:
+        with open(args.file, encoding="utf-8", errors="surrogateescape") as fh:
+            return fh.read()
+    except OSError as e:
+        raise OSError(f"cannot read prompt file {args.file}: {e.strerror}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     p = _Parser(prog="pyimp-run", formatter_class=_Help,
@@ -375,14 +387,10 @@ def run(args: argparse.Namespace) -> int:
         why = _check_heatmap(args.heatmap)
         if why:
             return _error(why)
-    if args.file is not None:
-        try:
-            with open(args.file, encoding="utf-8", errors="surrogateescape") as fh:
-                prompt = fh.read()
-        except OSError as e:
-            return _error(f"cannot read prompt file {args.file}: {e.strerror}")
-    else:
-        prompt = args.prompt if args.prompt is not None else ""
+    try:
+        prompt = read_prompt(args)
+    except OSError as e:
+        return _error(str(e))
     err = sys.stderr
     try:
         path = model_path(args)

@@ -491,7 +491,7 @@ def _error(msg: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from loaders.gguf_file import GGUFError
 
-    from .cli import model_path
+    from .cli import model_path, read_prompt
     from .default_model import DefaultModelError
     from .engine import Engine, EngineOptions
     from .ops import NonFiniteError
@@ -506,14 +506,10 @@ def run(args: argparse.Namespace) -> int:
         return _error(f"-o {out}: is a directory, not a file name")
     if not os.path.isdir(folder):
         return _error(f"-o {out}: folder {folder} does not exist")
-    if args.file is not None:
-        try:
-            with open(args.file, encoding="utf-8", errors="surrogateescape") as fh:
-                prompt = fh.read()
-        except OSError as e:
-            return _error(f"cannot read prompt file {args.file}: {e.strerror}")
-    else:
-        prompt = args.prompt if args.prompt is not None else ""
+    try:
+        prompt = read_prompt(args)
+    except OSError as e:
+        return _error(str(e))
     try:
         path = model_path(args)
         ids, n_layer = _tokenize(path, prompt, not args.no_bos)

@@ -250,6 +250,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from pyimp import dump
+    from pyimp.cli import read_prompt
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
@@ -279,14 +280,10 @@ def main(argv=None) -> int:
         tokens, follow, prompt = fed[0], [f[0] for f in fed[1:]], d.meta.get("prompt", "")
     else:
         steps = 4 if args.steps is None else args.steps
-        if args.file is not None:
-            try:
-                with open(args.file, encoding="utf-8", errors="surrogateescape") as fh:
-                    prompt = fh.read()
-            except OSError as e:
-                return _error(f"cannot read prompt file {args.file}: {e.strerror}")
-        else:
-            prompt = args.prompt or ""
+        try:
+            prompt = read_prompt(args)
+        except OSError as e:
+            return _error(str(e))
         try:
             tokens = tokenize(args.model, prompt, add_bos=not args.no_bos)
         except RuntimeError as e:
