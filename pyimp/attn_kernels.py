@@ -511,3 +511,30 @@ def prefill_mass(q, kc, bt, s0, scale, rlo, lut, row_m, row_l, r0, new):
         for g in range(G):
             for t in range(t0, t1):
                 new[kvh * G + g, base + t] = acc[g, t]
+
+
+@jit.njit(fastmath=FM)
+def gather_tile(kc, vc, bt, kvh, c0, c1, D, lut, Kt, Vt):
+    """Keys and values of slots [c0, c1) of kv head kvh (c0 a multiple of the block length) as
+    float32 rows: Kt[s - c0] and Vt[s - c0] ``[D]`` (token-major both: the operands of the
+    tiled prefill's two matrix products). Bounded scratch: one chunk of slots."""
+    Hkv, _, BD = kv_dims(kc)
+    B = BD // D
+    vtok = values_by_token(vc)
+    kb = np.empty(B * D, np.float32)
+    vb = np.empty(D * B, np.float32)
+    for lb in range(c0 // B, (c1 + B - 1) // B):
+        base = lb * B
+        t1 = min(c1 - base, B)
+        load_keys(kc, kvh, bt[lb], 0, t1, D, kb, lut)
+        load_values(vc, kvh, bt[lb], 0, t1, D, B, vb, lut)
+        for t in range(t1):
+            r = base - c0 + t
+            for d in range(D):
+                Kt[r, d] = kb[t * D + d]
+            if vtok:
+                for d in range(D):
+                    Vt[r, d] = vb[t * D + d]
+            else:
+                for d in range(D):
+                    Vt[r, d] = vb[d * B + t]

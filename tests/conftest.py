@@ -1,3 +1,4 @@
+import contextlib
 import os
 import sys
 
@@ -56,3 +57,16 @@ def peer():
     if not ok:
         pytest.skip(f"llama.cpp peer unavailable: {why}")
     return llamacpp_peer
+
+
+@contextlib.contextmanager
+def prefill_path(path: str):
+    """Force the dense prefill onto the flash-style kernel ("kernel") or the tiled BLAS path
+    ("tiled") whatever the chunk's size (pyimp.attention.TILED_MIN_KEYS)."""
+    from pyimp import attention
+    old = attention.TILED_MIN_KEYS
+    attention.TILED_MIN_KEYS = 0 if path == "tiled" else 1 << 60
+    try:
+        yield
+    finally:
+        attention.TILED_MIN_KEYS = old

@@ -5,6 +5,8 @@ from hypothesis import given, settings, strategies as st
 
 from types import SimpleNamespace
 
+from conftest import prefill_path
+
 from pyimp.attention import (attention_decode, attention_prefill, gather_kv)
 from pyimp.kvcache import KVCache
 from pyimp.sparse_policy import SparseOptions, SparseState
@@ -182,9 +184,10 @@ def test_gqa_heads_read_their_kv_head():
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("path", ["kernel", "tiled"])
 @settings(max_examples=40, deadline=None)
 @given(cache_case(), st.data())
-def test_prefill_matches_references(c, data):
+def test_prefill_matches_references(path, c, data):
     n, Hq, D = c["n"], c["Hq"], c["D"]
     T = data.draw(st.integers(1, n))
     pos0 = n - T
@@ -192,9 +195,10 @@ def test_prefill_matches_references(c, data):
     scale = data.draw(st.sampled_from([1.0, 0.125, 0.7]))
     rng = c["rng"]
     q = (rng.standard_normal((T, Hq, D)) * 1.5).astype(np.float32)
-    o_nb = np.empty((T, Hq, D), np.float32)
+    o_nb = np.full((T, Hq, D), np.nan, np.float32)
     o_np = np.empty((T, Hq, D), np.float32)
-    lse_nb = attention_prefill(q, c["kc"], c["vc"], c["bt"], pos0, scale, window, o_nb)
+    with prefill_path(path):
+        lse_nb = attention_prefill(q, c["kc"], c["vc"], c["bt"], pos0, scale, window, o_nb)
     lse_np = attention_prefill(q, c["kc"], c["vc"], c["bt"], pos0, scale, window, o_np,
                                backend="numpy")
     ref, _ = flat_attention64(q, c["Kf"], c["Vf"], pos0 + np.arange(T), scale, window)
@@ -281,7 +285,7 @@ def test_prefill_importance_conservation_chunked(c, data):
     W = data.draw(st.integers(1, 80))
     window = data.draw(st.sampled_from([0, 3, 20]))
     cut = data.draw(st.integers(0, n - 1))  # chunk boundary: [0, cut), [cut, n)
-    backend = data.draw(st.sampled_from(["numba", "numpy"]))
+    backend = data.draw(st.sampled_from(["numba", "numba-tiled", "numpy"]))
     rng = c["rng"]
     q = rng.standard_normal((n, Hq, D)).astype(np.float32)
     imp = np.zeros((NB, B, Hq), np.float16)
@@ -289,8 +293,9 @@ def test_prefill_importance_conservation_chunked(c, data):
     for a, b in [(0, cut), (cut, n)]:
         if b > a:
             out = np.empty((b - a, Hq, D), np.float32)
-            attention_prefill(q[a:b], c["kc"], c["vc"], c["bt"], a, 0.4, window, out, imp,
-                              obs_start=obs_start, backend=backend)
+            with prefill_path("tiled" if backend == "numba-tiled" else "kernel"):
+                attention_prefill(q[a:b], c["kc"], c["vc"], c["bt"], a, 0.4, window, out, imp,
+                                  obs_start=obs_start, backend=backend.split("-")[0])
     # each observed row adds probabilities summing to 1 (float32, ~1e-6), and each of the
     # <= n entries is rounded once or twice to fp16 (relative 2**-11 each)
     expect = min(W, n)

@@ -7,6 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import prefill_path
+
 import pyimp
 from pyimp import attention
 from pyimp.kv_policy import (
@@ -219,8 +221,10 @@ def test_attention_over_compacted_cache_equals_attention_over_kept_tokens(
     qs = rng.standard_normal((T, Hq, D)).astype(np.float32)
     o_k = np.empty((T, Hq, D), np.float32)
     o_r = np.empty((T, Hq, D), np.float32)
-    attention.attention_prefill(qs, c.k_layer(0), c.v_layer(0), c.table(0), m - T, scale, window,
-                                o_k, positions=pos)
+    path = "tiled" if rng.random() < 0.5 else "kernel"     # both Numba prefill paths
+    with prefill_path(path):
+        attention.attention_prefill(qs, c.k_layer(0), c.v_layer(0), c.table(0), m - T, scale,
+                                    window, o_k, positions=pos)
     attention.attention_prefill(qs, c.k_layer(0), c.v_layer(0), c.table(0), m - T, scale, window,
                                 o_r, positions=pos, backend="numpy")
     np.testing.assert_allclose(o_k, o_r, atol=1e-5, rtol=1e-5)

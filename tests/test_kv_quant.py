@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 import pyimp
 from pyimp import ops
+from conftest import prefill_path
+
 from pyimp.attention import attention_decode, attention_prefill
 from pyimp.kvcache import QUANT_TYPES, KVCache, QuantizedKV
 from pyimp.sparse.sparse_attention import sparse_attention_decode
@@ -103,17 +105,20 @@ def test_attention_kernels_on_quantized_layers_equal_references(case, window):
     # prefill: the last rows as one chunk (keys before them already cached), with importance
     pos0 = max(0, n - 20)
     outs, lses, imps = [], [], []
-    for backend in ("numba", "numpy"):
+    for backend in ("numpy", "kernel", "tiled"):      # the two Numba prefill paths
         out = np.empty((n - pos0, Hq, D), np.float32)
         imp = np.zeros((c.max_blocks, c.block_len, Hq), np.float16)
-        lses.append(attention_prefill(q[pos0:], kc, vc, bt, pos0, 0.3, window, out, importance=imp,
-                                      backend=backend))
+        with prefill_path(backend):
+            lses.append(attention_prefill(q[pos0:], kc, vc, bt, pos0, 0.3, window, out,
+                                          importance=imp,
+                                          backend="numpy" if backend == "numpy" else "numba"))
         outs.append(out)
         imps.append(imp.astype(np.float32))
-    np.testing.assert_allclose(outs[0], outs[1], **TOL)
-    np.testing.assert_allclose(lses[0], lses[1], **TOL)
-    # importance: fp16 sums of probabilities; one fp16 ulp (2**-10 relative) apart at most
-    np.testing.assert_allclose(imps[0], imps[1], rtol=2 ** -10, atol=2 ** -14)
+    for k in (1, 2):
+        np.testing.assert_allclose(outs[k], outs[0], **TOL)
+        np.testing.assert_allclose(lses[k], lses[0], **TOL)
+        # importance: fp16 sums of probabilities; one fp16 ulp (2**-10 relative) apart at most
+        np.testing.assert_allclose(imps[k], imps[0], rtol=2 ** -10, atol=2 ** -14)
     # decode and block-sparse decode over a random subset of blocks
     n_lb = -(-n // c.block_len)
     # block 0 first: with a window it is often wholly masked and must read nothing
