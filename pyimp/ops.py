@@ -84,8 +84,19 @@ _GELU_COEF_A = F32(0.044715)
 
 
 def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """tanh-approximated GELU in float32."""
-    return F32(0.5) * x * (F32(1.0) + np.tanh(_SQRT_2_OVER_PI * x * (F32(1.0) + _GELU_COEF_A * x * x)))
+    """tanh-approximated GELU in float32: 0.5 x (1 + tanh(sqrt(2/pi) x (1 + 0.044715 x x))),
+    the same float32 operations in the same order, in two buffers (a prefill's [T, n_ff]
+    activations made eight temporaries)."""
+    a = x * _SQRT_2_OVER_PI
+    b = x * _GELU_COEF_A
+    b *= x
+    b += F32(1.0)
+    a *= b
+    np.tanh(a, out=a)
+    a += F32(1.0)
+    np.multiply(x, F32(0.5), out=b)
+    b *= a
+    return b
 
 
 def _libm_tanhf():

@@ -63,3 +63,16 @@ def test_rope_is_the_numpy_reference_bit_for_bit(T, H, half, extra, neox, pos0, 
     got = x.copy()
     assert ops.rope(got, cos, sin, neox) is got
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_gelu_tanh_is_the_formula_bit_for_bit():
+    """ops.gelu_tanh (in-place passes) computes exactly the one-expression formula."""
+    F = np.float32
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(4096).astype(F) * F(4), np.array(
+        [0.0, -0.0, 1e-30, -1e-30, 10.0, -10.0, 3e4, -3e4, np.inf, -np.inf], F)])
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = F(0.5) * x * (F(1.0) + np.tanh(ops._SQRT_2_OVER_PI * x * (F(1.0) + ops._GELU_COEF_A * x * x)))
+        got = ops.gelu_tanh(x.reshape(2, -1)).reshape(-1)
+    assert got.dtype == np.float32
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))   # NaN of -inf included
