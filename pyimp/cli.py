@@ -109,6 +109,15 @@ def model_path(args: argparse.Namespace) -> str:
     return str(default_model_path())
 
 
+def quiet_stdout() -> None:
+    """After a BrokenPipeError (stdout closed early, e.g. piped into head): point stdout at
+    /dev/null so the process exits quietly, without a flush error at exit."""
+    try:
+        sys.stdout = open(os.devnull, "w")
+    except OSError:
+        pass
+
+
 def read_prompt(args: argparse.Namespace) -> str:
     """The prompt of ``-p TEXT`` or ``-f FILE`` ("" when neither is given); a file that cannot
     be read raises OSError with a message naming it."""
@@ -552,11 +561,7 @@ def main(argv=None) -> int:
         print("\npyimp-run: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
-        # stdout closed early (e.g. piped into head): exit quietly, without a flush error at exit
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
+        quiet_stdout()
         return 0
 
 

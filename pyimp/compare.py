@@ -231,11 +231,8 @@ def main(argv=None) -> int:
             print(format_table(res, args.diverged_only))
         sys.stdout.flush()
     except BrokenPipeError:
-        import os
-        try:
-            sys.stdout = open(os.devnull, "w")
-        except OSError:
-            pass
+        from .cli import quiet_stdout
+        quiet_stdout()
     return 0
 
 
