@@ -29,13 +29,12 @@ import numpy as np
 from gguf import GGMLQuantizationType
 from llvmlite import ir
 from numba import prange, types
-from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import jit, quants_legacy
 from .quants_legacy import (_f32_to_f16_bits, _head_d, _head_d_qh, _head_dm, _head_dm_qh,
                             _pair_q4_0, _pair_q4_1, _pair_q5_0, _pair_q5_1, _pair_q8_0, _u16, _u32,
-                            _weight)
+                            _weight, ir_ptr, ir_splat, ir_u4_weights)
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -197,19 +196,6 @@ def _decode(w, wo, nb, bsz, out, oo, step, f16, head, pair, has_min):
 # quant, one exact int -> float conversion, one product d * q and (types with a min) one sum.
 
 
-def _ptr(context, builder, aryty, ary, idx, vty):
-    a = context.make_array(aryty)(context, builder, ary)
-    p = cgutils.get_item_pointer(context, builder, aryty, a, [idx], wraparound=False)
-    return builder.bitcast(p, vty.as_pointer())
-
-
-def _splat(builder, x, vty):
-    und = ir.Constant(vty, ir.Undefined)
-    one = builder.insert_element(und, x, ir.Constant(ir.IntType(32), 0))
-    mask = ir.Constant(ir.VectorType(ir.IntType(32), vty.count), [0] * vty.count)
-    return builder.shuffle_vector(one, und, mask)
-
-
 @intrinsic
 def _s8x32(typingctx, w, wo, d, out, oo):
     """out[oo:oo+32] = d * float32(int8 bytes w[wo:wo+32]) (Q8_0's quants)."""
@@ -218,10 +204,10 @@ def _s8x32(typingctx, w, wo, d, out, oo):
     def codegen(context, builder, signature, args):
         wty, _, _, oty, _ = signature.args
         vf = ir.VectorType(ir.FloatType(), 32)
-        q = builder.load(_ptr(context, builder, wty, args[0], args[1], ir.VectorType(ir.IntType(8), 32)),
-                         align=1)
-        r = builder.fmul(_splat(builder, args[2], vf), builder.sitofp(q, vf))
-        builder.store(r, _ptr(context, builder, oty, args[3], args[4], vf), align=4)
+        q = builder.load(ir_ptr(context, builder, wty, args[0], args[1],
+                                ir.VectorType(ir.IntType(8), 32)), align=1)
+        r = builder.fmul(ir_splat(builder, args[2], vf), builder.sitofp(q, vf))
+        builder.store(r, ir_ptr(context, builder, oty, args[3], args[4], vf), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -229,40 +215,16 @@ def _s8x32(typingctx, w, wo, d, out, oo):
 
 @intrinsic
 def _u4x32(typingctx, w, wo, qh, d, m, off, out, oo):
-    """The 32 quants of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block from its 16 qs bytes at w[wo:]
-    (element j < 16: low nibble of byte j, element j + 16: its high nibble; with ``qh`` (uint32,
-    or None) bit k of qh is bit 4 of element k), minus ``off``, to out[oo:oo+32] as
-    ``d * float32(q)`` (``+ m`` unless m is None)."""
+    """The 32 weights of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block (arguments w..off as
+    :func:`loaders.quants_legacy.ir_u4_weights`) to out[oo:oo+32]."""
     sig = types.void(w, wo, qh, d, m, off, out, oo)
-    has_qh = not isinstance(qh, types.NoneType)
-    has_min = not isinstance(m, types.NoneType)
 
     def codegen(context, builder, signature, args):
-        wty, oty = signature.args[0], signature.args[6]
-        i32, v16 = ir.IntType(32), ir.VectorType(ir.IntType(32), 16)
         vf = ir.VectorType(ir.FloatType(), 16)
-        qs = builder.zext(builder.load(_ptr(context, builder, wty, args[0], args[1],
-                                            ir.VectorType(ir.IntType(8), 16)), align=1), v16)
-        lo = builder.and_(qs, ir.Constant(v16, [15] * 16))
-        hi = builder.lshr(qs, ir.Constant(v16, [4] * 16))
-        if has_qh:
-            h = _splat(builder, builder.zext(args[2], i32) if args[2].type.width < 32
-                       else builder.trunc(args[2], i32) if args[2].type.width > 32 else args[2], v16)
-
-            def fifth(first):
-                bits = builder.lshr(h, ir.Constant(v16, list(range(first, first + 16))))
-                return builder.shl(builder.and_(bits, ir.Constant(v16, [1] * 16)),
-                                   ir.Constant(v16, [4] * 16))
-            lo = builder.or_(lo, fifth(0))
-            hi = builder.or_(hi, fifth(16))
-        o = _splat(builder, context.cast(builder, args[5], signature.args[5], types.int32), v16)
-        dv = _splat(builder, args[3], vf)
-        dst = _ptr(context, builder, oty, args[6], args[7], vf)
-        for k, q in enumerate((lo, hi)):
-            r = builder.fmul(dv, builder.sitofp(builder.sub(q, o), vf))
-            if has_min:
-                r = builder.fadd(r, _splat(builder, args[4], vf))
-            builder.store(r, builder.gep(dst, [ir.Constant(i32, k)]) if k else dst, align=4)
+        dst = ir_ptr(context, builder, signature.args[6], args[6], args[7], vf)
+        for k, r in enumerate(ir_u4_weights(context, builder, signature.args[:6], args[:6])):
+            builder.store(r, builder.gep(dst, [ir.Constant(ir.IntType(32), k)]) if k else dst,
+                          align=4)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -166,6 +166,85 @@ def _q5(typingctx, u, qh, j, off):
     return sig, codegen
 
 
+# Whole-block vector IR. LLVM fully unrolls the 32-wide loops of one block and leaves the
+# unrolled code scalar (checked in the assembly: one byte load, shift, convert and FMA per
+# weight); these helpers emit a block's 32 lanes as two <16 x ...> vector operations instead.
+# Each lane is the scalar decoders' value exactly: the same integer quant, one exact
+# int -> float conversion, one product d * q, (types with a min) one sum, and the FMA
+# ``llvm.fma.v16f32`` rounds once per lane as ``llvm.fma.f32`` does.
+
+def ir_ptr(context, builder, aryty, ary, idx, vty):
+    """Pointer to ary[idx] as a pointer to vector type vty (no bounds check)."""
+    a = context.make_array(aryty)(context, builder, ary)
+    p = cgutils.get_item_pointer(context, builder, aryty, a, [idx], wraparound=False)
+    return builder.bitcast(p, vty.as_pointer())
+
+
+def ir_splat(builder, x, vty):
+    """x broadcast to every lane of vector type vty."""
+    und = ir.Constant(vty, ir.Undefined)
+    one = builder.insert_element(und, x, ir.Constant(ir.IntType(32), 0))
+    mask = ir.Constant(ir.VectorType(ir.IntType(32), vty.count), [0] * vty.count)
+    return builder.shuffle_vector(one, und, mask)
+
+
+def ir_u4_weights(context, builder, sig_args, args):
+    """The 32 weights of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block as two <16 x float> vectors
+    (elements 0-15, 16-31). ``args`` = (w, wo, qh, d, m, off): the 16 qs bytes at w[wo:]
+    (element j < 16: low nibble of byte j, element j + 16: its high nibble), ``qh`` a uint32
+    whose bit k is bit 4 of element k (or None), weight = d * float32(q - off) (+ m unless m
+    is None)."""
+    wty, _, qhty, _, mty, offty = sig_args
+    w, wo, qh, d, m, off = args
+    i32, v16 = ir.IntType(32), ir.VectorType(ir.IntType(32), 16)
+    vf = ir.VectorType(ir.FloatType(), 16)
+    qs = builder.zext(builder.load(ir_ptr(context, builder, wty, w, wo,
+                                          ir.VectorType(ir.IntType(8), 16)), align=1), v16)
+    lo = builder.and_(qs, ir.Constant(v16, [15] * 16))
+    hi = builder.lshr(qs, ir.Constant(v16, [4] * 16))
+    if not isinstance(qhty, types.NoneType):
+        h = ir_splat(builder, _arg_i32(builder, qhty, qh), v16)
+
+        def fifth(first):
+            bits = builder.lshr(h, ir.Constant(v16, list(range(first, first + 16))))
+            return builder.shl(builder.and_(bits, ir.Constant(v16, [1] * 16)),
+                               ir.Constant(v16, [4] * 16))
+        lo = builder.or_(lo, fifth(0))
+        hi = builder.or_(hi, fifth(16))
+    o = ir_splat(builder, _arg_i32(builder, offty, off), v16)
+    dv = ir_splat(builder, d, vf)
+    out = []
+    for q in (lo, hi):
+        r = builder.fmul(dv, builder.sitofp(builder.sub(q, o), vf))
+        if not isinstance(mty, types.NoneType):
+            r = builder.fadd(r, ir_splat(builder, m, vf))
+        out.append(r)
+    return out
+
+
+@intrinsic
+def _fma_u4x32(typingctx, w, wo, qh, d, m, off, x, xo, acc):
+    """acc[0:32] = fma(weight[j], x[xo + j], acc[j]) over the 32 weights of one Q4_0 / Q4_1 /
+    Q5_0 / Q5_1 block (arguments w..off as :func:`ir_u4_weights`); acc float32[32]."""
+    sig = types.void(w, wo, qh, d, m, off, x, xo, acc)
+
+    def codegen(context, builder, signature, args):
+        vf = ir.VectorType(ir.FloatType(), 16)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
+                                             "llvm.fma.v16f32")
+        ws = ir_u4_weights(context, builder, signature.args[:6], args[:6])
+        xp = ir_ptr(context, builder, signature.args[6], args[6], args[7], vf)
+        ap = ir_ptr(context, builder, signature.args[8], args[8], ir.Constant(ir.IntType(64), 0), vf)
+        for k, wv in enumerate(ws):
+            xk = builder.gep(xp, [ir.Constant(ir.IntType(32), k)]) if k else xp
+            ak = builder.gep(ap, [ir.Constant(ir.IntType(32), k)]) if k else ap
+            r = builder.call(fma, [wv, builder.load(xk, align=4), builder.load(ak, align=4)])
+            builder.store(r, ak, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 @jit.njit(inline="always")
 def _f32_to_f16_bits(f):
     """float32 -> IEEE half bits, round to nearest even (as F16C ``vcvtps2ph`` and NumPy)."""
@@ -455,6 +534,33 @@ def _pair_q8_0(w, o, aux, j):
 
 
 @jit.njit(inline="always")
+def _mac_q8_0(w, o, f16, x, xo, acc):
+    d = f16[_u16(w, o)]
+    for j in range(32):
+        acc[j] += (d * np.float32(_s8(w[o + 2 + j]))) * x[xo + j]
+
+
+@jit.njit(inline="always")
+def _fma_q4_0(w, o, f16, x, xo, acc):
+    _fma_u4x32(w, o + 2, None, f16[_u16(w, o)], None, 8, x, xo, acc)
+
+
+@jit.njit(inline="always")
+def _fma_q4_1(w, o, f16, x, xo, acc):
+    _fma_u4x32(w, o + 4, None, f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, x, xo, acc)
+
+
+@jit.njit(inline="always")
+def _fma_q5_0(w, o, f16, x, xo, acc):
+    _fma_u4x32(w, o + 6, _u32(w, o + 2), f16[_u16(w, o)], None, 16, x, xo, acc)
+
+
+@jit.njit(inline="always")
+def _fma_q5_1(w, o, f16, x, xo, acc):
+    _fma_u4x32(w, o + 8, _u32(w, o + 4), f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, x, xo, acc)
+
+
+@jit.njit(inline="always")
 def _weight(d, m, q, has_min):
     return d * np.float32(q) + m if has_min else d * np.float32(q)
 
@@ -509,29 +615,18 @@ def _dequantize_blocks(raw, out, f16, head, pair, bsz, has_min):
 
 
 @jit.njit(inline="always")
-def _matvec_blocks(raw, x, out, f16, head, pair, bsz, has_min, whole_bytes):
-    """fp32 numerics: each weight the exact dequantized value, 32 lane accumulators. The pair
-    decoders' types accumulate with fused multiply-adds (fewer instructions per weight than a
-    product and a sum: +20-30% on 2 cores). ``whole_bytes`` (Q8_0: a d head, then one signed
-    byte per quant) runs the block's 32 quants in one contiguous loop with a product and a
-    sum instead: LLVM vectorizes that loop, and leaves the pair loop (or an FMA) scalar."""
+def _matvec_blocks(raw, x, out, f16, bsz, vec):
+    """fp32 numerics: each weight the exact dequantized value, 32 lane accumulators. ``vec``
+    is the type's block step (``_fma_q4_0`` ...: one block's 32 lanes as two vector FMAs,
+    one rounding per term; ``_mac_q8_0``: Q8_0's product and sum, which LLVM vectorizes as
+    written)."""
     rows = raw.shape[0]
     nb = x.shape[0] // 32
     for r in prange(rows):
         w = raw[r]
         acc = np.zeros(32, np.float32)
         for b in range(nb):
-            o = b * bsz
-            d, m, aux = head(w, o, f16)
-            xo = b * 32
-            if whole_bytes:
-                for j in range(32):
-                    acc[j] += (d * np.float32(_s8(w[o + 2 + j]))) * x[xo + j]
-            else:
-                for j in range(16):
-                    lo, hi = pair(w, o, aux, j)
-                    acc[j] = _fma32(_weight(d, m, lo, has_min), x[xo + j], acc[j])
-                    acc[16 + j] = _fma32(_weight(d, m, hi, has_min), x[xo + 16 + j], acc[16 + j])
+            vec(w, b * bsz, f16, x, b * 32, acc)
         out[r] = _lanes_sum32(acc)
 
 
@@ -751,11 +846,11 @@ def _quant_kernels(ns: dict, qtype: QT, act_type: QT, split_act, deq_call: str, 
 
 
 def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off: int,
-                   act_type: QT) -> TypeKernels:
+                   act_type: QT, vec: str) -> TypeKernels:
     """A block type's kernels; ggml activations are Q8_0 or Q8_1 blocks."""
     dec = f"{head}, {pair}, {bsz}, {has_min}"
     with_sum = act_type == QT.Q8_1
-    mv = f"_matvec_blocks(raw, x, out, f16, {dec}, {qtype == QT.Q8_0})"
+    mv = f"_matvec_blocks(raw, x, out, f16, {bsz}, {vec})"
     return _quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
                           f"_dequantize_blocks(raw, out, f16, {dec})", mv,
                           "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
@@ -780,13 +875,13 @@ _FLOAT_TYPES = {
 }
 # block type: decoder (head, pair), bytes per block, minimum, ggml quant offset (Q5_1's
 # quants are decoded as q - 16: LLVM vectorizes that signed decode, not the unsigned one),
-# ggml activation type
+# ggml activation type, fp32 matvec block step
 _BLOCK_TYPES = {
-    QT.Q4_0: ("_head_d", "_pair_q4_0", 18, False, 0, QT.Q8_0),
-    QT.Q4_1: ("_head_dm", "_pair_q4_1", 20, True, 0, QT.Q8_1),
-    QT.Q5_0: ("_head_d_qh", "_pair_q5_0", 22, False, 0, QT.Q8_0),
-    QT.Q5_1: ("_head_dm_qh", "_pair_q5_1", 24, True, 16, QT.Q8_1),
-    QT.Q8_0: ("_head_d", "_pair_q8_0", 34, False, 0, QT.Q8_0),
+    QT.Q4_0: ("_head_d", "_pair_q4_0", 18, False, 0, QT.Q8_0, "_fma_q4_0"),
+    QT.Q4_1: ("_head_dm", "_pair_q4_1", 20, True, 0, QT.Q8_1, "_fma_q4_1"),
+    QT.Q5_0: ("_head_d_qh", "_pair_q5_0", 22, False, 0, QT.Q8_0, "_fma_q5_0"),
+    QT.Q5_1: ("_head_dm_qh", "_pair_q5_1", 24, True, 16, QT.Q8_1, "_fma_q5_1"),
+    QT.Q8_0: ("_head_d", "_pair_q8_0", 34, False, 0, QT.Q8_0, "_mac_q8_0"),
 }
 
 KERNELS: dict[QT, TypeKernels] = {

@@ -166,6 +166,50 @@ def test_matvec_fp32_vs_float64(qtype, seed, rows, nblocks):
     assert np.all(np.abs(got - ref) <= fp32_bound(n, w, x))
 
 
+# The fp32 block matvec's lane arithmetic written per element (scalar decode, one llvm.fma.f32
+# per weight into lane j % 32, then the pairwise lane sum): the vector-IR block steps must give
+# these bits exactly, not only stay within the float64 bound above.
+_SCALAR_DECODERS = {QT.Q4_0: (L._head_d, L._pair_q4_0, 18, False),
+                    QT.Q4_1: (L._head_dm, L._pair_q4_1, 20, True),
+                    QT.Q5_0: (L._head_d_qh, L._pair_q5_0, 22, False),
+                    QT.Q5_1: (L._head_dm_qh, L._pair_q5_1, 24, True)}
+
+
+def _scalar_lanes(head, pair, bsz, has_min):
+    from numba import njit
+
+    @njit
+    def mv(raw, x, out, f16):
+        for r in range(raw.shape[0]):
+            w = raw[r]
+            acc = np.zeros(32, np.float32)
+            for b in range(x.shape[0] // 32):
+                o = b * bsz
+                d, m, aux = head(w, o, f16)
+                for j in range(16):
+                    lo, hi = pair(w, o, aux, j)
+                    acc[j] = L._fma32(L._weight(d, m, lo, has_min), x[b * 32 + j], acc[j])
+                    acc[16 + j] = L._fma32(L._weight(d, m, hi, has_min), x[b * 32 + 16 + j],
+                                           acc[16 + j])
+            out[r] = L._lanes_sum32(acc)
+    return mv
+
+
+@pytest.mark.parametrize("qtype", list(_SCALAR_DECODERS), ids=lambda t: t.name)
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 5), nblocks=st.integers(1, 24),
+       x_exp=st.integers(-30, 30))
+def test_matvec_fp32_block_step_bit_exact(qtype, seed, rows, nblocks, x_exp):
+    rng = np.random.default_rng(seed)
+    n = 32 * nblocks
+    raw = random_raw(qtype, rows, n, rng)
+    x = (rng.standard_normal(n) * 2.0 ** x_exp).astype(np.float32)
+    x[rng.random(n) < 0.1] = 0.0
+    want = np.empty(rows, np.float32)
+    _scalar_lanes(*_SCALAR_DECODERS[qtype])(raw, x, want, L.F16_TO_F32)
+    assert bits_equal(run_matvec(qtype, raw, x), want)
+
+
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
 def test_matvec_float_types_odd_length(qtype):
     rng = np.random.default_rng(3)
