@@ -280,17 +280,31 @@ class KVCache:
             else:
                 rows, n, by_token = _row_geometry(side, t, head_dim, B, v_layout)
                 code = CODES[QUANT_TYPES[t]]
-                store = np.zeros(shape + (rows * n // 32 * BLOCK_BYTES[code],), dtype=np.uint8)
-                self._tail[side] = np.zeros((n_seq, n_layer, n_head_kv, B * head_dim), np.float32)
+                store = self._alloc(shape + (rows * n // 32 * BLOCK_BYTES[code],), np.uint8)
+                self._tail[side] = self._alloc((n_seq, n_layer, n_head_kv, B * head_dim), np.float32)
                 self._tail_block[side] = np.full((n_seq, n_layer), -1, np.int64)
                 self._by_token[side] = by_token
             setattr(self, buffer_name(side, t), store)
         self.k_store = getattr(self, buffer_name("k", type_k))
         self.v_store = getattr(self, buffer_name("v", type_v))
+        # per physical slot, the log of how many tokens the slot stands for (merged slots,
+        # :mod:`pyimp.kv_merge`), added to its score by every attention kernel; None until
+        # merging is enabled
+        self.lmul: np.ndarray | None = None
+
+    def enable_merging(self) -> None:
+        """Allocate the per-slot log-multiplicity ``lmul`` float32 [L][NB][B] (all 0)."""
+        if self.lmul is None:
+            self.lmul = np.zeros((self.n_layer, self.max_blocks, self.block_len), np.float32)
+
+    def bias(self, layer: int) -> np.ndarray | None:
+        """The score bias the attention kernels add per physical slot of a layer (float32
+        [NB][B]: the log-multiplicity of merged slots), or None without merging."""
+        return None if self.lmul is None else self.lmul[layer]
 
     @staticmethod
     def _alloc(shape: tuple, dtype) -> np.ndarray:
-        """Zeroed storage of a float K/V side (the device cache allocates on the device)."""
+        """Zeroed storage of a K/V store or float tail (the device cache allocates on the device)."""
         return np.zeros(shape, dtype=dtype)
 
     @staticmethod
@@ -461,6 +475,9 @@ class KVCache:
         self.slot_pos[seq, layer, s0:s0 + T] = np.arange(pos0, pos0 + T, dtype=np.int32)
         B, D = self.block_len, self.head_dim
         bt = self.tables[seq, layer]
+        if self.lmul is not None:        # a slot freed by a merge or a rewind stands for one token
+            sl = np.arange(s0, s0 + T)
+            self.lmul[layer][bt[sl // B], sl % B] = 0.0
         for side, x in (("k", k), ("v", v)):
             store = self.k_store if side == "k" else self.v_store
             if self._tail[side] is None:    # f16 / f32: K token rows, V channel rows
@@ -476,6 +493,46 @@ class KVCache:
                 np.ascontiguousarray(x, dtype=np.float32), s0, bt,
                 self._tail[side][seq, layer], int(tb[seq, layer]), store[layer], code,
                 BLOCK_BYTES[code], self._by_token[side], tok_stride, ch_stride)
+
+    def write_slots(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray,
+                    seq: int = 0) -> None:
+        """Overwrite the keys and values of held slots ``slots`` (int, any order) with k, v
+        float32 [n, Hkv, D] (merged slots, :mod:`pyimp.kv_merge`). A quantized side quantizes
+        each row into its block (K and token-layout V keep one row per token), or writes it to
+        the float tail when the slot is the tail block's; V stored by channel cannot (its
+        rows span 32 tokens): ValueError."""
+        slots = np.asarray(slots, dtype=np.int64)
+        if slots.size == 0:
+            return
+        n = int(self.n_slots[seq, layer])
+        if slots.min() < 0 or slots.max() >= n:
+            raise ValueError(f"layer {layer}: slots to overwrite must be in 0..{n - 1}")
+        B, D, Hkv = self.block_len, self.head_dim, self.n_head_kv
+        bt = self.tables[seq, layer]
+        for side, x in (("k", k), ("v", v)):
+            x = np.ascontiguousarray(x, dtype=np.float32)
+            store = (self.k_store if side == "k" else self.v_store)[layer]
+            if self._tail[side] is None:
+                half = store.dtype == np.float16
+                for i, sl in enumerate(slots):
+                    _store_float(x[i:i + 1], int(sl), bt,
+                                 store.view(np.uint16) if half else store, side == "k", half)
+                continue
+            if not self._by_token[side]:
+                raise ValueError("V stored by channel (v_layout='channel') cannot rewrite single "
+                                 "tokens: use v_layout='token' to merge tokens")
+            qt = QUANT_TYPES[self.type_k if side == "k" else self.type_v]
+            rows = quantize.quantize_rows(x.reshape(-1, D), qt).reshape(len(slots), Hkv, -1)
+            rb = rows.shape[2]
+            tb = int(self._tail_block[side][seq, layer])
+            tok_stride, ch_stride = (D, 1) if side == "k" else (1, B)
+            for i, sl in enumerate(slots):
+                pb, t = int(bt[sl // B]), int(sl % B)
+                if pb == tb:
+                    idx = t * tok_stride + np.arange(D) * ch_stride
+                    self._tail[side][seq, layer][:, idx] = x[i]
+                else:
+                    store[:, pb, t * rb:(t + 1) * rb] = rows[i]
 
     def _non_finite_message(self, layer: int, k: np.ndarray, v: np.ndarray) -> str:
         for name, x in (("key", k), ("value", v)):
@@ -514,6 +571,8 @@ class KVCache:
             raise ValueError(f"layer {layer}: slots to keep must be increasing, in 0..{n - 1}")
         if m == n:
             return
+        if self.lmul is not None:
+            extra = tuple(extra) + (self.lmul[layer],)
         dropped = np.setdiff1d(np.arange(n), keep)
         pos = self.slot_pos[seq, layer]
         self.max_evicted[seq, layer] = max(int(self.max_evicted[seq, layer]),
@@ -593,8 +652,7 @@ class KVCache:
             self.n_slots[seq, il] = int(np.searchsorted(self.slot_pos[seq, il, :s], n))
         if checkpoint is not None:
             for side, (tail, tb) in checkpoint.items():
-                self._tail[side][seq] = tail
-                self._tail_block[side][seq] = tb
+                self._restore_tail(side, seq, tail, tb)
             return
         B = self.block_len
         for side in ("k", "v"):
@@ -608,9 +666,17 @@ class KVCache:
                     continue
                 pb = int(self.tables[seq, layer][s // B])
                 if tb[layer] != pb:
-                    view = self.layer(side, layer, seq)
-                    self._tail[side][seq, layer] = view.blocks_f32([pb])[:, 0]
+                    self._refill_tail(side, layer, seq, pb)
                     tb[layer] = pb
+
+    def _restore_tail(self, side: str, seq: int, tail, tail_block: np.ndarray) -> None:
+        """Put back a side's float tails and tail blocks of every layer (a checkpoint's)."""
+        self._tail[side][seq] = tail
+        self._tail_block[side][seq] = tail_block
+
+    def _refill_tail(self, side: str, layer: int, seq: int, pb: int) -> None:
+        """The tail of a layer's side = the dequantized block pb (in the float layout)."""
+        self._tail[side][seq, layer] = self.layer(side, layer, seq).blocks_f32([pb])[:, 0]
 
     def rewinds_exactly(self, n: int, windows, seq: int = 0) -> bool:
         """Would :meth:`truncate` to ``n`` leave every layer holding what it needs to continue
