@@ -183,12 +183,10 @@ class Engine:
         from .cuda.kvcache import DeviceKVCache
         from .cuda.sparse_state import DeviceSparseState
         opts = self.options
-        if opts.v_layout != "token":
-            raise ValueError("device cuda keeps the V cache transposed in f16/f32; --v-layout "
-                             "applies to quantized V on the CPU only")
+        # quantized K/V on the device: V stored by token (the cache refuses v_layout="channel")
         self.cache = DeviceKVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim,
                                    self.n_ctx, block_len=opts.block_len, type_k=opts.type_k,
-                                   type_v=opts.type_v)
+                                   type_v=opts.type_v, v_layout=opts.v_layout)
         self.sparse = (DeviceSparseState(opts.sparse, self.cfg, self.cache)
                        if opts.sparse.active else None)
         self._gpu = DeviceForward(self)

@@ -2,9 +2,18 @@
 layout, block-sparse decode over a selection, and the importance updates they feed.
 
 Operands are device arrays in the CPU layouts (KVCACHE.md section 2): ``kc`` ``[Hkv][NB][B*D]``
-token-major and ``vc`` ``[Hkv][NB][D*B]`` transposed, float16 or float32; ``bt`` int32 logical ->
-physical block; ``importance`` float16 ``[NB][B][Hq]``; selections ``sel`` int32 ``[nsets, K]``,
-``cnt`` int32 ``[nsets]`` (query head h uses set ``h // (Hq // nsets)``).
+token-major and ``vc`` ``[Hkv][NB][D*B]`` transposed, float16 or float32, or either side a
+quantized layer (:class:`pyimp.cuda.kvblocks.DeviceQuantizedKV`: ggml blocks in the host's byte
+layout, V by token, and the float32 tail of the block being filled); K and V types may differ.
+``bt`` int32 logical -> physical block; ``importance`` float16 ``[NB][B][Hq]``; selections
+``sel`` int32 ``[nsets, K]``, ``cnt`` int32 ``[nsets]`` (query head h uses set
+``h // (Hq // nsets)``).
+
+Kernels read the cache only through the element readers of :mod:`pyimp.cuda.kvblocks` (one
+per storage format): a quantized block is decoded in the kernel where it is read (the tail
+block from the tail), so there is no dequantized copy of the cache and no scratch that grows
+with it. ``_attend`` and ``_prefill_mass`` are built once per pair of formats (K, V) they read
+(``_attend_kernel``, ``_prefill_mass_kernel``) and compiled at their first launch.
 
 Kernels (one thread block per work item, ``THREADS`` threads):
 
@@ -12,8 +21,8 @@ Kernels (one thread block per work item, ``THREADS`` threads):
   that share a set (as on the CPU); the unit's queries sit in shared memory. Per KV block of
   its share of the blocks: threads compute the scores of (head, token) pairs, a block-wide max
   and sum fold the block into the running (m, l) with the max-stabilized rule, then each thread
-  accumulates its (head, channel) outputs over the block's tokens, reading a contiguous row of
-  the transposed V. The split writes its partial (m, l, o) (flash-decoding); with ``store`` it
+  accumulates its (head, channel) outputs over the block's tokens (a contiguous row of the
+  transposed float V; neighbouring channels of each token of a quantized V). The split writes its partial (m, l, o) (flash-decoding); with ``store`` it
   also keeps exp(score - running max) per attended token and the running max per block.
   A row's blocks are either every block its causal / sliding-window mask leaves visible
   (dense, prefill) or the selection of its set (sparse decode).
@@ -30,12 +39,13 @@ Launches per call: decode 2 (+1 with importance), prefill 2 (+1 with importance)
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
 from numba import cuda, float32
 
-from . import device
+from . import device, kvblocks
 
 THREADS = 8 if device.SIMULATOR else 128
 MAX_UNIT_HEADS = 16      # query heads one work item serves (a GQA group at most)
@@ -48,116 +58,123 @@ NEG_INF = -math.inf
 # --------------------------------------------------------------------------
 
 
-@cuda.jit
-def _attend(q, kc, vc, bt, pos0, scale, window, sel, cnt, dense, nsplit, nh, m_part, l_part,
-            o_part, store, probs, bmax):
-    R, Hq, D = q.shape
-    Hkv = kc.shape[0]
-    B = kc.shape[2] // D
-    G = Hq // Hkv
-    hps = Hq // sel.shape[0]
-    units = Hq // nh
-    bid = cuda.blockIdx.x
-    sp = bid % nsplit
-    u = (bid // nsplit) % units
-    r = bid // (nsplit * units)
-    h0 = u * nh
-    kvh = h0 // G
-    si = h0 // hps
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    sc = float32(scale)
-    n_ctx = pos0 + r + 1
-    lo = 0
-    if window > 0:
-        lo = max(0, n_ctx - window)
-    lb_first = 0
-    if dense:
-        lb_first = lo // B
-        n_blocks = (n_ctx - 1) // B - lb_first + 1
-    else:
-        n_blocks = cnt[si]
-    per = (n_blocks + nsplit - 1) // nsplit
-    k_beg = sp * per
-    k_end = min(n_blocks, k_beg + per)
+@functools.cache
+def _attend_kernel(kfmt: str, vfmt: str):
+    """``_attend`` for K stored in format kfmt and V in vfmt (:mod:`pyimp.cuda.kvblocks`)."""
+    kget = kvblocks.readers(kfmt)[0]
+    vget = kvblocks.readers(vfmt)[1]
 
-    sh = cuda.shared.array(0, float32)
-    qs = sh[0:nh * D]
-    o = sh[nh * D:2 * nh * D]
-    s = sh[2 * nh * D:2 * nh * D + nh * B]
-    red = sh[2 * nh * D + nh * B:2 * nh * D + nh * B + nt]
-    m = cuda.local.array(MAX_UNIT_HEADS, float32)
-    l = cuda.local.array(MAX_UNIT_HEADS, float32)
-    alpha = cuda.local.array(MAX_UNIT_HEADS, float32)
-    for i in range(tid, nh * D, nt):
-        qs[i] = q[r, h0 + i // D, i % D]
-        o[i] = float32(0.0)
-    for g in range(nh):
-        m[g] = float32(NEG_INF)
-        l[g] = float32(0.0)
-    cuda.syncthreads()
-
-    for k in range(k_beg, k_end):
+    @cuda.jit
+    def _attend(q, kc, kt, ktb, vc, vt, vtb, B, bt, pos0, scale, window, sel, cnt, dense, nsplit,
+                nh, m_part, l_part, o_part, store, probs, bmax):
+        R, Hq, D = q.shape
+        Hkv = kc.shape[0]
+        G = Hq // Hkv
+        hps = Hq // sel.shape[0]
+        units = Hq // nh
+        bid = cuda.blockIdx.x
+        sp = bid % nsplit
+        u = (bid // nsplit) % units
+        r = bid // (nsplit * units)
+        h0 = u * nh
+        kvh = h0 // G
+        si = h0 // hps
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        sc = float32(scale)
+        n_ctx = pos0 + r + 1
+        lo = 0
+        if window > 0:
+            lo = max(0, n_ctx - window)
+        lb_first = 0
         if dense:
-            lb = lb_first + k
+            lb_first = lo // B
+            n_blocks = (n_ctx - 1) // B - lb_first + 1
         else:
-            lb = sel[si, k]
-        pb = bt[lb]
-        base = lb * B
-        t0 = max(lo - base, 0)
-        t1 = max(min(n_ctx - base, B), t0)      # a block the masks hide is an empty range
-        ntok = t1 - t0
-        # scores of (head, token) pairs
-        for i in range(tid, nh * ntok, nt):
-            g = i // ntok
-            t = t0 + i % ntok
-            acc = float32(0.0)
-            for d in range(D):
-                acc += qs[g * D + d] * float32(kc[kvh, pb, t * D + d])
-            s[g * B + t] = acc * sc
-        cuda.syncthreads()
-        # fold the block into each head's running (m, l)
-        for g in range(nh):
-            v = float32(NEG_INF)
-            for t in range(t0 + tid, t1, nt):
-                v = max(v, s[g * B + t])
-            bm = device.block_max(v, red)
-            a = float32(1.0)
-            if bm > m[g]:
-                a = float32(0.0)
-                if m[g] > NEG_INF:
-                    a = math.exp(m[g] - bm)
-                m[g] = bm
-            ls = float32(0.0)
-            for t in range(t0 + tid, t1, nt):
-                e = math.exp(s[g * B + t] - m[g])
-                s[g * B + t] = e
-                ls += e
-            l[g] = l[g] * a + device.block_sum(ls, red)
-            alpha[g] = a
-        # (block_sum ends with a barrier: every exp is visible)
+            n_blocks = cnt[si]
+        per = (n_blocks + nsplit - 1) // nsplit
+        k_beg = sp * per
+        k_end = min(n_blocks, k_beg + per)
+
+        sh = cuda.shared.array(0, float32)
+        qs = sh[0:nh * D]
+        o = sh[nh * D:2 * nh * D]
+        s = sh[2 * nh * D:2 * nh * D + nh * B]
+        red = sh[2 * nh * D + nh * B:2 * nh * D + nh * B + nt]
+        m = cuda.local.array(MAX_UNIT_HEADS, float32)
+        l = cuda.local.array(MAX_UNIT_HEADS, float32)
+        alpha = cuda.local.array(MAX_UNIT_HEADS, float32)
         for i in range(tid, nh * D, nt):
-            g = i // D
-            d = i % D
-            acc = float32(0.0)
-            for t in range(t0, t1):
-                acc += s[g * B + t] * float32(vc[kvh, pb, d * B + t])
-            o[i] = o[i] * alpha[g] + acc
-        if store:
+            qs[i] = q[r, h0 + i // D, i % D]
+            o[i] = float32(0.0)
+        for g in range(nh):
+            m[g] = float32(NEG_INF)
+            l[g] = float32(0.0)
+        cuda.syncthreads()
+
+        for k in range(k_beg, k_end):
+            if dense:
+                lb = lb_first + k
+            else:
+                lb = sel[si, k]
+            pb = bt[lb]
+            base = lb * B
+            t0 = max(lo - base, 0)
+            t1 = max(min(n_ctx - base, B), t0)      # a block the masks hide is an empty range
+            ntok = t1 - t0
+            # scores of (head, token) pairs
             for i in range(tid, nh * ntok, nt):
                 g = i // ntok
                 t = t0 + i % ntok
-                probs[h0 + g, k, t] = s[g * B + t]
-            if tid < nh:
-                bmax[h0 + tid, k] = m[tid]
-        cuda.syncthreads()                      # s is rewritten by the next block
+                acc = float32(0.0)
+                for d in range(D):
+                    acc += qs[g * D + d] * kget(kc, kt, ktb, kvh, pb, t * D + d)
+                s[g * B + t] = acc * sc
+            cuda.syncthreads()
+            # fold the block into each head's running (m, l)
+            for g in range(nh):
+                v = float32(NEG_INF)
+                for t in range(t0 + tid, t1, nt):
+                    v = max(v, s[g * B + t])
+                bm = device.block_max(v, red)
+                a = float32(1.0)
+                if bm > m[g]:
+                    a = float32(0.0)
+                    if m[g] > NEG_INF:
+                        a = math.exp(m[g] - bm)
+                    m[g] = bm
+                ls = float32(0.0)
+                for t in range(t0 + tid, t1, nt):
+                    e = math.exp(s[g * B + t] - m[g])
+                    s[g * B + t] = e
+                    ls += e
+                l[g] = l[g] * a + device.block_sum(ls, red)
+                alpha[g] = a
+            # (block_sum ends with a barrier: every exp is visible)
+            for i in range(tid, nh * D, nt):
+                g = i // D
+                d = i % D
+                acc = float32(0.0)
+                for t in range(t0, t1):
+                    acc += s[g * B + t] * vget(vc, vt, vtb, kvh, pb, t, d, B, D)
+                o[i] = o[i] * alpha[g] + acc
+            if store:
+                for i in range(tid, nh * ntok, nt):
+                    g = i // ntok
+                    t = t0 + i % ntok
+                    probs[h0 + g, k, t] = s[g * B + t]
+                if tid < nh:
+                    bmax[h0 + tid, k] = m[tid]
+            cuda.syncthreads()                      # s is rewritten by the next block
 
-    for i in range(tid, nh * D, nt):
-        o_part[r, h0 + i // D, sp, i % D] = o[i]
-    if tid < nh:
-        m_part[r, h0 + tid, sp] = m[tid]
-        l_part[r, h0 + tid, sp] = l[tid]
+        for i in range(tid, nh * D, nt):
+            o_part[r, h0 + i // D, sp, i % D] = o[i]
+        if tid < nh:
+            m_part[r, h0 + tid, sp] = m[tid]
+            l_part[r, h0 + tid, sp] = l[tid]
 
+
+    return _attend
 
 @cuda.jit
 def _merge(m_part, l_part, o_part, out, M, L):
@@ -265,46 +282,53 @@ def _decay_mass(importance, bt, sel, cnt, dense, lb_first, n_blocks, probs, bmax
         _store_mass(importance, pb, t, h, x)
 
 
-@cuda.jit
-def _prefill_mass(q, kc, bt, pos0, scale, window, M, L, r0, lbA, importance, decay):
-    """Work item = (kv head, key block lbA + j); threads over (token, head of the group)."""
-    T, Hq, D = q.shape
-    Hkv = kc.shape[0]
-    B = kc.shape[2] // D
-    G = Hq // Hkv
-    nkb = cuda.gridDim.x // Hkv
-    kvh = cuda.blockIdx.x // nkb
-    lb = lbA + cuda.blockIdx.x % nkb
-    pb = bt[lb]
-    base = lb * B
-    n = pos0 + T
-    p_lo = 0
-    if window > 0:
-        p_lo = max(0, pos0 + r0 - window + 1)
-    sc = float32(scale)
-    dec = float32(decay)
-    for i in range(cuda.threadIdx.x, B * G, cuda.blockDim.x):
-        t = i // G
-        h = kvh * G + i % G
-        p = base + t
-        if p >= n:
-            continue
-        x = float32(importance[pb, t, h])
-        if decay != 1.0:
-            x = dec * x
-        elif p < p_lo:
-            continue
-        if p >= p_lo:
-            acc = float32(0.0)
-            for r in range(r0, T):
-                pq = pos0 + r
-                if p <= pq and (window <= 0 or pq - p < window):
-                    dot = float32(0.0)
-                    for d in range(D):
-                        dot += q[r, h, d] * float32(kc[kvh, pb, t * D + d])
-                    acc += math.exp(dot * sc - M[r, h]) * (float32(1.0) / L[r, h])
-            x += acc
-        _store_mass(importance, pb, t, h, x)
+@functools.cache
+def _prefill_mass_kernel(kfmt: str):
+    """``_prefill_mass`` for K stored in format kfmt."""
+    kget = kvblocks.readers(kfmt)[0]
+
+    @cuda.jit
+    def _prefill_mass(q, kc, kt, ktb, B, bt, pos0, scale, window, M, L, r0, lbA, importance,
+                      decay):
+        """Work item = (kv head, key block lbA + j); threads over (token, head of the group)."""
+        T, Hq, D = q.shape
+        Hkv = kc.shape[0]
+        G = Hq // Hkv
+        nkb = cuda.gridDim.x // Hkv
+        kvh = cuda.blockIdx.x // nkb
+        lb = lbA + cuda.blockIdx.x % nkb
+        pb = bt[lb]
+        base = lb * B
+        n = pos0 + T
+        p_lo = 0
+        if window > 0:
+            p_lo = max(0, pos0 + r0 - window + 1)
+        sc = float32(scale)
+        dec = float32(decay)
+        for i in range(cuda.threadIdx.x, B * G, cuda.blockDim.x):
+            t = i // G
+            h = kvh * G + i % G
+            p = base + t
+            if p >= n:
+                continue
+            x = float32(importance[pb, t, h])
+            if decay != 1.0:
+                x = dec * x
+            elif p < p_lo:
+                continue
+            if p >= p_lo:
+                acc = float32(0.0)
+                for r in range(r0, T):
+                    pq = pos0 + r
+                    if p <= pq and (window <= 0 or pq - p < window):
+                        dot = float32(0.0)
+                        for d in range(D):
+                            dot += q[r, h, d] * kget(kc, kt, ktb, kvh, pb, t * D + d)
+                        acc += math.exp(dot * sc - M[r, h]) * (float32(1.0) / L[r, h])
+                x += acc
+            _store_mass(importance, pb, t, h, x)
+
+    return _prefill_mass
 
 
 # --------------------------------------------------------------------------
@@ -332,16 +356,29 @@ def default_splits(n_blocks: int, units: int, min_blocks: int = 4, target: int =
 
 
 def _check(q, kc, vc, bt):
-    if q.ndim != 3 or kc.ndim != 3 or vc.ndim != 3:
+    """(R, Hq, D, Hkv, B) of an attention call; kc / vc: float device arrays or
+    :class:`pyimp.cuda.kvblocks.DeviceQuantizedKV` layers (shape: the float layout's)."""
+    ks, vs = tuple(int(x) for x in kc.shape), tuple(int(x) for x in vc.shape)
+    if len(q.shape) != 3 or len(ks) != 3 or len(vs) != 3:
         raise ValueError("q must be [R, Hq, D] and the caches [Hkv][NB][B*D] / [Hkv][NB][D*B]")
-    R, Hq, D = q.shape
-    Hkv, NB, BD = kc.shape
-    if vc.shape != kc.shape:
-        raise ValueError(f"v cache shape {vc.shape} differs from the k cache's {kc.shape}")
+    R, Hq, D = (int(x) for x in q.shape)
+    Hkv, NB, BD = ks
+    if vs != ks:
+        raise ValueError(f"v cache shape {vs} differs from the k cache's {ks}")
     if Hq % Hkv or BD % D:
         raise ValueError(f"query heads {Hq} / kv heads {Hkv} / head dim {D} do not fit "
                          f"the cache rows of {BD}")
+    for name, c in (("k", kc), ("v", vc)):
+        if isinstance(c, kvblocks.DeviceQuantizedKV) and c.head_dim != D:
+            raise ValueError(f"{name} cache is quantized for head dim {c.head_dim}, q has {D}")
     return R, Hq, D, Hkv, BD // D
+
+
+def _operands(kc, vc, scratch):
+    """The attention kernel of the two sides' formats and its cache arguments."""
+    ph = scratch.get("tail0", (1, 1), np.float32)
+    kern = _attend_kernel(kvblocks.fmt_of(kc), kvblocks.fmt_of(vc))
+    return kern, kvblocks.operand(kc, ph) + kvblocks.operand(vc, ph)
 
 
 class Scratch:
@@ -398,7 +435,8 @@ def decode(q, kc, vc, bt, n_ctx: int, scale: float, window: int, out, sel=None, 
     M = scratch.get("M", (1, Hq), np.float32)
     L = scratch.get("L", (1, Hq), np.float32)
     nt = THREADS
-    device.launch(_attend, units * nsplit, nt, q, kc, vc, bt, np.int32(n_ctx - 1),
+    attend, kv = _operands(kc, vc, scratch)
+    device.launch(attend, units * nsplit, nt, q, *kv, np.int32(B), bt, np.int32(n_ctx - 1),
                   np.float32(scale), np.int32(window), sel, cnt, dense, np.int32(nsplit),
                   np.int32(nh), m_part, l_part, o_part, store, probs, bmax,
                   shared=_shared_bytes(nh, D, B, nt))
@@ -435,7 +473,8 @@ def prefill(q, kc, vc, bt, pos0: int, scale: float, window: int, out, importance
     dummy_p = scratch.get("p0", (1, 1, 1), np.float32)
     dummy_b = scratch.get("bm0", (1, 1), np.float32)
     nt = THREADS
-    device.launch(_attend, T * units, nt, q, kc, vc, bt, np.int32(pos0), np.float32(scale),
+    attend, kv = _operands(kc, vc, scratch)
+    device.launch(attend, T * units, nt, q, *kv, np.int32(B), bt, np.int32(pos0), np.float32(scale),
                   np.int32(window), dummy_sel, dummy_cnt, True, np.int32(1), np.int32(nh),
                   m_part, l_part, o_part, False, dummy_p, dummy_b,
                   shared=_shared_bytes(nh, D, B, nt))
@@ -447,7 +486,7 @@ def prefill(q, kc, vc, bt, pos0: int, scale: float, window: int, out, importance
         p_lo = 0 if window <= 0 else max(0, pos0 + r0 - window + 1)
         lbA = 0 if decay != 1.0 else p_lo // B
         nkb = -(-n // B) - lbA
-        device.launch(_prefill_mass, Hkv * nkb, nt, q, kc, bt, np.int32(pos0), np.float32(scale),
-                      np.int32(window), M, L, np.int32(r0), np.int32(lbA), importance,
-                      np.float32(decay))
+        device.launch(_prefill_mass_kernel(kvblocks.fmt_of(kc)), Hkv * nkb, nt, q, *kv[:3],
+                      np.int32(B), bt, np.int32(pos0), np.float32(scale), np.int32(window), M, L,
+                      np.int32(r0), np.int32(lbA), importance, np.float32(decay))
     return M, L

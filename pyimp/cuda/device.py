@@ -93,6 +93,16 @@ def zeros(shape, dtype):
     return cuda.to_device(np.zeros(shape, dtype))
 
 
+def copy(d):
+    """A new device array holding what device array d holds (a device-to-device copy; a host
+    copy under :func:`compile_only`)."""
+    if isinstance(d, np.ndarray):
+        return d.copy()
+    out = cuda.device_array(d.shape, d.dtype)
+    out.copy_to_device(d)
+    return out
+
+
 def to_host(d) -> np.ndarray:
     """A host copy of a device array (a host array is returned as is)."""
     return d if isinstance(d, np.ndarray) else d.copy_to_host()

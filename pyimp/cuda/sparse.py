@@ -1,7 +1,8 @@
 """CUDA twins of :mod:`pyimp.sparse`: anchors, block scoring, block selection, importance decay.
 
 Operands are device arrays in the CPU layouts (KVCACHE.md section 2): ``k_cache`` one layer
-``[Hkv][NB][B*D]`` token-major, float16 or float32; ``anchor`` float16 ``[NB][A][Ha][D]``
+``[Hkv][NB][B*D]`` token-major, float16 or float32, or a quantized K layer
+(:class:`pyimp.cuda.kvblocks.DeviceQuantizedKV`); ``anchor`` float16 ``[NB][A][Ha][D]``
 (``Ha = Hkv`` or ``Hq`` for the group-shared types, ``Hq`` for DYNAMIC); ``importance``
 float16 ``[NB][B][Hq]``; ``block_table`` int32 logical -> physical; query ``q`` float32
 ``[Hq, D]``; selections ``sel`` int32 ``[nsets, K]`` and ``cnt`` int32 ``[nsets]`` in the
@@ -9,6 +10,11 @@ CPU format (:mod:`pyimp.sparse.retrieval`). Host NumPy arrays are accepted for t
 integer operands (``blocks``, ``n_valid``, ``block_table``); they are copied to the device.
 
 Kernels (``THREADS`` threads per block unless said otherwise):
+
+The anchor kernels read keys through the K reader of :mod:`pyimp.cuda.kvblocks` (built once per
+storage format, ``_anchor_kernels``): a quantized layer's anchors are those of its dequantized
+keys (the tail block's from the float tail), decoded where they are read, which is what the
+CPU computes from ``QuantizedKV.blocks_f32``.
 
 - ``_anchor_kernel``: grid ``(n, Hkv)``, one thread block per (listed block, kv head);
   ``anchor_threads(D)`` threads stride over the D channels, each runs over the block's valid
@@ -47,7 +53,7 @@ Launches: ``compute_anchors`` 1, ``set_scores`` 1, ``select_blocks`` 1, ``retrie
 (1 when the context is attended densely), ``decay_importance`` 1 (0 when decay == 1).
 
 Differences from the CPU path: anchors are float16 only (the CPU also takes float32 anchor
-buffers) and quantized K layers are not read; the block ids a device array holds are not
+buffers); the block ids a device array holds are not
 range-checked (host arrays are); set scores are summed per head in channel order, then over
 the set's heads in float32 (the CPU's numba path sums compressed queries, its reference sums
 heads in float64): equal up to float32 rounding, so a near-tie may rank differently than the
@@ -55,6 +61,7 @@ CPU ranks its own scores; given the same scores, the selection is identical.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -65,7 +72,7 @@ from pyimp.sparse.anchors import AnchorType, anchor_slots, group_shared
 from pyimp.sparse.retrieval import (RetrievalType, _check_budget, check_anchor_heads,
                                     n_candidates, n_sets, recent_blocks)
 
-from . import device
+from . import device, kvblocks
 
 THREADS = 32 if device.SIMULATOR else 128          # scoring, decay
 SELECT_THREADS = 32 if device.SIMULATOR else 256   # selection (one block per set)
@@ -145,104 +152,110 @@ def _sampled(t, A, B):
     return a < A and (a * B) // A == t
 
 
-@cuda.jit
-def _anchor_kernel(kind, k_cache, blocks, n_valid, anchor):
-    _, A, Ha, D = anchor.shape
-    Hkv = k_cache.shape[0]
-    B = k_cache.shape[2] // D
-    rep = Ha // Hkv
-    i = cuda.blockIdx.x
-    kvh = cuda.blockIdx.y
-    pb = blocks[i]
-    nv = n_valid[i]
-    for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
-        if kind == _MEAN or kind == _FIXED:
-            acc = float32(0.0)
-            ns = 0
-            for t in range(nv):
-                if kind == _MEAN or _sampled(t, A, B):
-                    acc += float32(k_cache[kvh, pb, t * D + d])
-                    ns += 1
-            v0 = acc / float32(max(ns, 1))
-            v1 = v0
-        elif kind == _MAX:
-            mx = _NEG_INF
-            for t in range(nv):
-                mx = max(mx, float32(k_cache[kvh, pb, t * D + d]))
-            v0 = mx
-            v1 = mx
-        else:                                   # QUEST, CUBOID_MEAN: ordered two-slot boxes
-            hi = _NEG_INF
-            lo = -_NEG_INF
-            for t in range(nv):
-                x = float32(k_cache[kvh, pb, t * D + d])
-                hi = max(hi, x)
-                lo = min(lo, x)
-            if kind == _QUEST:
-                v0 = _f16_up(hi)
-                v1 = _f16_down(lo)
-            else:
-                c = (hi + lo) * float32(0.5)
-                r = float32(0.0)
+@functools.cache
+def _anchor_kernels(kfmt: str):
+    """(_anchor_kernel, _dynamic_kernel) reading K stored in format kfmt
+    (:mod:`pyimp.cuda.kvblocks`)."""
+    kget = kvblocks.readers(kfmt)[0]
+
+    @cuda.jit
+    def _anchor_kernel(kind, k_cache, kt, ktb, B, blocks, n_valid, anchor):
+        _, A, Ha, D = anchor.shape
+        Hkv = k_cache.shape[0]
+        rep = Ha // Hkv
+        i = cuda.blockIdx.x
+        kvh = cuda.blockIdx.y
+        pb = blocks[i]
+        nv = n_valid[i]
+        for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
+            if kind == _MEAN or kind == _FIXED:
+                acc = float32(0.0)
+                ns = 0
                 for t in range(nv):
-                    r += abs(float32(k_cache[kvh, pb, t * D + d]) - c)
-                r = r / float32(max(nv, 1))
-                v0 = _f16_up(c + r)
-                v1 = _f16_down(c - r)
-        for a in range(A):
-            v = v1 if a == 1 else v0
-            for g in range(rep):
-                anchor[pb, a, kvh * rep + g, d] = v
+                    if kind == _MEAN or _sampled(t, A, B):
+                        acc += kget(k_cache, kt, ktb, kvh, pb, t * D + d)
+                        ns += 1
+                v0 = acc / float32(max(ns, 1))
+                v1 = v0
+            elif kind == _MAX:
+                mx = _NEG_INF
+                for t in range(nv):
+                    mx = max(mx, kget(k_cache, kt, ktb, kvh, pb, t * D + d))
+                v0 = mx
+                v1 = mx
+            else:                                   # QUEST, CUBOID_MEAN: ordered two-slot boxes
+                hi = _NEG_INF
+                lo = -_NEG_INF
+                for t in range(nv):
+                    x = kget(k_cache, kt, ktb, kvh, pb, t * D + d)
+                    hi = max(hi, x)
+                    lo = min(lo, x)
+                if kind == _QUEST:
+                    v0 = _f16_up(hi)
+                    v1 = _f16_down(lo)
+                else:
+                    c = (hi + lo) * float32(0.5)
+                    r = float32(0.0)
+                    for t in range(nv):
+                        r += abs(kget(k_cache, kt, ktb, kvh, pb, t * D + d) - c)
+                    r = r / float32(max(nv, 1))
+                    v0 = _f16_up(c + r)
+                    v1 = _f16_down(c - r)
+            for a in range(A):
+                v = v1 if a == 1 else v0
+                for g in range(rep):
+                    anchor[pb, a, kvh * rep + g, d] = v
 
-
-@cuda.jit
-def _dynamic_kernel(k_cache, blocks, n_valid, importance, anchor):
-    _, A, Hq, D = anchor.shape
-    Hkv = k_cache.shape[0]
-    B = importance.shape[1]
-    G = Hq // Hkv
-    i = cuda.blockIdx.x
-    h = cuda.blockIdx.y
-    kvh = h // G
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    pb = blocks[i]
-    nv = n_valid[i]
-    imp = cuda.shared.array(MAX_BLOCK_LEN, float32)
-    take = cuda.shared.array(MAX_BLOCK_LEN, int32)
-    for t in range(tid, nv, nt):
-        imp[t] = float32(importance[pb, t, h])
-    cuda.syncthreads()
-    # rank of token t in the CPU's stable sort of -importance over the whole block (invalid
-    # tokens sort as -inf importance, after every valid non-NaN one; NaN sorts last)
-    for t in range(tid, nv, nt):
-        x = imp[t]
-        xnan = math.isnan(x)
-        r = 0
-        if xnan:
-            r = B - nv
-        for u in range(nv):
-            if r >= A:
-                break
-            y = imp[u]
-            ynan = math.isnan(y)
+    @cuda.jit
+    def _dynamic_kernel(k_cache, kt, ktb, blocks, n_valid, importance, anchor):
+        _, A, Hq, D = anchor.shape
+        Hkv = k_cache.shape[0]
+        B = importance.shape[1]
+        G = Hq // Hkv
+        i = cuda.blockIdx.x
+        h = cuda.blockIdx.y
+        kvh = h // G
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        pb = blocks[i]
+        nv = n_valid[i]
+        imp = cuda.shared.array(MAX_BLOCK_LEN, float32)
+        take = cuda.shared.array(MAX_BLOCK_LEN, int32)
+        for t in range(tid, nv, nt):
+            imp[t] = float32(importance[pb, t, h])
+        cuda.syncthreads()
+        # rank of token t in the CPU's stable sort of -importance over the whole block (invalid
+        # tokens sort as -inf importance, after every valid non-NaN one; NaN sorts last)
+        for t in range(tid, nv, nt):
+            x = imp[t]
+            xnan = math.isnan(x)
+            r = 0
             if xnan:
-                ahead = (not ynan) or u < t
-            elif ynan:
-                ahead = False
-            else:
-                ahead = y > x or (y == x and u < t)
-            if ahead:
-                r += 1
-        take[t] = 1 if r < A else 0
-    cuda.syncthreads()
-    for d in range(tid, D, nt):
-        acc = float32(0.0)
-        for t in range(nv):
-            if take[t] != 0:
-                acc += float32(k_cache[kvh, pb, t * D + d])
-        for a in range(A):
-            anchor[pb, a, h, d] = acc
+                r = B - nv
+            for u in range(nv):
+                if r >= A:
+                    break
+                y = imp[u]
+                ynan = math.isnan(y)
+                if xnan:
+                    ahead = (not ynan) or u < t
+                elif ynan:
+                    ahead = False
+                else:
+                    ahead = y > x or (y == x and u < t)
+                if ahead:
+                    r += 1
+            take[t] = 1 if r < A else 0
+        cuda.syncthreads()
+        for d in range(tid, D, nt):
+            acc = float32(0.0)
+            for t in range(nv):
+                if take[t] != 0:
+                    acc += kget(k_cache, kt, ktb, kvh, pb, t * D + d)
+            for a in range(A):
+                anchor[pb, a, h, d] = acc
+
+    return _anchor_kernel, _dynamic_kernel
 
 
 # --------------------------------------------------------------------------
@@ -506,18 +519,37 @@ def _ids(name: str, a, n: int | None = None):
     return None, a
 
 
+_PLACEHOLDER: dict = {}
+
+
+def _placeholder():
+    """The [1, 1] float32 tail a float K layer passes (one per mode: device, or host arrays
+    under compile_only)."""
+    key = device.compiling()
+    if key not in _PLACEHOLDER:
+        _PLACEHOLDER[key] = device.zeros((1, 1), np.float32)
+    return _PLACEHOLDER[key]
+
+
 def compute_anchors(anchor_type: AnchorType, k_cache, blocks, n_valid, anchor,
                     importance=None) -> None:
     """(Re)compute the anchors of the given physical blocks, in place (twin of
     :func:`pyimp.sparse.anchors.compute_anchors`).
 
-    k_cache: float16/float32 ``[Hkv][NB][B*D]``; blocks: int32 ``[n]`` distinct physical ids;
+    k_cache: float16/float32 ``[Hkv][NB][B*D]``, or a quantized K layer
+    (:class:`pyimp.cuda.kvblocks.DeviceQuantizedKV`: anchors of the dequantized keys, the tail
+    block's from the float tail, as the CPU computes them); blocks: int32 ``[n]`` distinct physical ids;
     n_valid: int32 ``[n]`` valid tokens per block (0..B); anchor: float16 ``[NB][A][Ha][D]``;
     importance: float16 ``[NB][B][Hq]`` (DYNAMIC only). Bad shapes raise ValueError naming the
     argument (block ids and counts are range-checked when they come as host arrays).
     """
     anchor_type = AnchorType(anchor_type)
-    Hkv, NB, BD = _arr("k_cache", k_cache, (np.float16, np.float32), 3, "[Hkv][NB][B*D]")
+    if isinstance(k_cache, kvblocks.DeviceQuantizedKV):
+        if k_cache.side != "k":
+            raise ValueError("k_cache must be a K layer, got a quantized V layer")
+        Hkv, NB, BD = k_cache.shape
+    else:
+        Hkv, NB, BD = _arr("k_cache", k_cache, (np.float16, np.float32), 3, "[Hkv][NB][B*D]")
     NBa, A, Ha, D = _arr("anchor", anchor, (np.float16,), 4, "[NB][A][Ha][D]")
     if NBa != NB or D == 0 or BD % D:
         raise ValueError(f"anchor of shape {(NBa, A, Ha, D)} does not fit k_cache of shape "
@@ -534,6 +566,8 @@ def compute_anchors(anchor_type: AnchorType, k_cache, blocks, n_valid, anchor,
                          f"{hv.tolist()}")
     if anchor_type in (AnchorType.QUEST, AnchorType.CUBOID_MEAN) and A < 2:
         raise ValueError(f"{anchor_type.name} anchors need anchor_num >= 2, got {A}")
+    anchor_kernel, dynamic_kernel = _anchor_kernels(kvblocks.fmt_of(k_cache))
+    kop = kvblocks.operand(k_cache, _placeholder())
     if anchor_type is AnchorType.DYNAMIC:
         if importance is None:
             raise ValueError("DYNAMIC anchors need the importance matrix")
@@ -548,15 +582,15 @@ def compute_anchors(anchor_type: AnchorType, k_cache, blocks, n_valid, anchor,
             raise ValueError(f"k_cache has block length {B}: DYNAMIC anchors support up to "
                              f"{MAX_BLOCK_LEN}")
         if n:
-            device.launch(_dynamic_kernel, (n, Hq), anchor_threads(max(D, B)), k_cache, blocks,
+            device.launch(dynamic_kernel, (n, Hq), anchor_threads(max(D, B)), *kop, blocks,
                           n_valid, importance, anchor)
         return
     if Ha % Hkv:
         raise ValueError(f"anchor has {Ha} heads: {anchor_type.name} anchors are stored per kv "
                          f"head ({Hkv}) or per query head (a multiple of {Hkv})")
     if n:
-        device.launch(_anchor_kernel, (n, Hkv), anchor_threads(D), np.int32(_KIND[anchor_type]),
-                      k_cache, blocks, n_valid, anchor)
+        device.launch(anchor_kernel, (n, Hkv), anchor_threads(D), np.int32(_KIND[anchor_type]),
+                      *kop, np.int32(B), blocks, n_valid, anchor)
 
 
 def _check_q_anchor(q, anchor, G: int, shared: bool) -> tuple:
