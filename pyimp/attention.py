@@ -34,7 +34,7 @@ from pyimp import attn_kernels as K
 from pyimp.kvcache import as_float
 from pyimp.sparse import checks
 from pyimp.sparse.importance import fp16_lut, importance_update, kernel_view
-from pyimp.sparse.sparse_attention import check_args, decode_over_blocks, every_block
+from pyimp.sparse.sparse_attention import check_args, decode_over_blocks, every_block, no_bias
 
 PREFILL_TILE = 16  # query rows sharing one pass over the keys
 # prompt chunks whose rows see this many slots on average take the tiled prefill (matrix
@@ -87,8 +87,16 @@ def slot_window(positions, n: int, window: int) -> int:
     return n - int(first_visible(positions, n - 1, 1, window)[0])
 
 
+def slot_bias(bias, block_table: np.ndarray, n: int, block_len: int) -> np.ndarray:
+    """The per-slot score bias of slots 0..n-1, float32 [n] (zeros when ``bias`` is None)."""
+    if bias is None:
+        return np.zeros(n, np.float32)
+    s = np.arange(n)
+    return bias[block_table[s // block_len], s % block_len].astype(np.float32)
+
+
 def attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window, out,
-                          importance=None, obs_start=0, decay=1.0, positions=None):
+                          importance=None, obs_start=0, decay=1.0, positions=None, bias=None):
     """NumPy reference of :func:`attention_prefill` (float32 throughout)."""
     k_cache, v_cache = as_float(k_cache), as_float(v_cache)
     T, Hq, D = q.shape
@@ -104,8 +112,9 @@ def attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window,
     obs = pq >= obs_start
     new = np.zeros((Hq, n), np.float32)
     lse = np.empty((T, Hq), np.float32)
+    sb = slot_bias(bias, block_table, n, k_cache.shape[2] // D)
     for h in range(Hq):
-        s = (q[:, h, :].astype(np.float32) @ K[h // G].T) * np.float32(scale)  # [T, n]
+        s = (q[:, h, :].astype(np.float32) @ K[h // G].T) * np.float32(scale) + sb  # [T, n]
         s = np.where(mask, s, np.float32(-np.inf))
         m = s.max(axis=1, keepdims=True)
         e = np.exp(s - m)
@@ -120,11 +129,11 @@ def attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window,
 
 
 def attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, window, out,
-                         importance=None, decay=1.0):
+                         importance=None, decay=1.0, bias=None):
     """NumPy reference of :func:`attention_decode`."""
     o = np.empty((1,) + q.shape, np.float32)
     lse = attention_prefill_ref(q[None], k_cache, v_cache, block_table, n_ctx - 1, scale, window,
-                                o, importance, 0, decay)
+                                o, importance, 0, decay, bias=bias)
     out[...] = o[0]
     return lse[0]
 
@@ -138,7 +147,8 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                       block_table: np.ndarray, pos0: int, scale: float, window: int,
                       out: np.ndarray, importance: np.ndarray | None = None, obs_start: int = 0,
                       decay: float = 1.0, backend: str = "numba",
-                      positions: np.ndarray | None = None) -> np.ndarray:
+                      positions: np.ndarray | None = None,
+                      bias: np.ndarray | None = None) -> np.ndarray:
     """Causal (optionally sliding-window) attention of a prompt chunk over the cache.
 
     q: float32 [T, Hq, D], row i in slot pos0 + i; the chunk's K/V must already be
@@ -150,15 +160,17 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     summed per key and added (old*decay + new, see pyimp.sparse.importance).
     For an observation window of the last W prompt rows pass
     ``obs_start = max(0, prompt_len - W)`` (a position) to every chunk of that prompt
-    (``obs_start=0``: every row counts). Returns float32 [T, Hq] log-sum-exp.
+    (``obs_start=0``: every row counts). ``bias``: float32 [NB][B] added to the score of the
+    key in each physical slot (merged slots' log-multiplicity, :mod:`pyimp.kv_merge`), or
+    None. Returns float32 [T, Hq] log-sum-exp.
     """
     check_args(q, k_cache, v_cache, block_table, None, window, out, importance, pos0=pos0,
-               decay=decay)
+               decay=decay, bias=bias)
     if positions is not None:
         checks.positions(positions, int(pos0) + q.shape[0])
     if backend == "numpy":
         return attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window, out,
-                                     importance, obs_start, decay, positions)
+                                     importance, obs_start, decay, positions, bias)
     q = np.ascontiguousarray(q, dtype=np.float32)
     T, Hq, D = q.shape
     kc, vc = kernel_view(k_cache), kernel_view(v_cache)
@@ -166,24 +178,26 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     row_m = np.empty((T, Hq), np.float32)
     row_l = np.empty((T, Hq), np.float32)
     rlo = first_visible(positions, int(pos0), T, int(window))
+    B = k_cache.shape[2] // D
+    kbias = no_bias(B) if bias is None else bias
     if float(np.mean(int(pos0) + 1 + np.arange(T) - rlo)) >= TILED_MIN_KEYS:
         _prefill_tiled(q, kc, vc, block_table, int(pos0), float(scale), rlo, lut, out, row_m,
-                       row_l, k_cache.shape[2] // D)
+                       row_l, B, bias)
     else:
         K.prefill(q, kc, vc, block_table, int(pos0), float(scale), rlo, lut, PREFILL_TILE,
-                  out, row_m, row_l)
+                  out, row_m, row_l, kbias)
     p_row0 = int(pos0) if positions is None else int(positions[pos0])
     r0 = max(0, int(obs_start) - p_row0)
     if importance is not None and r0 < T:
         n = pos0 + T
         new = np.empty((Hq, n), np.float32)
         K.prefill_mass(q, kc, block_table, int(pos0), float(scale), rlo, lut, row_m,
-                       row_l, r0, new)
+                       row_l, r0, new, kbias)
         importance_update(importance, block_table, new, int(rlo[r0]), decay)
     return row_m + np.log(row_l)
 
 
-def _prefill_tiled(q, kc, vc, bt, s0, scale, rlo, lut, out, row_m, row_l, B) -> None:
+def _prefill_tiled(q, kc, vc, bt, s0, scale, rlo, lut, out, row_m, row_l, B, bias=None) -> None:
     """The prefill of :func:`pyimp.attn_kernels.prefill` (same arguments and outputs) as
     online softmax over tiles: per kv head and chunk of ``ROW_CHUNK`` query rows, the slots
     those rows see are gathered ``KEY_CHUNK`` at a time as float32
@@ -192,7 +206,7 @@ def _prefill_tiled(q, kc, vc, bt, s0, scale, rlo, lut, out, row_m, row_l, B) -> 
     ``o = o e^(m - m') + e^(S - m') V`` are two matrix products (BLAS), the softmax between them
     NumPy passes. Scratch is bounded by the chunk sizes, not the context. Row i (slot s0 + i)
     sees slots rlo[i] .. s0 + i; kc, vc are the kernels' views of the cache (arrays or a
-    quantized layer's tuple), B its block length."""
+    quantized layer's tuple), B its block length, ``bias`` the per-slot score bias or None."""
     T, Hq, D = q.shape
     Hkv = (kc[0] if isinstance(kc, tuple) else kc).shape[0]
     G = Hq // Hkv
@@ -216,6 +230,9 @@ def _prefill_tiled(q, kc, vc, bt, s0, scale, rlo, lut, out, row_m, row_l, B) -> 
                 nk = c1 - c0
                 K.gather_tile(kc, vc, bt, kvh, c0, c1, D, lut, Kt, Vt)
                 S = Qr @ Kt[:nk].T                                      # [(r1-r0)*G, nk]
+                if bias is not None:
+                    sl = np.arange(c0, c1)
+                    S += bias[bt[sl // B], sl % B][None, :]
                 if c1 - 1 > rows[r0] or rlo[r1 - 1] > c0:   # the causal or the window edge
                     slot = np.arange(c0, c1)
                     hide = (slot[None, :] > rows[r0:r1, None]) | (slot[None, :] < rlo[r0:r1, None])
@@ -237,19 +254,21 @@ def _prefill_tiled(q, kc, vc, bt, s0, scale, rlo, lut, out, row_m, row_l, B) -> 
 def attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                      block_table: np.ndarray, n_ctx: int, scale: float, window: int,
                      out: np.ndarray, importance: np.ndarray | None = None, decay: float = 1.0,
-                     nsplit: int | None = None, backend: str = "numba") -> np.ndarray:
+                     nsplit: int | None = None, backend: str = "numba",
+                     bias: np.ndarray | None = None) -> np.ndarray:
     """Attention of one query (position n_ctx - 1) over the cached positions 0..n_ctx-1.
 
     q: float32 [Hq, D]; out: float32 [Hq, D], written. importance (float16
     [NB][B][Hq] or None) receives this step's probabilities. nsplit: block
     splits per kv head (None: enough to keep every thread busy).
-    Returns float32 [Hq] log-sum-exp.
+    splits per kv head (None: enough to keep every thread busy). ``bias``: as
+    :func:`attention_prefill`. Returns float32 [Hq] log-sum-exp.
     """
     check_args(q, k_cache, v_cache, block_table, n_ctx, window, out, importance, nsplit=nsplit,
-               decay=decay)
+               decay=decay, bias=bias)
     if backend == "numpy":
         return attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, window, out,
-                                    importance, decay)
+                                    importance, decay, bias)
     sel, cnt = every_block(n_ctx, k_cache.shape[2] // q.shape[1], window)
     return decode_over_blocks(q, k_cache, v_cache, block_table, n_ctx, scale, window, sel, cnt,
-                              out, importance, decay, nsplit, min_blocks=8)
+                              out, importance, decay, nsplit, min_blocks=8, bias=bias)

@@ -271,15 +271,19 @@ def dot(a, b, n):
 
 
 @jit.njit(fastmath=FM)
-def attend_block(qh, kb, vb, t0, t1, D, B, sc, s, o, m, l, j, vtok):
+def attend_block(qh, kb, vb, t0, t1, D, B, sc, s, o, m, l, j, vtok, br):
     """Fold tokens [t0, t1) of a loaded block into partial j (m[j], l[j], o [D]) of query qh;
-    ``vtok``: vb is token-major (see :func:`load_values`).
+    ``vtok``: vb is token-major (see :func:`load_values`); ``br``: the block's per-slot score
+    bias (float32 [B], the log-multiplicity of merged slots) or an empty array (none).
 
     Leaves ``exp(score - m[j])`` of token t in s[t] (s: float32 [B] scratch).
     """
     bm = np.float32(-np.inf)
+    hasb = br.size > 0
     for t in range(t0, t1):
         x = dot(qh, kb[t * D:(t + 1) * D], D) * sc
+        if hasb:
+            x += br[t]
         s[t] = x
         if x > bm:
             bm = x
@@ -347,13 +351,15 @@ def merge_splits(m_part, l_part, o_part, out, lse, M, L):
 
 @jit.njit(parallel=True, fastmath=FM)
 def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, out, lse, store,
-                  probs):
+                  probs, bias):
     """Decode attention of q [Hq, D] (position n_ctx - 1) over the logical blocks sel[si, :cnt[si]]
     of head set si (query head h uses set ``h // (Hq // nsets)``); blocks of a set are distinct.
 
     Work item = (unit, split of its blocks); a unit is the query heads of one kv head that share
     a set (G heads with one set per kv head or fewer, one head per set otherwise). With ``store``,
     probs [Hq, K, B] receives P of token t of the k-th block of h's set (0 outside the masks).
+    ``bias``: float32 [NB][B] added to the score of the token in each physical slot (merged
+    slots' log-multiplicity, :mod:`pyimp.kv_merge`), or shape (0, B): none.
     """
     Hq, D = q.shape
     Hkv, _, BD = kv_dims(kc)
@@ -365,6 +371,8 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
     sc = np.float32(scale)
     Kw = sel.shape[1]
     vtok = values_by_token(vc)
+    hasb = bias.shape[0] > 0
+    nob = np.zeros(0, np.float32)
     m_part = np.full((Hq, nsplit), -np.inf, np.float32)
     l_part = np.zeros((Hq, nsplit), np.float32)
     o_part = np.zeros((Hq, nsplit, D), np.float32)
@@ -391,8 +399,9 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
             t1 = max(min(n_ctx - base, B), t0)  # a fully masked block is an empty range
             load_keys(kc, kvh, bt[sel[si, k]], t0, t1, D, kb, lut)
             load_values(vc, kvh, bt[sel[si, k]], t0, t1, D, B, vb, lut)
+            br = bias[bt[sel[si, k]]] if hasb else nob
             for g in range(nh):
-                attend_block(q[h0 + g], kb, vb, t0, t1, D, B, sc, s[g], o[g], m, l, g, vtok)
+                attend_block(q[h0 + g], kb, vb, t0, t1, D, B, sc, s[g], o[g], m, l, g, vtok, br)
                 if store:
                     bmax[h0 + g, k] = m[g]
                     for t in range(t0, t1):
@@ -422,9 +431,10 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
 
 
 @jit.njit(parallel=True, fastmath=FM)
-def prefill(q, kc, vc, bt, s0, scale, rlo, lut, tile, out, row_m, row_l):
+def prefill(q, kc, vc, bt, s0, scale, rlo, lut, tile, out, row_m, row_l, bias):
     """Flash-style prefill of query rows in slots s0.. (row r sees slots rlo[r] .. s0 + r):
-    work item = (query-row tile, kv head), online softmax over blocks."""
+    work item = (query-row tile, kv head), online softmax over blocks; ``bias`` as
+    :func:`decode_blocks`."""
     T, Hq, D = q.shape
     Hkv, _, BD = kv_dims(kc)
     B = BD // D
@@ -432,6 +442,8 @@ def prefill(q, kc, vc, bt, s0, scale, rlo, lut, tile, out, row_m, row_l):
     ntile = (T + tile - 1) // tile
     sc = np.float32(scale)
     vtok = values_by_token(vc)
+    hasb = bias.shape[0] > 0
+    nob = np.zeros(0, np.float32)
     for w in prange(ntile * Hkv):
         # pair cheap early tiles with expensive late ones across the static thread split
         j = w // Hkv
@@ -453,12 +465,13 @@ def prefill(q, kc, vc, bt, s0, scale, rlo, lut, tile, out, row_m, row_l):
             t1 = min(p_hi - base + 1, B)
             load_keys(kc, kvh, bt[lb], t0, t1, D, kb, lut)
             load_values(vc, kvh, bt[lb], t0, t1, D, B, vb, lut)
+            br = bias[bt[lb]] if hasb else nob
             for r in range(R):
                 tt0, tt1 = _row_range(rlo[i0 + r], s0 + i0 + r, base, t0, t1)
                 for g in range(G):
                     if tt0 < tt1:
                         attend_block(q[i0 + r, kvh * G + g], kb, vb, tt0, tt1, D, B, sc,
-                                     s[r * G + g], o[r * G + g], m, l, r * G + g, vtok)
+                                     s[r * G + g], o[r * G + g], m, l, r * G + g, vtok, br)
         for r in range(R):
             for g in range(G):
                 jj = r * G + g
@@ -477,12 +490,13 @@ def _row_range(lo, sq, base, t0, t1):
 
 
 @jit.njit(parallel=True, fastmath=FM)
-def prefill_mass(q, kc, bt, s0, scale, rlo, lut, row_m, row_l, r0, new):
+def prefill_mass(q, kc, bt, s0, scale, rlo, lut, row_m, row_l, r0, new, bias):
     """new[h, s] = sum over rows r >= r0 of P[r, h, s], for slots s >= rlo[r0] (rows in slots
     s0.., row r sees slots rlo[r] .. s0 + r).
 
     Recomputes the scores of the observed rows per key block (work item =
-    (kv head, key block), so every output element has exactly one writer).
+    (kv head, key block), so every output element has exactly one writer); ``bias`` as
+    :func:`decode_blocks`.
     """
     T, Hq, D = q.shape
     Hkv, _, BD = kv_dims(kc)
@@ -493,6 +507,7 @@ def prefill_mass(q, kc, bt, s0, scale, rlo, lut, row_m, row_l, r0, new):
     lbA = p_lo // B
     nb = (n + B - 1) // B - lbA
     sc = np.float32(scale)
+    hasb = bias.shape[0] > 0
     for w in prange(Hkv * nb):
         kvh = w // nb
         base = (lbA + w - kvh * nb) * B
@@ -500,6 +515,9 @@ def prefill_mass(q, kc, bt, s0, scale, rlo, lut, row_m, row_l, r0, new):
         t1 = min(n - base, B)
         kb = np.empty(B * D, np.float32)
         load_keys(kc, kvh, bt[base // B], t0, t1, D, kb, lut)
+        bb = np.zeros(B, np.float32)
+        if hasb:
+            bb[:] = bias[bt[base // B]]
         acc = np.zeros((G, B), np.float32)
         for r in range(r0, T):
             tt0, tt1 = _row_range(rlo[r], s0 + r, base, t0, t1)
@@ -507,7 +525,8 @@ def prefill_mass(q, kc, bt, s0, scale, rlo, lut, row_m, row_l, r0, new):
                 h = kvh * G + g
                 inv = np.float32(1.0) / row_l[r, h]
                 for t in range(tt0, tt1):
-                    acc[g, t] += np.exp(dot(q[r, h], kb[t * D:(t + 1) * D], D) * sc - row_m[r, h]) * inv
+                    acc[g, t] += np.exp(dot(q[r, h], kb[t * D:(t + 1) * D], D) * sc + bb[t]
+                                        - row_m[r, h]) * inv
         for g in range(G):
             for t in range(t0, t1):
                 new[kvh * G + g, base + t] = acc[g, t]

@@ -243,6 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="snapkv / pyramidkv observation window (last prompt rows)")
     ev.add_argument("--kv-pool", type=_int_at_least(1, "--kv-pool"), default=5,
                     help="snapkv / pyramidkv pooling kernel (odd)")
+    ev.add_argument("--kv-merge", type=_float_in(0.0, 1.0, "--kv-merge"), default=0.0,
+                    metavar="COS", help="merge cached tokens whose keys share a SimHash "
+                    "signature and have cosine similarity >= COS into one slot (importance-"
+                    "weighted average; the slot's score gains log(count)); 0: off")
+    ev.add_argument("--kv-merge-bits", type=_int_at_least(1, "--kv-merge-bits"), default=12,
+                    help="SimHash bits per kv head proposing --kv-merge candidates")
     p.add_argument("--stats", action="store_true", help="print timings at the end (stderr)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return p
@@ -427,7 +433,8 @@ def run(args: argparse.Namespace) -> int:
                                                 kv_recent=args.kv_recent,
                                                 kv_obs_window=args.kv_obs_window,
                                                 kv_pool=args.kv_pool,
-                                                swa_full=args.swa_full))
+                                                swa_full=args.swa_full, kv_merge=args.kv_merge,
+                                                kv_merge_bits=args.kv_merge_bits))
     except (GGUFError, DefaultModelError, ValueError, MemoryError, DeviceUnavailable) as e:
         return _error(str(e) if str(e) else "out of memory")
     for w in caught:
@@ -516,6 +523,7 @@ def run(args: argparse.Namespace) -> int:
     if engine.policy is not None:
         timings["kv_bytes_held"] = engine.cache.bytes_held()
         timings["kv_evicted"] = engine.policy.evicted
+        timings["kv_merged"] = 0 if engine.merger is None else engine.merger.merged
     report = engine.sparse.report() if args.report and engine.sparse is not None else None
     if args.heatmap:
         try:
@@ -537,10 +545,10 @@ def run(args: argparse.Namespace) -> int:
             _print_report(report, args.sparse, err)
         if args.stats:
             t = timings
-            if args.kv_policy != "full":
+            if args.kv_policy != "full" or args.kv_merge:
                 print(f"kv cache: {t['kv_bytes_held'] / 2**20:.1f} MiB held at the end, "
-                      f"{t['kv_evicted']} tokens evicted by --kv-policy {args.kv_policy}",
-                      file=err)
+                      f"{t['kv_evicted']} tokens evicted by --kv-policy {args.kv_policy}, "
+                      f"{t['kv_merged']} merged by --kv-merge", file=err)
             print(f"load {t['load_s']:.2f} s | compile {t['compile_s']:.2f} s | prefill "
                   f"{t['prefill_tokens']} tok {t['prefill_tok_s']:.1f} tok/s | decode {t['decode_tokens']} tok "
                   f"{t['decode_tok_s']:.1f} tok/s", file=err)

@@ -23,6 +23,7 @@ from loaders.config import ModelConfig, read_config
 from loaders.gguf_file import GGUFFile
 
 from . import attention, ops
+from .kv_merge import KVMerger, MergeOptions
 from .kv_policy import KVPolicy, PolicyOptions
 from .kvcache import KVCache
 from .memory import check_fits, fmt_bytes
@@ -62,6 +63,8 @@ class EngineOptions:
     kv_obs_window: int = 32          # snapkv / pyramidkv observation window
     kv_pool: int = 5                 # snapkv / pyramidkv pooling kernel
     swa_full: bool = False           # sliding-window layers keep every token (llama.cpp --swa-full)
+    kv_merge: float = 0.0            # merge near-duplicate tokens at this cosine similarity (0: off)
+    kv_merge_bits: int = 12          # SimHash bits per kv head proposing merge candidates
 
     def validate(self) -> None:
         if self.device not in DEVICES:
@@ -86,6 +89,16 @@ class EngineOptions:
                 and self.type_v != "f32":
             raise ValueError(f"kv policy {self.kv_policy} drops single tokens, which V quantized "
                              f"by channel (v_layout='channel') cannot: use v_layout='token'")
+        self.merge.validate()
+        if self.merge.enabled and self.device != "cpu":
+            raise ValueError("--kv-merge runs on the CPU only (--device cpu)")
+        if self.merge.enabled and self.v_layout == "channel" and self.type_v not in ("f16", "f32"):
+            raise ValueError("--kv-merge rewrites single tokens, which V quantized by channel "
+                             "(v_layout='channel') cannot: use v_layout='token'")
+
+    @property
+    def merge(self) -> MergeOptions:
+        return MergeOptions(self.kv_merge, self.kv_merge_bits)
 
     @property
     def policy(self) -> PolicyOptions:
@@ -163,9 +176,11 @@ class Engine:
             sp = opts.sparse_options()
             self.sparse = SparseState(sp, self.cfg, self.cache) if sp.active else None
         # what each layer keeps (None on the device: there every layer keeps every token)
+        self.merger = (KVMerger(opts.merge, self.cfg, self.cache, self.sparse, opts.keep)
+                       if opts.merge.enabled and self._gpu is None else None)
         self.policy = (None if self._gpu is not None else
                        KVPolicy(opts.policy, self.cfg, self.cache, self.sparse,
-                                trim_windows=not opts.swa_full))
+                                trim_windows=not opts.swa_full, merger=self.merger))
         self._rot = ops.hadamard(self.cfg.head_dim) if opts.kv_rotate else None
         self._tokenizer = None
         self._vocab = None
@@ -391,12 +406,13 @@ class Engine:
                         blocks_memo[n, window] = every_block(n, self.cache.block_len, window)
                     sel, cnt = blocks_memo[n, window]
                     choice.run(decode_over_blocks, q[0], kc, vc, bt, n, kq_scale,
-                               window, sel, cnt, att[0], None, 1.0, None, 8)
+                               window, sel, cnt, att[0], None, 1.0, None, 8, self.cache.bias(il))
             else:
                 imp = None if sp is None else sp.importance_[il]
                 obs = 0 if sp is None else sp.obs_start(pos0 + T if prompt_end is None else prompt_end)
                 attention.attention_prefill(q, kc, vc, bt, s0, kq_scale, window, att,
-                                            importance=imp, obs_start=obs, positions=positions)
+                                            importance=imp, obs_start=obs, positions=positions,
+                                            bias=self.cache.bias(il))
             if self._rot is not None:
                 att = att @ self._rot                                  # H is its own inverse
             tap("kqv", il, att.transpose(1, 0, 2))                     # [Hq, T, D] as ggml's kqv
@@ -608,6 +624,9 @@ class Engine:
         if self.file is None:
             raise self._closed()
         self._host_only("saving a state")
+        if self.merger is not None:
+            raise ValueError("saving a state of a cache with merged tokens (--kv-merge) is not "
+                             "supported: state files do not hold the slots' multiplicities")
         from . import state
         return state.save(self, path)
 

@@ -184,9 +184,11 @@ def window_keep(pos: np.ndarray, next_pos: int, window: int, block_len: int) -> 
 class KVPolicy:
     """Applies :class:`PolicyOptions` to an engine's cache after each forward."""
 
-    def __init__(self, opts: PolicyOptions, cfg, cache, sparse, trim_windows: bool = True):
+    def __init__(self, opts: PolicyOptions, cfg, cache, sparse, trim_windows: bool = True,
+                 merger=None):
         opts.validate()
         self.opts, self.cfg, self.cache, self.sparse = opts, cfg, cache, sparse
+        self.merger = merger             # a pyimp.kv_merge.KVMerger, run between trim and policy
         # trim_windows False (llama.cpp's --swa-full): sliding-window layers keep every token,
         # so any prefix of the cache can be reused
         self.windows = [cfg.sliding_window if cfg.is_swa(il) and trim_windows else 0
@@ -216,6 +218,7 @@ class KVPolicy:
         """Drop what the policy and the sliding windows no longer keep (``n_ctx``: positions
         processed; ``prefill_done``: a prefill just completed)."""
         c, o, B = self.cache, self.opts, self.cache.block_len
+        merge = self.merger is not None and self.merger.due(prefill_done)
         for il in range(c.n_layer):
             pos = c.positions(il)
             keep = None
@@ -224,6 +227,12 @@ class KVPolicy:
                 k = window_keep(pos, n_ctx, w, B)
                 if k.size < pos.size:
                     keep = k
+            if merge:        # trimmed first (no work on what the window drops), then merged
+                if keep is not None:
+                    self._compact(il, keep)
+                    keep = None
+                self.merger.merge_layer(il)
+                pos = c.positions(il)
             n_now = pos.size if keep is None else keep.size
             budget = int(self.budgets[il])
             m = target_size(n_now, budget, B)

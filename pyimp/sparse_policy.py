@@ -552,13 +552,14 @@ class SparseState:
         sparse = self.is_sparse_step(il, n_ctx)
         if not sparse:
             attention.attention_decode(q, kc, vc, bt, n_ctx, scale, window, out, importance=imp,
-                                       decay=o.decay)
+                                       decay=o.decay, bias=c.bias(il))
             self._mark(il, n_ctx, None, None)
         else:
             sel, cnt = self._selection(il, q, n_ctx, scale)
             self.last_selection[il] = (sel, cnt)
             _, rec = sparse_attention_decode(q, kc, vc, bt, n_ctx, scale, window, sel, cnt, out,
-                                             importance=imp, decay=o.decay, recall=o.report)
+                                             importance=imp, decay=o.decay, recall=o.report,
+                                             bias=c.bias(il))
             self._mark(il, n_ctx, sel, cnt)
             est = self._est.pop(il, None)
             self.stats.add(il, n_ctx, c.block_len, sel, cnt, rec, est)

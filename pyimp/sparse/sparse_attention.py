@@ -61,8 +61,9 @@ def merge_partials(a, b):
 
 
 def sparse_attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, window, sel, cnt,
-                                out, probs=None):
-    """NumPy reference: per-block partials merged in selection order.
+                                out, probs=None, bias=None):
+    """NumPy reference: per-block partials merged in selection order (``bias``: float32
+    [NB][B] added to each physical slot's score, or None).
 
     Returns float32 [Hq] log-sum-exp; fills probs float32 [Hq, K, B] if given.
     """
@@ -86,8 +87,10 @@ def sparse_attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, 
             ok = (pos < n_ctx) & (pos >= lo)
             K = np.where(ok[:, None], kb[h // G, pb].astype(np.float32), 0.0)
             V = np.where(ok[:, None], vb[h // G, pb].astype(np.float32).T, 0.0)
-            s = np.where(ok, (K @ q[h].astype(np.float32)) * np.float32(scale), -np.inf)
-            s = s.astype(np.float32)
+            s = (K @ q[h].astype(np.float32)) * np.float32(scale)
+            if bias is not None:
+                s = s + bias[pb]
+            s = np.where(ok, s, -np.inf).astype(np.float32)
             scores.append(s)
             parts.append(block_partial(s, V))
         tot = (np.float32(-np.inf), np.float32(0.0), np.zeros(D, np.float32))
@@ -109,7 +112,7 @@ def sparse_attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, 
 
 
 def check_args(q, k_cache, v_cache, block_table, n_ctx, window, out, importance, pos0=None,
-               nsplit=None, decay=1.0, sel=None, cnt=None) -> None:
+               nsplit=None, decay=1.0, sel=None, cnt=None, bias=None) -> None:
     """Shapes, dtypes and block ids of an attention call (see :mod:`pyimp.sparse.checks`); a
     prefill passes ``pos0`` (then n_ctx is pos0 + the query rows), a sparse decode its selection."""
     Hkv, NB, BD = checks.kv_cache(k_cache, v_cache)
@@ -132,6 +135,8 @@ def check_args(q, k_cache, v_cache, block_table, n_ctx, window, out, importance,
         raise ValueError(f"window must be >= 0 (0 = global attention), got {window}")
     if importance is not None:
         checks.importance(importance, NB, B, Hq)
+    if bias is not None:
+        checks.array("bias", bias, np.float32, shape=(NB, B), layout="[NB][B]")
     if not 0.0 < float(decay) <= 1.0:
         raise ValueError(f"decay must be in (0, 1], got {decay}")
     if nsplit is not None and int(nsplit) < 1:
@@ -145,11 +150,18 @@ def every_block(n_ctx: int, block_len: int, window: int = 0) -> tuple[np.ndarray
     return sel, np.array([sel.shape[1]], np.int32)
 
 
+def no_bias(block_len: int) -> np.ndarray:
+    """The kernels' ``bias`` argument when no slot carries a score bias: float32 [0][B]."""
+    return np.zeros((0, block_len), np.float32)
+
+
 def decode_over_blocks(q, k_cache, v_cache, block_table, n_ctx, scale, window, sel, cnt, out,
-                       importance=None, decay=1.0, nsplit=None, min_blocks=4) -> np.ndarray:
+                       importance=None, decay=1.0, nsplit=None, min_blocks=4,
+                       bias=None) -> np.ndarray:
     """Run :func:`pyimp.attn_kernels.decode_blocks` on checked arguments and add the attended
     probabilities to ``importance`` (if given); returns lse float32 [Hq]. nsplit None: enough
-    splits of at least ``min_blocks`` blocks to keep every thread busy."""
+    splits of at least ``min_blocks`` blocks to keep every thread busy. ``bias``: float32
+    [NB][B] score bias per physical slot (merged slots), or None."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     Hq, B = q.shape[0], k_cache.shape[2] // q.shape[1]
     if nsplit is None:
@@ -160,7 +172,7 @@ def decode_over_blocks(q, k_cache, v_cache, block_table, n_ctx, scale, window, s
     lse = np.empty(Hq, np.float32)
     K.decode_blocks(q, kernel_view(k_cache), kernel_view(v_cache), block_table, int(n_ctx),
                     float(scale), int(window), fp16_lut(), sel, cnt, int(nsplit), out, lse, store,
-                    probs)
+                    probs, no_bias(B) if bias is None else bias)
     if store:
         add_block_mass(importance, block_table, sel, cnt, probs, n_ctx, decay)
     return lse
@@ -180,7 +192,8 @@ def sparse_attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndar
                             sel: np.ndarray, cnt: np.ndarray, out: np.ndarray,
                             importance: np.ndarray | None = None, decay: float = 1.0,
                             recall: bool = False, nsplit: int | None = None,
-                            backend: str = "numba") -> tuple[np.ndarray, np.ndarray | None]:
+                            backend: str = "numba", bias: np.ndarray | None = None
+                            ) -> tuple[np.ndarray, np.ndarray | None]:
     """Decode attention of one query (position n_ctx - 1) over the selected blocks.
 
     q: float32 [Hq, D]; k_cache/v_cache: float16 or float32 [Hkv][NB][B*D] /
@@ -190,19 +203,21 @@ def sparse_attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndar
     ``decay != 1`` every valid token is decayed, unattended ones gain 0).
     recall: also run dense attention and return the attention recall, the
     fraction of the dense softmax mass inside the selected blocks (float32
-    [Hq], 1.0 = lossless). Returns (lse float32 [Hq], recall or None).
+    [Hq], 1.0 = lossless). ``bias``: float32 [NB][B] added to the score of each physical
+    slot (the log-multiplicity of merged slots, :mod:`pyimp.kv_merge`), or None.
+    Returns (lse float32 [Hq], recall or None).
     """
     check_args(q, k_cache, v_cache, block_table, n_ctx, window, out, importance, nsplit=nsplit,
-               decay=decay, sel=sel, cnt=cnt)
+               decay=decay, sel=sel, cnt=cnt, bias=bias)
     Hq, B = q.shape[0], k_cache.shape[2] // q.shape[1]
     if backend != "numpy":
         lse = decode_over_blocks(q, k_cache, v_cache, block_table, n_ctx, scale, window, sel, cnt,
-                                 out, importance, decay, nsplit)
+                                 out, importance, decay, nsplit, bias=bias)
     else:
         store = importance is not None
         probs = np.empty((Hq, sel.shape[1], B), np.float32) if store else None
         lse = sparse_attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, window,
-                                          sel, cnt, out, probs)
+                                          sel, cnt, out, probs, bias)
         if store:
             add_block_mass(importance, block_table, sel, cnt, probs, n_ctx, decay, backend)
     rec = None
@@ -211,10 +226,11 @@ def sparse_attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndar
         if backend == "numpy":
             from pyimp.attention import attention_decode_ref
             lse_dense = attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale,
-                                             window, dense_out)
+                                             window, dense_out, bias=bias)
         else:
             lse_dense = decode_over_blocks(q, k_cache, v_cache, block_table, n_ctx, scale, window,
-                                           *every_block(n_ctx, B, window), dense_out, min_blocks=8)
+                                           *every_block(n_ctx, B, window), dense_out, min_blocks=8,
+                                           bias=bias)
         rec = np.exp(lse - lse_dense).astype(np.float32)
     return lse, rec
 
