@@ -32,14 +32,16 @@ def test_grid_rows(model, tmp_path):
     prompts = ev.make_prompts(model, CTX, 1, 6, 2, [0.3, 0.7])
     assert [p.kind for p in prompts] == ["text", "passkey", "passkey"]
     assert all(len(p.prefix) + len(p.tail) <= CTX for p in prompts)
-    policies = ["full", "streaming", "h2o", "snapkv"]
+    policies = ["full", "streaming", "h2o", "snapkv", "full+merge0.5"]
     with distributed.Client(processes=False, n_workers=1, threads_per_worker=1,
                             dashboard_address=None) as client:
         pre, rows = ev.run_grid(client, model, CTX, prompts, policies, [0.3, 0.6], 32,
                                 str(tmp_path), log=lambda s: None)
-    assert len(pre) == 3 and len(rows) == 3 * (1 + 3 * 2)
+    assert len(pre) == 3 and len(rows) == 3 * (2 + 3 * 2)
     for r in rows:
-        if r["policy"] == "full":
+        if r["policy"] == "full+merge0.5":       # merging only: never more than the baseline
+            assert 0 < r["memory_fraction"] <= 1.0 + 1e-9 and r["fraction"] == 1.0
+        elif r["policy"] == "full":
             assert r["memory_fraction"] == pytest.approx(1.0)
             if r["kind"] == "text":
                 # the full row reloads the state the reference continued from: same logits
@@ -54,7 +56,16 @@ def test_grid_rows(model, tmp_path):
             assert r["kl"] >= 0.0 and 0.0 <= r["top1"] <= 1.0
     s = ev.summarize(rows)
     assert {(x["policy"], x["fraction"]) for x in s} == \
-        {("full", 1.0)} | {(p, f) for p in policies[1:] for f in (0.3, 0.6)}
+        {("full", 1.0), ("full+merge0.5", 1.0)} | {(p, f) for p in policies[1:4] for f in (0.3, 0.6)}
     assert "mean KL" in ev.format_table(s)
     ev.plot(s, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
+
+
+def test_split_policy():
+    assert ev.split_policy("h2o") == ("h2o", 0.0)
+    assert ev.split_policy("snapkv+merge0.9") == ("snapkv", 0.9)
+    for bad, msg in (("lru", "unknown policy"), ("h2o+merge", "merge threshold"),
+                     ("h2o+merge1.5", "merge threshold"), ("h2o+mergex", "merge threshold")):
+        with pytest.raises(ValueError, match=msg):
+            ev.split_policy(bad)

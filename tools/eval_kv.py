@@ -22,6 +22,10 @@ per worker). Memory fractions are relative to the *window-only baseline*: the by
 every policy). A fraction f becomes the per-layer token budget N whose held tokens
 ``sum_l min(N, held_l)`` are f of the baseline's.
 
+A policy name may carry a merge step: ``h2o+merge0.9`` merges near-duplicate tokens at cosine
+0.9 (``--kv-merge``, :mod:`pyimp.kv_merge`) before h2o evicts; ``full+merge0.9`` merges only
+(one task, its memory is what the merge leaves).
+
 Policies evict here once the prompt is in and then as decode goes on; ``pyimp-run`` evicts
 streaming and h2o during a long prefill too, which this grid does not measure.
 
@@ -48,6 +52,24 @@ POLICIES = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
 IMPORTANCE_OF = {"full": "obs", "streaming": "obs", "h2o": "all", "snapkv": "obs",
                  "pyramidkv": "obs"}
 PASSKEY_ANSWER = 8            # tokens decoded for a passkey answer
+
+
+def split_policy(name: str) -> tuple[str, float]:
+    """``"h2o+merge0.9"`` -> ("h2o", 0.9); a plain policy -> (name, 0.0). ValueError naming
+    the part that is not a policy or a threshold in (0, 1]."""
+    base, sep, merge = name.partition("+merge")
+    if base not in POLICIES:
+        raise ValueError(f"unknown policy {base!r} (one of {', '.join(POLICIES)}, optionally "
+                         f"+mergeCOS)")
+    if not sep:
+        return base, 0.0
+    try:
+        t = float(merge)
+    except ValueError:
+        t = -1.0
+    if not 0.0 < t <= 1.0:
+        raise ValueError(f"policy {name!r}: the merge threshold must be a cosine in (0, 1]")
+    return base, t
 
 
 @dataclass(frozen=True)
@@ -147,11 +169,14 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Task) -> dict:
     """Stage 2: one policy at one budget on one prefilled prompt."""
     p = task.prompt
-    opts = {} if task.policy == "full" else {"kv_policy": task.policy, "kv_budget": task.budget,
-                                              "kv_obs_window": obs_window}
+    base, merge = split_policy(task.policy)
+    opts = {} if base == "full" else {"kv_policy": base, "kv_budget": task.budget,
+                                      "kv_obs_window": obs_window}
+    if merge:
+        opts["kv_merge"] = merge
     eng = _engine(model, n_ctx, batch_size=n_ctx, **opts)
     eng.reset()
-    eng.load_state(state_path(workdir, p, IMPORTANCE_OF[task.policy]))
+    eng.load_state(state_path(workdir, p, IMPORTANCE_OF[base]))
     eng.evict()
     after_evict = eng.cache.bytes_held()
     row = {"prompt": p.name, "kind": p.kind, "policy": task.policy, "fraction": task.fraction,
@@ -234,11 +259,12 @@ def run_grid(client, model: str, ctx: int, prompts: list, policies: list, fracti
     tasks = []
     for p in prompts:
         for pol in policies:
-            if pol == "full":
+            if split_policy(pol)[0] == "full":
                 tasks.append(Task(p, pol, 1.0, 0))
                 continue
             for f in fractions:
-                floor = 4 + max(obs_window, 32) + 2 if pol in ("snapkv", "pyramidkv") else 4 + 32 + 2
+                floor = (4 + max(obs_window, 32) + 2 if split_policy(pol)[0] in ("snapkv", "pyramidkv")
+                         else 4 + 32 + 2)
                 tasks.append(Task(p, pol, f, budget_for(f, held, floor)))
     futs = client.map(policy_task, [model] * len(tasks), [n_ctx] * len(tasks),
                       [obs_window] * len(tasks), [workdir] * len(tasks), tasks, pure=False)
@@ -279,11 +305,11 @@ def summarize(rows: list) -> list:
 
 
 def format_table(summary: list) -> str:
-    head = (f"{'fraction':>8} {'policy':<10} {'memory':>7} {'mean KL':>10} {'top-1':>6} "
+    head = (f"{'fraction':>8} {'policy':<16} {'memory':>7} {'mean KL':>10} {'top-1':>6} "
             f"{'passkeys':>9} {'tok/s':>7}")
     lines = [head]
     for r in summary:
-        lines.append(f"{r['fraction']:>8.3f} {r['policy']:<10} {r['memory']:>7.3f} "
+        lines.append(f"{r['fraction']:>8.3f} {r['policy']:<16} {r['memory']:>7.3f} "
                      f"{r['mean_kl']:>10.4g} {r['top1']:>6.3f} {r['passkeys']:>9} "
                      f"{r['tok_s']:>7.2f}")
     return "\n".join(lines)
@@ -295,7 +321,7 @@ def plot(summary: list, path: str) -> None:
     fig = Figure(figsize=(10, 4))
     FigureCanvasAgg(fig)
     ax1, ax2 = fig.subplots(1, 2)
-    for pol in POLICIES:
+    for pol in dict.fromkeys(r["policy"] for r in summary):
         pts = sorted((r["memory"], r["mean_kl"], r["passkeys"]) for r in summary
                      if r["policy"] == pol)
         if not pts:
@@ -339,9 +365,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
-    bad = [p for p in policies if p not in POLICIES]
-    if bad:
-        print(f"eval_kv: unknown policy {bad[0]!r} (one of {', '.join(POLICIES)})", file=sys.stderr)
+    try:
+        for p in policies:
+            split_policy(p)
+    except ValueError as e:
+        print(f"eval_kv: {e}", file=sys.stderr)
         return 2
     try:
         fractions = [float(x) for x in args.fractions.split(",") if x]
