@@ -95,11 +95,14 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType
-from numba import prange
+from llvmlite import ir
+from numba import prange, types
+from numba.extending import intrinsic
 
 from . import jit, quants_legacy
 from .ggml_types import TypeKernels
-from .quants_legacy import _ROW_CHUNKS, _fma32, _hsum8, _i8, _lanes_sum32, _quant_kernels, _u16
+from .quants_legacy import (_ROW_CHUNKS, _fma32, _hsum8, _i8, _lanes_sum32, _quant_kernels, _u16,
+                            ir_ptr, ir_splat)
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -357,6 +360,43 @@ def _quad_q6_k(q, j, b, stored):
             np.float32(np.int8(q2 - 32)), np.float32(np.int8(q3 - 32)))
 
 
+# ------------------------------------------------------------------ vector IR
+
+
+@intrinsic
+def _mac_q4k(typingctx, q, p0, p1, xb, xo, a0, a1, a2, a3, acc):
+    """Q4_K's fp32 matvec step over four 32-element sub-blocks, as vector IR (LLVM leaves the
+    fully unrolled scalar loop unvectorized): for lanes b = 0..31,
+    ``acc[b] += a0*(q0*x0) + a1*(q1*x1) + a2*(q2*x2) + a3*(q3*x3)`` (left to right) with q0, q1
+    the low and high nibbles of byte q[p0 + b], q2, q3 those of q[p1 + b] and xk =
+    xb[xo + 32k + b]: the scalar driver's operations lane for lane, so the same bits."""
+    sig = types.void(q, p0, p1, xb, xo, a0, a1, a2, a3, acc)
+
+    def codegen(context, builder, signature, args):
+        qty, _, _, xty, _, _, _, _, _, aty = signature.args
+        i32 = ir.IntType(32)
+        v32 = ir.VectorType(i32, 32)
+        vb = ir.VectorType(ir.IntType(8), 32)
+        vf = ir.VectorType(ir.FloatType(), 32)
+        quants = []
+        for p in (args[1], args[2]):
+            z = builder.zext(builder.load(ir_ptr(context, builder, qty, args[0], p, vb), align=1), v32)
+            quants.append(builder.and_(z, ir.Constant(v32, [15] * 32)))
+            quants.append(builder.lshr(z, ir.Constant(v32, [4] * 32)))
+        xp = ir_ptr(context, builder, xty, args[3], args[4], vf)
+        tot = None
+        for k in range(4):
+            xk = builder.load(builder.gep(xp, [ir.Constant(i32, k)]) if k else xp, align=4)
+            t = builder.fmul(ir_splat(builder, args[5 + k], vf),
+                             builder.fmul(builder.uitofp(quants[k], vf), xk))
+            tot = t if tot is None else builder.fadd(tot, t)
+        ap = ir_ptr(context, builder, aty, args[9], ir.Constant(ir.IntType(64), 0), vf)
+        builder.store(builder.fadd(builder.load(ap, align=4), tot), ap, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # ------------------------------------------------------------------ generic drivers (inlined into the per-type kernels)
 
 @jit.njit(inline="always")
@@ -390,9 +430,10 @@ def _dequantize_k(raw, out, f16, head, quad, bsz, sub):
 
 
 @jit.njit(inline="always")
-def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min):
+def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vec4):
     """fp32 numerics: per sub-block d * scale formed once, the min term once per sub-block
-    through the sums of x, 32 lane accumulators summed once per row."""
+    through the sums of x, 32 lane accumulators summed once per row. ``vec4`` (Q4_K): the
+    inner loop as :func:`_mac_q4k`'s vector IR."""
     rows = raw.shape[0]
     nb = x.shape[0] // QK_K
     st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
@@ -419,6 +460,9 @@ def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min):
                         s = 4 * j * st + h
                         a0, a1, a2, a3 = (d * np.float32(sc[s]), d * np.float32(sc[s + st]),
                                           d * np.float32(sc[s + 2 * st]), d * np.float32(sc[s + 3 * st]))
+                        if vec4:
+                            _mac_q4k(q, 16 + 64 * j, 48 + 64 * j, xb, 128 * j, a0, a1, a2, a3, acc)
+                            continue
                         for b in range(sub * h, sub * h + sub):
                             q0, q1, q2, q3 = quad(q, j, b, False)
                             acc[b] += (a0 * (q0 * xb[128 * j + b]) + a1 * (q1 * xb[128 * j + 32 + b])
@@ -509,7 +553,8 @@ def _k_kernels(qtype: QT, head: str, quad: str, bsz: int, sub: int, nmin: int, o
     """A K type's kernels; ggml activations are Q8_K blocks."""
     dec = f"{head}, {quad}, {bsz}, {sub}"
     return _quant_kernels(globals(), qtype, QT.Q8_K, _ggml_act,
-                          f"_dequantize_k(raw, out, f16, {dec})", f"_matvec_k(raw, x, out, f16, {dec}, {nmin > 0})",
+                          f"_dequantize_k(raw, out, f16, {dec})",
+                          f"_matvec_k(raw, x, out, f16, {dec}, {nmin > 0}, {qtype == QT.Q4_K})",
                           "yd, yf, ybs", f"_matmul_ggml_k(raw, yd, yf, ybs, out, f16, {dec}, {nmin}, np.float32({off}))")
 
 
