@@ -26,6 +26,11 @@ def tiny(tmp_path_factory):
                                                 sliding_window=8, swa_pattern=2, final_softcap=30.0,
                                                 weight_type="Q4_0", embd_type="Q8_0",
                                                 random_blocks=True)),
+        # head dim 32, the smallest quantized K takes
+        "llama32": write(d / "l32.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4,
+                                                   n_head_kv=2, head_dim=32, n_ff=128,
+                                                   vocab_size=260, weight_type="Q8_0",
+                                                   random_blocks=True)),
     }
 
 
@@ -53,3 +58,18 @@ def test_sparse_forward_compiles(ptx, tiny, anchor, retrieval):  # noqa: F811
         eng = _drive(tiny["llama"], sparse=True, anchor=anchor, retrieval=retrieval, topk=1,
                      init_blocks=1, local_blocks=1, token_step=2, decay=0.9, report=True)
     assert eng.sparse.stats.steps == 2
+
+
+@pytest.mark.parametrize("type_k,type_v", [("q8_0", "q4_0"), ("q4_1", "q5_0"), ("q5_1", "f16"),
+                                           ("f32", "q8_0")])
+def test_quantized_kv_forward_compiles(ptx, tiny, type_k, type_v):  # noqa: F811
+    """Quantized K/V on the device: the quantizer, the tail store, the attention and prefill-
+    importance kernels of each pair of formats, the anchors of quantized keys, the recall's
+    dense decode, and the rewind that dequantizes a block into the tail (prime)."""
+    with ptx.compile_only(CC):
+        eng = _drive(tiny["llama32"], cache_type_k=type_k, cache_type_v=type_v, sparse=True,
+                     anchor="quest", topk=1, init_blocks=1, local_blocks=1, report=True)
+        eng.prime(list(prompt_ids(40, n_vocab=260)[:21]) + [7, 8])
+    assert eng.sparse.stats.steps == 2 and eng.timings.extra["prefix_reused"] == 21
+    assert getattr(eng.cache, f"k_cache_{'fp16' if type_k == 'f16' else type_k}_").dtype == (
+        np.uint8 if type_k.startswith("q") else np.float32)
