@@ -12,7 +12,8 @@ run cut short still leaves what it measured). Steps:
 2. ``agreement``: a Gemma-3-270M-shaped model written here (random quant blocks: the device
    has no libggml and the real file does not travel), ``device="cuda"`` vs the CPU engine
    with f32 KV: greedy tokens on a few prompts (identical or not) and the mean KL(cpu || gpu)
-   of the next-token distributions along the CPU's greedy path.
+   of the next-token distributions along the CPU's greedy path. ``agreement_qkv``: the same
+   with q8_0 and q4_0 KV caches, one prompt each (``--dry``: q8_0, head dim 32).
 3. ``attention``: the decode attention kernel alone at long context, dense vs block-sparse at
    a 1/8 block budget (Gemma's and TinyLlama's head shapes).
 4. ``decode``: end-to-end decode tok/s at 1k / 16k / 32k context, dense vs sparse (1/8
@@ -123,11 +124,14 @@ def _shapes(dry: bool) -> dict:
         gemma["swa_pattern"] = 2
         tiny = dict(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
                     n_ctx=512, vocab_size=300)
-        return dict(gemma=gemma, tinyllama=tiny, contexts=[64], long=64, prompt=12,
-                    steps=1, n_prompts=1, gen=3, block_len=8, timed=1)
-    return dict(gemma=dict(PRESETS["gemma3-270m"]), tinyllama=dict(PRESETS["tinyllama"]),
-                contexts=[1024, 16384, 32768], long=32768, prompt=1024, steps=16, n_prompts=3,
-                gen=32, block_len=32, timed=20)
+        # quantized K needs a head dim that is a multiple of 32
+        return dict(gemma=gemma, gemma_qkv=dict(gemma, head_dim=32), tinyllama=tiny,
+                    contexts=[64], long=64, prompt=12, steps=1, n_prompts=1, gen=3, block_len=8,
+                    timed=1, qkv_types=["q8_0"])
+    return dict(gemma=dict(PRESETS["gemma3-270m"]), gemma_qkv=dict(PRESETS["gemma3-270m"]),
+                tinyllama=dict(PRESETS["tinyllama"]), contexts=[1024, 16384, 32768], long=32768,
+                prompt=1024, steps=16, n_prompts=3, gen=32, block_len=32, timed=20,
+                qkv_types=["q8_0", "q4_0"])
 
 
 def _model(check: Check, key: str, weight_type: str, embd_type: str) -> str:
@@ -210,16 +214,33 @@ def kernel_tests(check: Check) -> dict:
 
 
 def agreement(check: Check) -> dict:
-    import pyimp
-    from tools.write_synthetic_gguf import prompt_ids
     sh = _shapes(check.dry)
     path = _model(check, "gemma", "Q5_0", "Q8_0")
-    V = sh["gemma"]["vocab_size"]
-    kw = dict(n_ctx=sh["prompt"] + sh["gen"] + 8, block_len=sh["block_len"], kv_type="f32")
+    return _agree(sh, path, sh["gemma"]["vocab_size"], sh["n_prompts"], kv_type="f32")
+
+
+def agreement_qkv(check: Check) -> dict:
+    """``agreement`` with quantized KV caches (each engine quantizes its own K/V: the device
+    on the device): greedy tokens and mean KL per cache type (one prompt each)."""
+    sh = _shapes(check.dry)
+    key = "gemma" if sh["gemma_qkv"] == sh["gemma"] else "gemma_qkv"     # one model if it fits
+    path = _model(check, key, "Q5_0", "Q8_0")
+    res = {t: _agree(sh, path, sh["gemma_qkv"]["vocab_size"], 1, kv_type=t)
+           for t in sh["qkv_types"]}
+    res["mean_kl"] = float(max(r["mean_kl"] for r in res.values()))
+    return res
+
+
+def _agree(sh: dict, path: str, V: int, n_prompts: int, **cache) -> dict:
+    """CPU vs device engines (cache options ``cache``) on n_prompts greedy runs: tokens
+    identical or not, KL(cpu || gpu) up to the first disagreement."""
+    import pyimp
+    from tools.write_synthetic_gguf import prompt_ids
+    kw = dict(n_ctx=sh["prompt"] + sh["gen"] + 8, block_len=sh["block_len"], **cache)
     cpu = pyimp.load(path, device="cpu", **kw)
     gpu = pyimp.load(path, device="cuda", **kw)
     same, kls = [], []
-    for i in range(sh["n_prompts"]):
+    for i in range(n_prompts):
         ids = prompt_ids(min(sh["prompt"], 64), seed=i, n_vocab=V)
         toks = {}
         for name, eng in (("cpu", cpu), ("gpu", gpu)):
@@ -402,6 +423,7 @@ def main(argv=None) -> int:
         check.step("machine", machine)
         check.step("kernel_tests", kernel_tests, need_s=60)
         check.step("agreement", agreement, need_s=40)
+        check.step("agreement_qkv", agreement_qkv, need_s=40)
         check.step("attention", attention_kernel, need_s=20)
         check.step("decode", decode, need_s=40)
         check.step("prefill", prefill, need_s=15)
