@@ -8,7 +8,7 @@ the same names: ``k_cache_fp16_`` / ``v_cache_fp16_`` for f16, ``k_cache_f32_`` 
 ... (uint8 ``[L][Hkv][NB][bytes]``, the host's byte layout) with their float32 tails
 ``[n_seq][L][Hkv][B*D]`` on the device too (the physical block each tail stands for stays on
 the host). Quantized V is stored by token (``v_layout="token"``); the channel layout stays on
-the CPU (a clear error names the flag). Layer 0's block table is mirrored to the device
+the CPU (a clear error names the option). Layer 0's block table is mirrored to the device
 (``bt_dev``) whenever :meth:`reserve` changes it, and every layer reads it: the device cache
 never compacts a layer (no eviction policy, no sliding-window trim on the device), so every
 layer's pool hands out the same blocks.
@@ -136,9 +136,9 @@ class DeviceKVCache(KVCache):
                  block_len: int = 32, type_k: str = "f16", type_v: str = "f16",
                  v_layout: str = "token"):
         if type_v in QUANT_TYPES and v_layout != "token":
-            raise ValueError(f"device cuda stores quantized V by token only: --v-layout "
-                             f"{v_layout} (V cache type {type_v}) runs on the CPU "
-                             f"(--device cpu), or use --v-layout token")
+            raise ValueError(f"device cuda stores quantized V by token only: "
+                             f"v_layout={v_layout!r} (V cache type {type_v}) runs on the CPU "
+                             f"(device='cpu'); use v_layout='token' on the device")
         super().__init__(n_layer, n_head_kv, head_dim, n_ctx, block_len=block_len,
                          type_k=type_k, type_v=type_v, v_layout=v_layout)
         self.bt_dev = device.to_device(self.table(0))

@@ -146,6 +146,6 @@ def test_quantized_sparse_matches_cpu(models):
 
 
 def test_device_refuses_quantized_v_by_channel(models):
-    with pytest.raises(ValueError, match="--v-layout channel"):
+    with pytest.raises(ValueError, match="v_layout='channel'"):
         pyimp.load(models["llama-hd32"], n_ctx=64, block_len=32, device="cuda",
                    cache_type_v="q8_0", v_layout="channel")

@@ -242,7 +242,7 @@ def test_rewind_matches_the_host(tk, tv):
 
 
 def test_channel_layout_is_refused_on_the_device():
-    with pytest.raises(ValueError, match="--v-layout channel.*--device cpu"):
+    with pytest.raises(ValueError, match="v_layout='channel'.*device='cpu'"):
         DeviceKVCache(1, 1, 32, 64, block_len=32, type_k="q8_0", type_v="q4_0",
                       v_layout="channel")
     with pytest.raises(ValueError, match="head dim 16 .*multiple of 32"):
