@@ -22,8 +22,9 @@ Kernels (one thread block per work item, ``THREADS`` threads):
   its share of the blocks: threads compute the scores of (head, token) pairs, a block-wide max
   and sum fold the block into the running (m, l) with the max-stabilized rule, then each thread
   accumulates its (head, channel) outputs over the block's tokens (a contiguous row of the
-  transposed float V; neighbouring channels of each token of a quantized V). The split writes its partial (m, l, o) (flash-decoding); with ``store`` it
-  also keeps exp(score - running max) per attended token and the running max per block.
+  transposed float V; neighbouring channels of each token of a quantized V). The split
+  writes its partial (m, l, o) (flash-decoding); with ``store`` it also keeps
+  exp(score - running max) per attended token and the running max per block.
   A row's blocks are either every block its causal / sliding-window mask leaves visible
   (dense, prefill) or the selection of its set (sparse decode).
 - ``_merge``: work item = (row, head): merges the splits, normalizes, writes the output and the

@@ -298,7 +298,8 @@ def quantize_rows(x, kv_type: str):
     bsz = BLOCK_BYTES[code]
     x = np.ascontiguousarray(x, np.float32)
     if x.ndim != 2 or x.shape[1] % 32:
-        raise ValueError(f"rows to quantize must be [rows, n] with n a multiple of 32, got {x.shape}")
+        raise ValueError(f"rows to quantize must be [rows, n] with n a multiple of 32, got "
+                         f"{x.shape}")
     out = device.zeros((x.shape[0], x.shape[1] // 32 * bsz), np.uint8)
     n = x.shape[0] * (x.shape[1] // 32)
     if n:

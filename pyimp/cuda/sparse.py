@@ -538,8 +538,9 @@ def compute_anchors(anchor_type: AnchorType, k_cache, blocks, n_valid, anchor,
 
     k_cache: float16/float32 ``[Hkv][NB][B*D]``, or a quantized K layer
     (:class:`pyimp.cuda.kvblocks.DeviceQuantizedKV`: anchors of the dequantized keys, the tail
-    block's from the float tail, as the CPU computes them); blocks: int32 ``[n]`` distinct physical ids;
-    n_valid: int32 ``[n]`` valid tokens per block (0..B); anchor: float16 ``[NB][A][Ha][D]``;
+    block's from the float tail, as the CPU computes them); blocks: int32 ``[n]`` distinct
+    physical ids; n_valid: int32 ``[n]`` valid tokens per block (0..B); anchor: float16
+    ``[NB][A][Ha][D]``;
     importance: float16 ``[NB][B][Hq]`` (DYNAMIC only). Bad shapes raise ValueError naming the
     argument (block ids and counts are range-checked when they come as host arrays).
     """

@@ -190,7 +190,8 @@ def _assert_same_storage(host, dev):
         if n % B:      # the tail's valid tokens (what lies past them is never read)
             ht, dt = host._tail[side][0], device.to_host(dev._tail[side])[0]
             idx = np.arange(n % B)
-            sl = (idx[:, None] * D + np.arange(D)) if side == "k" else (np.arange(D)[:, None] * B + idx)
+            sl = (idx[:, None] * D + np.arange(D) if side == "k"
+                  else np.arange(D)[:, None] * B + idx)
             assert np.array_equal(ht[:, :, sl], dt[:, :, sl]), side
     for il in range(host.n_layer):
         for a, b in zip(host.gather(il), dev.gather(il)):
@@ -411,7 +412,8 @@ def test_anchors_of_quantized_keys_match_cpu(atype, tk):
         return
     assert np.array_equal(np.isnan(got), np.isnan(ref))
     assert np.array_equal(got[np.isinf(got)], ref[np.isinf(ref)])
-    keys = np.abs(as_float(kq).astype(np.float64)).reshape(Hkv, -1, B, D).max(axis=2)  # [Hkv, NB, D]
+    # largest |key| per block and channel: [Hkv, NB, D]
+    keys = np.abs(as_float(kq).astype(np.float64)).reshape(Hkv, -1, B, D).max(axis=2)
     slack = np.zeros(got.shape)
     slack[:] = np.repeat(2 * B * EPS32 * 2 * B * keys.transpose(1, 0, 2), Ha // Hkv,
                          axis=1)[:, None]
