@@ -8,7 +8,8 @@
    ``--score`` tokens, then decode those one by one and compare each step's next-token
    distribution with the f16 cache's: mean KL(f16 || type) and top-1 agreement. The same
    for llama.cpp (llama-cpp-python, flash attention on, ``type_k`` / ``type_v``) against its
-   own f16 cache, in the same run. Also pyimp's V layouts and the Hadamard rotation.
+   own f16 cache, in the same run. Also pyimp's V layouts, and the Hadamard rotation beside
+   llama.cpp's with its rotation on (its default) and off (LLAMA_ATTN_ROT_DISABLE=1).
 2. Bytes of KV per token per type, prefill and decode tok/s per type (the windows' runs),
    and decode tok/s at ``--decode-ctx`` (cache filled with random keys and values through
    the cache's own writer: a decode step's cost does not depend on what the cache holds).
@@ -28,19 +29,24 @@ import numpy as np
 
 from pyimp.runtime import configure_process
 
-# (label, pyimp options, llama.cpp (type_k, type_v) or None)
+# (label, pyimp options, llama.cpp (type_k, type_v, rotation) or None). llama.cpp rotates
+# quantized K/V by a Hadamard transform by default (attn_rot_k / attn_rot_v, head dims that
+# are a multiple of 64); its environment switch LLAMA_ATTN_ROT_DISABLE=1, read when a context
+# is created, turns that off. So each row compares like with like: pyimp without rotation
+# beside llama.cpp with its rotation off, "+ rotation" rows beside llama.cpp's default.
 CONFIGS = [
-    ("f16", dict(kv_type="f16"), ("f16", "f16")),
-    ("q8_0", dict(kv_type="q8_0"), ("q8_0", "q8_0")),
-    ("q5_1", dict(kv_type="q5_1"), ("q5_1", "q5_1")),
-    ("q5_0", dict(kv_type="q5_0"), ("q5_0", "q5_0")),
-    ("q4_1", dict(kv_type="q4_1"), ("q4_1", "q4_1")),
-    ("q4_0", dict(kv_type="q4_0"), ("q4_0", "q4_0")),
-    ("k q8_0 / v q4_0", dict(cache_type_k="q8_0", cache_type_v="q4_0"), ("q8_0", "q4_0")),
+    ("f16", dict(kv_type="f16"), ("f16", "f16", False)),
+    ("q8_0", dict(kv_type="q8_0"), ("q8_0", "q8_0", False)),
+    ("q5_1", dict(kv_type="q5_1"), ("q5_1", "q5_1", False)),
+    ("q5_0", dict(kv_type="q5_0"), ("q5_0", "q5_0", False)),
+    ("q4_1", dict(kv_type="q4_1"), ("q4_1", "q4_1", False)),
+    ("q4_0", dict(kv_type="q4_0"), ("q4_0", "q4_0", False)),
+    ("k q8_0 / v q4_0", dict(cache_type_k="q8_0", cache_type_v="q4_0"), ("q8_0", "q4_0", False)),
     ("q8_0, V by channel", dict(kv_type="q8_0", v_layout="channel"), None),
     ("q4_0, V by channel", dict(kv_type="q4_0", v_layout="channel"), None),
-    ("q8_0 + rotation", dict(kv_type="q8_0", kv_rotate=True), None),
-    ("q4_0 + rotation", dict(kv_type="q4_0", kv_rotate=True), None),
+    ("q8_0 + rotation", dict(kv_type="q8_0", kv_rotate=True), ("q8_0", "q8_0", True)),
+    ("q5_0 + rotation", dict(kv_type="q5_0", kv_rotate=True), ("q5_0", "q5_0", True)),
+    ("q4_0 + rotation", dict(kv_type="q4_0", kv_rotate=True), ("q4_0", "q4_0", True)),
 ]
 GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8}
 
@@ -93,10 +99,17 @@ def run_pyimp(opts: dict, toks: list[int], score: int, state_path: str | None = 
     return out
 
 
-def run_peer(model: str, types: tuple[str, str], toks: list[int], score: int) -> dict:
+def run_peer(model: str, types: tuple[str, str, bool], toks: list[int], score: int) -> dict:
+    """llama.cpp's logits of the scored steps with cache types ``types[:2]``; ``types[2]``:
+    keep llama.cpp's default Hadamard rotation of quantized K/V (else LLAMA_ATTN_ROT_DISABLE=1
+    for this context)."""
     import llama_cpp
 
     from tools.llamacpp_peer import _quiet
+    if types[2]:
+        os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
+    else:
+        os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
     with _quiet():
         m = llama_cpp.Llama(model_path=model, n_ctx=len(toks) + 8, n_batch=512, n_ubatch=512,
                             logits_all=False, flash_attn=True, type_k=GGML_TYPE[types[0]],
