@@ -7,12 +7,14 @@ dtype, shape and bytes; arrays come back in native byte order).
 
 API
 ---
-- :func:`write_state` ``(path, header, arrays, *, level=None) -> stats``: writes the file
-  atomically (a temporary file in the same directory, flushed and fsynced, then
-  ``os.replace``'d onto ``path``, then the directory fsynced). On any exception the
-  temporary file is removed and a file already at ``path`` is left untouched. Refusals of
-  the input (unsupported dtype, a name that is not a string, a header that is not JSON)
-  are ``ValueError`` naming the offending key, raised before anything is written.
+- :func:`write_state` ``(path, header, arrays, *, level=None, rotary=None) -> stats``:
+  writes the file atomically (a temporary file in the same directory, flushed and
+  fsynced, then ``os.replace``'d onto ``path``, then the directory fsynced). On any
+  exception the temporary file is removed and a file already at ``path`` is left
+  untouched. Refusals of the input (unsupported dtype, a name that is not a string, a
+  header that is not JSON, a ``rotary`` entry that is not a :class:`Rotary` of one of
+  the arrays) are ``ValueError`` naming the offending key, raised before anything is
+  written. ``rotary`` gives the RoPE frame of sections of keys (see ``pred-f16``).
 - :func:`read_state` ``(path) -> (header, arrays)``: verifies the whole file (magic,
   version, every checksum, every length, dtype and shape consistency, decoded sizes)
   before returning anything. Arrays are writable, C-contiguous and own their memory.
@@ -47,7 +49,7 @@ after the last payload::
                   name_len    u16, then name_len bytes of UTF-8 name (1..1024 bytes)
                   dtype       u8    1 float16, 2 float32, 3 uint8, 4 int8,
                                     5 uint16, 6 int32, 7 int64, 8 uint32
-                  codec       u8    0 raw, 1 zstd, 2 shuffle-zstd
+                  codec       u8    0 raw, 1 zstd, 2 shuffle-zstd, 3 pred-f16
                   ndim        u8    (0..64), then ndim x u64 dimensions
                   raw_len     u64   = product(shape) * itemsize
                   stored_len  u64   bytes of the payload
@@ -61,16 +63,29 @@ Codecs (the element bytes are always the little-endian, C-order bytes of the arr
   size and the frame's own XXH64 content checksum.
 - ``shuffle-zstd`` (2): the element bytes regrouped into ``itemsize`` byte planes (all
   elements' byte 0, then all byte 1, ...), then one zstd frame of that, as above.
+- ``pred-f16`` (3, float16 sections only): the predictive codec of
+  :mod:`pyimp.floatcodec` (its payload layout is documented there): the array read as
+  planes of rows x channels (last axis), each value coded from a linear prediction on
+  the previous row and the row's earlier channels (with a rotary frame for keys that
+  carry RoPE, and repeated rows predicted by the row they repeat), entropy coded with
+  rANS. Version 1 files without it (codecs 0-2) read as they always did.
 
-The writer picks per section: ``shuffle-zstd`` for dtypes wider than one byte, ``zstd``
-for one-byte dtypes; sections of at most 256 KiB also try the other one and keep the
-smaller; sections under 64 bytes, and any whose coded form is not smaller than the raw
-bytes, are stored ``raw``. ``tools/bench_statefile.py`` measures these choices on a
-real KV cache: the byte-plane split separates the skewed sign/exponent bytes of float
-data from their near-random low mantissa bytes, so zstd's entropy coder models each plane
-on its own (float16 K/V planes: ratio 1.15-1.20 against 1.07-1.10 for plain zstd, and
-decoding at several hundred MB/s). The default level 3 comes within 1 % of level 9's
-ratio at 3-5 times its compression speed; decoding speed hardly depends on the level.
+The writer measures per section: float16 sections of at least 4 KiB whose last axis
+has at most 1024 channels try ``pred-f16``, ``shuffle-zstd`` and ``zstd``; other
+sections wider than one byte ``shuffle-zstd`` (and ``zstd`` up to 256 KiB); one-byte
+dtypes ``zstd``; each keeps the smallest, and sections under 64 bytes, and any whose
+coded form is not smaller than the raw bytes, are stored ``raw``. Sections are encoded
+and decoded on up to four threads (the codecs release the GIL).
+
+``tools/bench_statefile.py`` measures these choices on a real KV cache (Gemma 3 270M,
+f16, after a 4032-token prefill; 20.25 MB of KV held): the byte-plane split separates
+the skewed sign/exponent bytes of float data from their near-random low mantissa bytes,
+so zstd's entropy coder models each plane on its own (1.156x on that cache, decoding at
+1-2 GB/s); ``pred-f16`` models the values themselves (keys in their un-rotated frame,
+a first layer's repeated tokens) and reaches 1.259x, decoding at 30-40 MB/s: 0.5-0.7 s
+for that state, 5-6 % of the ~11 s prefill it replaces. zstd's default level 3 comes
+within 1 % of level 9's ratio at 3-5 times its compression speed; decoding speed hardly
+depends on the level.
 """
 from __future__ import annotations
 
@@ -85,12 +100,17 @@ import sys
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, BinaryIO, NoReturn
 
 import numpy as np
 import zstandard
 
-__all__ = ["FORMAT_VERSION", "MAGIC", "StateFileError", "read_header", "read_state", "write_state"]
+from . import floatcodec
+from .floatcodec import Rotary
+
+__all__ = ["FORMAT_VERSION", "MAGIC", "Rotary", "StateFileError", "read_header", "read_state",
+           "write_state"]
 
 MAGIC = b"PYIMPST\0"
 FORMAT_VERSION = 1
@@ -106,8 +126,8 @@ _ENTRY_FIXED = struct.Struct("<BBB")           # dtype code, codec id, ndim
 _DIM = struct.Struct("<Q")
 _ENTRY_TAIL = struct.Struct("<QQI")            # raw_len, stored_len, crc
 
-RAW, ZSTD, SHUFFLE_ZSTD = 0, 1, 2
-CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", SHUFFLE_ZSTD: "shuffle-zstd"}
+RAW, ZSTD, SHUFFLE_ZSTD, PRED_F16 = 0, 1, 2, 3
+CODEC_NAMES = {RAW: "raw", ZSTD: "zstd", SHUFFLE_ZSTD: "shuffle-zstd", PRED_F16: "pred-f16"}
 
 # dtype code -> little-endian dtype
 _DTYPES: dict[int, np.dtype] = {
@@ -118,6 +138,7 @@ _DTYPE_CODES = {(dt.kind, dt.itemsize): code for code, dt in _DTYPES.items()}
 
 _RAW_BELOW = 64                  # sections smaller than this are stored raw
 _TRY_BOTH_UP_TO = 256 * 1024     # sections up to this size try both zstd codecs
+_PRED_FROM = 4096                # float16 sections from this size also try pred-f16
 _LITTLE = sys.byteorder == "little"
 
 
@@ -224,19 +245,27 @@ def _unshuffle_into(planes: bytes, out: np.ndarray) -> None:
         dst[:, i] = src[i]
 
 
-def _encode(a: np.ndarray, level: int) -> tuple[int, bytes | memoryview]:
-    """(codec id, stored bytes) for the little-endian C-contiguous array ``a``."""
+def _encode(a: np.ndarray, level: int,
+            rotary: Rotary | None = None) -> tuple[int, bytes | memoryview]:
+    """(codec id, stored bytes) for the little-endian C-contiguous array ``a``: the smallest
+    of the codecs tried (see the module docstring), raw when none is smaller."""
     raw = memoryview(a.reshape(-1).view(np.uint8))
     if level == 0 or a.nbytes < _RAW_BELOW:
         return RAW, raw
-    preferred = SHUFFLE_ZSTD if a.dtype.itemsize > 1 else ZSTD
-    codecs = [preferred]
-    if a.nbytes <= _TRY_BOTH_UP_TO and a.dtype.itemsize > 1:
-        codecs.append(ZSTD)
+    if a.dtype.itemsize == 1:
+        codecs = [ZSTD]
+    elif a.dtype.kind == "f" and a.dtype.itemsize == 2 and a.nbytes >= _PRED_FROM \
+            and floatcodec.applies(a.shape):
+        codecs = [PRED_F16, SHUFFLE_ZSTD, ZSTD]
+    else:
+        codecs = [SHUFFLE_ZSTD] + ([ZSTD] if a.nbytes <= _TRY_BOTH_UP_TO else [])
     cctx = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
     best: tuple[int, bytes | memoryview] = (RAW, raw)
     for codec in codecs:
-        stored = cctx.compress(_shuffle(a) if codec == SHUFFLE_ZSTD else raw)
+        if codec == PRED_F16:
+            stored = floatcodec.encode(a, rotary)
+        else:
+            stored = cctx.compress(_shuffle(a) if codec == SHUFFLE_ZSTD else raw)
         if len(stored) < len(best[1]):
             best = (codec, stored)
     return best
@@ -246,11 +275,15 @@ def _decode(codec: int, stored: bytes, dtype: np.dtype, shape: tuple[int, ...],
             fail: Callable[[str], NoReturn]) -> np.ndarray:
     """The array a section's stored bytes encode (little-endian ``dtype``); ``fail(reason)``
     raises the caller's StateFileError."""
+    if codec == PRED_F16 and dtype.name != "float16":
+        fail(f"codec pred-f16 for a {dtype.name} section")
     try:
-        out = np.empty(shape, dtype=dtype)
+        out = np.empty(shape, dtype=np.float16 if codec == PRED_F16 else dtype)
     except (MemoryError, ValueError) as e:
         fail(f"cannot allocate {dtype.name} array of shape {shape} ({e})")
     raw_len = out.nbytes
+    if codec == PRED_F16:
+        return floatcodec.decode(stored, shape, fail, out)        # native float16
     if codec == RAW:
         if len(stored) != raw_len:
             fail(f"raw payload of {len(stored)} bytes for {raw_len} bytes of data")
@@ -296,15 +329,62 @@ def _fsync_dir(dirpath: str) -> None:
         os.close(fd)
 
 
+def _workers() -> int:
+    """Threads that encode or decode sections at once (the codecs release the GIL)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(4, n))
+
+
+@contextlib.contextmanager
+def _pool(n_jobs: int) -> Iterator[Callable]:
+    """``submit(fn, *args) -> future`` on a thread pool (inline when one thread will do);
+    queued jobs are dropped when the block exits with an exception."""
+    workers = min(_workers(), n_jobs)
+    if workers <= 1:
+        class _Done:
+            def __init__(self, fn, args):
+                self.fn, self.args = fn, args
+
+            def result(self):
+                return self.fn(*self.args)
+        yield lambda fn, *args: _Done(fn, args)
+        return
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="statefile")
+    try:
+        yield pool.submit
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _check_rotary(rotary: Any, names: set[str]) -> dict[str, Rotary]:
+    if rotary is None:
+        return {}
+    if not isinstance(rotary, Mapping):
+        _refuse(f"rotary must be a mapping of section names to Rotary, got {type(rotary).__name__}")
+    for name, r in rotary.items():
+        if name not in names:
+            raise ValueError(f"rotary names {name!r}, which is not one of the arrays")
+        if not isinstance(r, Rotary):
+            _refuse(f"rotary[{name!r}] is a {type(r).__name__}, not a statefile.Rotary")
+    return dict(rotary)
+
+
 def write_state(path: str | os.PathLike, header: dict, arrays: Mapping[str, np.ndarray], *,
-                level: int | None = None) -> dict:
+                level: int | None = None, rotary: Mapping[str, Rotary] | None = None) -> dict:
     """Write ``header`` and ``arrays`` to ``path`` atomically; see the module docstring.
 
     ``level``: zstd level 1..22 (default :data:`DEFAULT_LEVEL`), or 0 to store every
-    section raw. Returns ``{"path", "file_bytes", "raw_bytes", "seconds", "sections"}``,
-    ``sections`` mapping each name to ``{"codec", "raw_bytes", "stored_bytes"}``.
-    Raises ValueError for input the format cannot hold (before touching the disk) and
-    OSError for I/O failures.
+    section raw. ``rotary``: for float16 sections of keys that carry rotary position
+    embedding, their :class:`Rotary` frame (positions per row, channel pairs,
+    frequencies), which the ``pred-f16`` codec uses as a prediction frame (it changes
+    only the ratio; a frame that does not fit the section is ignored). Returns
+    ``{"path", "file_bytes", "raw_bytes", "seconds", "sections"}``, ``sections`` mapping
+    each name to ``{"codec", "raw_bytes", "stored_bytes"}``. Raises ValueError for input
+    the format cannot hold (before touching the disk) and OSError for I/O failures.
+    Sections are encoded on up to four threads.
     """
     t0 = time.perf_counter()
     level = DEFAULT_LEVEL if level is None else level
@@ -312,6 +392,7 @@ def write_state(path: str | os.PathLike, header: dict, arrays: Mapping[str, np.n
         raise ValueError(f"level must be an int in 0..{MAX_LEVEL}, got {level!r}")
     hdr = _encode_header(header)
     prepared = _prepare_arrays(arrays)
+    frames = _check_rotary(rotary, {name for name, *_ in prepared})
     # the table's size depends only on names and ranks: its place is reserved, the payloads
     # are streamed after it, and the table is written once their lengths and CRCs are known
     table_len = sum(_NAME_LEN.size + len(b) + _ENTRY_FIXED.size + _DIM.size * a.ndim
@@ -328,14 +409,15 @@ def write_state(path: str | os.PathLike, header: dict, arrays: Mapping[str, np.n
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
     sections: dict[str, dict] = {}
     try:
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f, _pool(len(prepared)) as submit:
+            jobs = [submit(_encode, a, level, frames.get(name)) for name, _, a, _ in prepared]
             f.write(preamble)
             f.write(hdr)
             f.write(_CRC.pack(zlib.crc32(hdr)))
             f.write(bytes(table_len + _CRC.size))
             entries = []
-            for name, bname, a, code in prepared:
-                codec, stored = _encode(a, level)
+            for (name, bname, a, code), job in zip(prepared, jobs):
+                codec, stored = job.result()
                 f.write(stored)
                 entries.append(_table_entry(bname, code, codec, a.shape, a.nbytes, len(stored),
                                             zlib.crc32(stored)))
@@ -470,6 +552,8 @@ class _Reader:
                 if raw_len != math.prod(shape) * dtype.itemsize:
                     self.fail(f"{what}: {raw_len} raw bytes do not match dtype {dtype.name} "
                               f"and shape {shape}")
+                if codec == PRED_F16 and dtype.name != "float16":
+                    self.fail(f"{what}: codec pred-f16 for a {dtype.name} section")
                 if codec == RAW and stored_len != raw_len:
                     self.fail(f"{what}: raw section stores {stored_len} bytes for {raw_len}")
                 entries.append((name, dtype, shape, codec, raw_len, stored_len, crc))
@@ -513,14 +597,19 @@ def read_state(path: str | os.PathLike) -> tuple[dict, dict[str, np.ndarray]]:
         header = r.header(f, header_len)
         entries = r.table(f, table_len, n_sections)
         r.check_size(f.tell(), entries)
-        arrays: dict[str, np.ndarray] = {}
-        for name, dtype, shape, codec, _raw_len, stored_len, crc in entries:
-            what = f"section {name!r}"
-            stored = r.read_exact(f, stored_len, what)
-            r.check_crc(stored, _CRC.pack(crc), what)
+        with _pool(len(entries)) as submit:
+            jobs = []
+            for name, dtype, shape, codec, _raw_len, stored_len, crc in entries:
+                what = f"section {name!r}"
+                stored = r.read_exact(f, stored_len, what)
+                r.check_crc(stored, _CRC.pack(crc), what)
 
-            def fail(reason: str, what: str = what) -> None:
-                r.fail(f"{what}: {reason}")
-            a = _decode(codec, stored, dtype, shape, fail)
-            arrays[name] = a if _LITTLE or a.dtype.itemsize == 1 else a.astype(dtype.newbyteorder("="))
+                def fail(reason: str, what: str = what) -> NoReturn:
+                    r.fail(f"{what}: {reason}")
+                jobs.append(submit(_decode, codec, stored, dtype, shape, fail))
+            arrays: dict[str, np.ndarray] = {}
+            for (name, dtype, *_), job in zip(entries, jobs):     # the first failure in order
+                a = job.result()
+                native = _LITTLE or a.dtype.itemsize == 1
+                arrays[name] = a if native else a.astype(dtype.newbyteorder("="))
     return header, arrays

@@ -1,7 +1,9 @@
-"""pyimp.statefile: round trips, detection of every truncation and bit flip, atomic
-writes, and the refusals at write time."""
+"""pyimp.statefile: round trips, detection of every truncation and bit flip (in every codec's
+payloads), atomic writes, files of the first release's codecs, and the refusals at write
+time."""
 from __future__ import annotations
 
+import base64
 import itertools
 import os
 import struct
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from pyimp import statefile
-from pyimp.statefile import StateFileError, read_header, read_state, write_state
+from pyimp.statefile import Rotary, StateFileError, read_header, read_state, write_state
 
 DTYPES = [np.float16, np.float32, np.uint8, np.int8, np.uint16, np.int32, np.int64, np.uint32]
 
@@ -84,14 +86,38 @@ def layout(data: bytes) -> list[tuple[str, int, int]]:
     return out
 
 
+def kv_plane(rows: int, channels: int, seed: int = 0) -> np.ndarray:
+    """float16 tokens x channels with correlated channels that drift with the token."""
+    rng = np.random.default_rng(seed)
+    walk = rng.normal(0, 0.3, (rows, channels)).cumsum(axis=0)
+    mix = rng.normal(0, 1, (channels, channels)) * (rng.random((channels, channels)) < 0.2)
+    return (walk @ (np.eye(channels) + mix) + rng.normal(0, 1, channels)).astype(np.float16)
+
+
+def section_codecs(data: bytes) -> dict[str, str]:
+    """The codec of each section of a state file, from its table."""
+    _, _, hlen, tlen, n, _ = struct.unpack_from("<8sIIIII", data)
+    table, t, out = data[28 + hlen + 4:28 + hlen + 4 + tlen], 0, {}
+    for _ in range(n):
+        (nlen,) = struct.unpack_from("<H", table, t)
+        name = table[t + 2:t + 2 + nlen].decode("utf-8")
+        t += 2 + nlen
+        _code, codec, ndim = struct.unpack_from("<BBB", table, t)
+        t += 3 + 8 * ndim + 20
+        out[name] = statefile.CODEC_NAMES[codec]
+    return out
+
+
 def sample_state(n: int) -> tuple[dict, dict[str, np.ndarray]]:
-    """A header and arrays that exercise every codec: smooth float16 and float32 planes
-    (shuffle-zstd), skewed uint8 codes (zstd), a small int32 array, incompressible bytes
-    (raw fallback), a 0-d array and an empty one (raw)."""
+    """A header and arrays that exercise every codec: a smooth float16 plane of a few
+    channels and a float32 one (shuffle-zstd), a KV-like float16 plane (pred-f16; from
+    n = 256), skewed uint8 codes (zstd), a small int32 array, incompressible bytes (raw
+    fallback), a 0-d array and an empty one (raw)."""
     rng = np.random.default_rng(7)
     t = np.linspace(0, 8, n)
     arrays = {
         "k.0": (np.sin(t)[:, None] * np.arange(1, 9)).astype(np.float16),
+        "k.1": kv_plane(n // 2, 16),
         "v.0": np.cos(t).astype(np.float32),
         "codes": np.clip(rng.normal(0, 12, n), -127, 127).astype(np.int8).view(np.uint8),
         "tokens": rng.integers(0, 262144, n // 4).astype(np.int32),
@@ -114,7 +140,8 @@ def fuzz_file(workdir) -> tuple[bytes, list[tuple[str, int, int]]]:
     path = workdir / "fuzz.pkv"
     header, arrays = sample_state(512)
     stats = write_state(path, header, arrays)
-    assert {s["codec"] for s in stats["sections"].values()} == {"raw", "zstd", "shuffle-zstd"}
+    assert {s["codec"] for s in stats["sections"].values()} == set(statefile.CODEC_NAMES.values())
+    assert stats["sections"]["k.1"]["codec"] == "pred-f16"
     data = path.read_bytes()
     return data, [r for r in layout(data) if r[2] > r[1]]
 
@@ -151,7 +178,8 @@ def test_round_trip_every_codec_and_level(workdir, level):
     if level == 0:
         assert set(codecs.values()) == {"raw"}
     else:
-        assert codecs["k.0"] == codecs["v.0"] == "shuffle-zstd"
+        assert codecs["v.0"] == "shuffle-zstd" and codecs["k.1"] == "pred-f16"
+        assert codecs["k.0"] in ("shuffle-zstd", "pred-f16")      # the smaller, as measured
         assert codecs["codes"] == "zstd"
         assert codecs["noise"] == codecs["n_past"] == codecs["empty"] == "raw"
         assert stats["file_bytes"] < stats["raw_bytes"]
@@ -171,16 +199,121 @@ def test_strided_big_endian_and_fortran_inputs(workdir):
 
 
 def test_real_kv_like_planes_compress(workdir):
-    """Smooth float16 planes (as KV caches are) shrink; NaN payloads survive bitwise."""
+    """Smooth float16 planes (as KV caches are) shrink, most with pred-f16; NaN payloads
+    survive bitwise."""
     rng = np.random.default_rng(0)
     k = (rng.normal(0, 1, (4, 64, 128)).cumsum(axis=1) * 0.1).astype(np.float16)
     k.reshape(-1)[::97] = np.array(0x7E01, dtype=np.uint16).view(np.float16)   # NaN payload
     path = workdir / "kv.pkv"
     stats = write_state(path, {"kind": "kv"}, {"k": k})
-    assert stats["sections"]["k"]["codec"] == "shuffle-zstd"
-    assert stats["sections"]["k"]["stored_bytes"] < 0.95 * k.nbytes
+    assert stats["sections"]["k"]["codec"] == "pred-f16"
+    assert stats["sections"]["k"]["stored_bytes"] < 0.9 * k.nbytes
     _, got = read_state(path)
     assert got["k"].view(np.uint16).tobytes() == k.view(np.uint16).tobytes()
+
+
+def test_rotary_frames_are_used_and_round_trip(workdir):
+    """Keys with RoPE applied: with their frame pred-f16 stores them smaller."""
+    T, D, h = 256, 32, 16
+    rng = np.random.default_rng(1)
+    z = rng.normal(0, 1, (T, D)) + rng.normal(0, 4, D)
+    theta = 10000.0 ** (-np.arange(h) / h)
+    ang = np.outer(np.arange(T), theta)
+    c, s = np.cos(ang), np.sin(ang)
+    k = np.concatenate([c * z[:, :h] - s * z[:, h:], s * z[:, :h] + c * z[:, h:]], 1)
+    k = k.astype(np.float16)[None]
+    frame = Rotary(np.arange(T), theta, np.stack([np.arange(h), np.arange(h) + h], 1))
+    path = workdir / "rope.pkv"
+    plain = write_state(path, {}, {"k": k})["sections"]["k"]
+    framed = write_state(path, {}, {"k": k}, rotary={"k": frame})["sections"]["k"]
+    assert framed["codec"] == "pred-f16" and framed["stored_bytes"] < plain["stored_bytes"]
+    _, got = read_state(path)
+    same_arrays(got, {"k": k})
+    misfit = Rotary(np.arange(T - 1), theta, frame.pairs)     # ignored
+    write_state(path, {}, {"k": k}, rotary={"k": misfit})
+    same_arrays(read_state(path)[1], {"k": k})
+
+
+# a file of the first release (format 1, codecs raw / zstd / shuffle-zstd) of these arrays
+FIRST_RELEASE_FILE = base64.b64decode("""
+UFlJTVBTVAABAAAAIgAAAOIAAAAGAAAAc9NJVHsibWFkZV9ieSI6ImZvcm1hdCAxLCBjb2RlY3MgMC0yIn1WnwXWAwBr
+LjABAgJgAAAAAAAAAAgAAAAAAAAAAAYAAAAAAACHBAAAAAAAAD+W11sDAHYuMAICAWAAAAAAAAAAgAEAAAAAAABFAQAA
+AAAAAHTzrncFAGNvZGVzAwEBLAEAAAAAAAAsAQAAAAAAABkBAAAAAAAARwSZRgYAdG9rZW5zBgIBKAAAAAAAAACgAAAA
+AAAAAGQAAAAAAAAA8SDqkgUAbm9pc2UDAAFQAAAAAAAAAFAAAAAAAAAAUAAAAAAAAADubU5DBgBuX3Bhc3QHAAAIAAAA
+AAAAAAgAAAAAAAAA0n/Jta1/5cMotS/9ZAAFzSMAZD8AAGNjCmO8CrdjYmIKYrsKtmIICAwICgwOCF1dBl20BrJdsLAE
+sC4E2rAApqb5ps/5EaZKSu9KnO+hSuvrcOtmcC7rioroihbouYomJlwmeFxBJr+/z7/Xz8e/Kio/KjQ/SSpzc6xzj6zI
+c7m5FrnnFiK5/v59/j19Xv5AQOBAkOCYQICAIIDgINCAvb1OvSxOBr34+Hr4dno5+DAwpDC8pGowZWXMZf7MmWWYmPKY
+H/LFmMfHFcc8Fe7H8/M281g2FfMcHFUcclU5HEJCckKJclpCZWWMZZ+MeGWEhKOEs6OUhKCguKDEuKyguLjKuNPKwbjN
+zdrN4NrTzd7e597r5+Pe7Ozx7PTx7+z29vn2+vn49v39/v3+/v39AP/7+/z7/fz7+/Pz9vP49vTz5+ft5/Ht6ufY2OLY
+5+Ld2MXF1MXb1M3Fr6/Dr83Dua+VlbCVvbCjlXh4mnirmol4WFiCWJeCbVg0NGc0gGdNNA0NSg1oSisN4uIq4k0qBuK1
+tQi1MQjetYSE44QT47SEUVG9UeW9h1EbG5QboZRXG+HhaeFaaSXhpqY8pg888aZnZw5nwQ66ZycnuidwuoIn4+NV4xxV
+R+Oenu2exu0KnldXgldsgphXDQ0UDREUFw2yo5OE6uow6lIwDepNTbpN4LqDTa2tQq0YQvetCwuQC02QaQtmZplmf5my
+Zn5+n36vn45+LS2iLbiiZy3Z2UbZEEY+2QcHRQdkRSYHWFiEWG6Emlibm/SbIfTHmywsQiw3Qk4seXmbeaybinlsbNFs
+BNGfbIyM04yv0/aM4eFo4VloJeEyMmYyf2ZMMkBAYEBQYHFA5uZY5h9YSeaJiSaJ6ybYiSkpnymzn2QpYWGJYZ2JdWH5
++fv5+/v6+UZGaUZYaXtGjo7VjrLV+Y7U1D7UCT451BgYoxheo3UYWVkDWa8DrlmYmDKY/jLlmNTUX9RJXxrUDg6KDpGK
+TA4pLTAxMjQ0NS0xNDU2ODg5MDQ2ODk6OzwxNTg5Ojw8PTI2OTo8PT0+NDg6PD0+P0BAQDU5O0E1OTw9P0BBQTY6PD5A
+QEFCNztCQzg8PkBBQkNEP0BBQ0RCQ0REOT0/RTk9QEFCRENERTo+RUZEQUJERUZGOz9GRzxAQkhGREJEQ0Q2Oj1CMzc5
+Ozw9Pj8yNjg6MDQ3PC8zNTcsMDI0NTY3OCYqLC4wMDEypKiqrK2ur7Crr7GztLW2t66ytLa4uLm6sLS2uLm6u7yxtbi5
+u7y9vbO3vr+0uLrAtLi7vL6/wMC1uby9vsDAwba6wcK2ur2+wMHBwre7vcO4vL7Ev8DCw8TEub2/wcLDxMW5vcDBwsTD
+xMXFur7AwsPExcY7ILAio5n5kDyCK7NZf31/aYP3qcRuFu1jHVk0/7fboE1nY9kBA3YlLh3GZgmnEJrbc8TWCSwZ4M7G
+YdsAxSTAPjaslWBsAM83jSEmRqC3wau9jh4h1i7yo4Q7Yqy0+GVMxojCeDWbD8IVQRIe7LGhbUlkrY8kcEIQMoubUWY9
+zDZiFa7VKLUv/WSAAL0JALQSAOrE3LYJwv8UhQmHF/+23UHbzF8CSu7Izza6xB++wWkynDq6ybDWvlBak5Cc0hMsDdHh
+LCS7Bzut1lXxmGGQlAq8pvMAW8Y0z/IvSz87ogxES1TFNnBvXI+REvM8He8wAMUX9WBZ3/Wd1qQHA5jLnRIr7Vt4R8wM
+CpajRohwCVzkqBmSMV8z6sacDSNl+EI40gZmj3gdfI9TxeKlDRa9AN1QWfUk4i8Lc2jq95C1ZqVxzLczQ+ci9mVyIHBo
+CVZVgH9/fXx6d3RxbWllYFpUTkhBOTIqIhkRCP3q18Ovm4ZiOA7GYVPvkeceSXOOorfL3vICCxQdJS01PENKUVdcYmZr
+b3J2eHt9fn9/f39+fXt5dnNwbGdjXVhSTEU+Ny8nPz8+PT08vL29vr8EEAAa8Uy7ROopHP7Rmyi1L/1kLABdCADG0kEx
+kKVpAymye8mSTUgixO7WEFv71Sr///////////+1HL+y/+3NGtkmjUg2iexNiMiUAjQANQAyAEyU6GIhj6MiTzalcQtr
+Pmvyn+Wi7sm6ZSJhgnPmYAo+HmBfmaL/8M2dKnwXAvWRt7VRcATtsAGxvkEjq8bippg/RY7h7x2tpyQAIQZGbySROFgs
++3y/4PWgnkS2MBUQzUmZ573F5HY0BYgnZsjPz/2Vmf10kzwKXovUHHqsJIVUaoa6dbsAEtSXseQQOm4dyKK9fJ077XRb
+cV8CtaEP3aAYtbIqS0yICQDl/A13F8Ll5rSD3oFVsjMjNnf10cz/0XNai9q0gGvRM5ZYNmUHEABDyao2KLUv/SSgvQIA
+9ATZj49JU82Tq62udXeesAItnar/TbLXNgPMv3alI3QmJnOZzJF2ZRscAgEAAQMBAgEAAwAAAQMCAAMDAQEAAgAAAwEB
+AgACAQMBAAEBAgIAAQCPoyAKn7Du0RSJX3Kjwe3VMuFAsPaNjmpiey6vvAL/Pr9tpVgDTfM425feW8amoqb2/d0q/iE/
+DDSlLrHDjJQ+g2SGYLmFzU2Ge7xC4oQsQv42JjvDBAm7YAAAAAAAAAA=
+""")
+
+
+def first_release_arrays() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(3)
+    t = np.linspace(0, 4, 96)
+    return {
+        "k.0": (np.sin(t)[:, None] * np.arange(1, 9)).astype(np.float16),
+        "v.0": np.cos(t).astype(np.float32),
+        "codes": np.clip(rng.normal(0, 12, 300), -127, 127).astype(np.int8).view(np.uint8),
+        "tokens": rng.integers(0, 1000, 40).astype(np.int32),
+        "noise": rng.integers(0, 256, 80, dtype=np.uint8),
+        "n_past": np.array(96, dtype=np.int64),
+    }
+
+
+def test_first_release_files_still_load(workdir):
+    path = workdir / "first.pkv"
+    write_bytes(path, FIRST_RELEASE_FILE)
+    header, got = read_state(path)
+    assert header == {"made_by": "format 1, codecs 0-2"}
+    same_arrays(got, first_release_arrays())
+    assert set(section_codecs(FIRST_RELEASE_FILE).values()) == {"raw", "zstd", "shuffle-zstd"}
+
+
+def test_pred_codec_on_a_section_that_is_not_float16_is_refused(workdir, fuzz_file):
+    """The table names each section's codec: pred-f16 on an int32 section is corrupt."""
+    content, regions = fuzz_file
+    table = next(r for r in regions if r[0] == "section table")
+    data = bytearray(content)
+    hlen, tlen, n = struct.unpack_from("<III", content, 12)
+    t, pos = table[1], 0
+    for _ in range(n):
+        (nlen,) = struct.unpack_from("<H", content, t + pos)
+        name = content[t + pos + 2:t + pos + 2 + nlen].decode()
+        pos += 2 + nlen
+        if name == "tokens":
+            data[t + pos + 1] = statefile.PRED_F16
+        ndim = content[t + pos + 2]
+        pos += 3 + 8 * ndim + 20
+    struct.pack_into("<I", data, t + tlen, zlib.crc32(bytes(data[t:t + tlen])))
+    path = workdir / "pred-int.pkv"
+    write_bytes(path, bytes(data))
+    with pytest.raises(StateFileError, match="codec pred-f16 for a int32 section"):
+        read_state(path)
 
 
 # ------------------------------------------------------------------- the file layout
@@ -329,11 +462,11 @@ def test_failed_write_leaves_the_old_file(tmp_path, monkeypatch, where):
     if where == "codec":                     # fails on the second section: the first is written
         real, calls = statefile._encode, []
 
-        def encode(a, level):
+        def encode(*args):
             calls.append(1)
             if len(calls) == 2:
                 raise Boom("codec")
-            return real(a, level)
+            return real(*args)
         monkeypatch.setattr(statefile, "_encode", encode)
     elif where == "fsync":
         monkeypatch.setattr(statefile.os, "fsync", lambda fd: (_ for _ in ()).throw(Boom("fsync")))
@@ -423,6 +556,17 @@ def test_non_json_header_is_refused(tmp_path, header, names):
     for part in names:
         assert part in str(e.value)
     assert path.read_bytes() == b"keep" and _listing(tmp_path) == ["x.pkv"]
+
+
+@pytest.mark.parametrize(("rotary", "match"), [
+    ({"nope": Rotary([0], [1.0], [[0, 1]])}, "'nope', which is not one of the arrays"),
+    ({"a": (np.arange(2), [1.0], [[0, 1]])}, "rotary\\['a'\\] is a tuple"),
+    ([1], "rotary must be a mapping"),
+])
+def test_bad_rotary_is_refused(tmp_path, rotary, match):
+    with pytest.raises(ValueError, match=match):
+        write_state(tmp_path / "x.pkv", {}, {"a": np.zeros((2, 2), np.float16)}, rotary=rotary)
+    assert _listing(tmp_path) == []
 
 
 @pytest.mark.parametrize("level", [-1, 23, 1.5, True, "3"])
