@@ -1,9 +1,11 @@
 """Saved engine state (prompt-cache files): exact reload, prefix reuse, refusals that leave the
-engine untouched, and the CLI's --prompt-cache."""
+engine untouched, the CLI's --prompt-cache, version-2 files, and the codec the float KV
+sections get."""
 from __future__ import annotations
 
 import json
 import os
+import struct
 
 import numpy as np
 import pytest
@@ -12,7 +14,8 @@ from hypothesis import strategies as st
 
 import pyimp
 from pyimp.cli import main
-from pyimp.statefile import StateFileError
+from pyimp import state as state_mod
+from pyimp.statefile import StateFileError, read_state, write_state
 from tools.write_synthetic_gguf import SynthSpec, write
 from tools.write_synthetic_gguf import prompt_ids as _ids
 
@@ -60,6 +63,65 @@ def test_reloaded_state_gives_bit_identical_logits(model, tmp_path, opts):
     assert np.array_equal(got, ref)
     if a.sparse is not None:
         assert np.array_equal(np.asarray(a.sparse.importance_), np.asarray(b.sparse.importance_))
+
+
+def test_version_2_files_still_load(model, tmp_path):
+    """Version 2 stored a float side's blocks as the cache holds them ([Hkv][nlb][B*D], V
+    channel-major): such a file loads and the engine continues bit for bit."""
+    ids = _ids(90)
+    a = pyimp.load(model, n_ctx=256, block_len=32, batch_size=32, kv_type="f16")
+    first = a.eval(ids)[-1]
+    a.save_state(tmp_path / "v3.pkv")
+    header, arrays = read_state(tmp_path / "v3.pkv")
+    assert header["version"] == state_mod.VERSION == 3
+    c = a.cache
+    for il in range(c.n_layer):
+        bt = c.table(il)[:-(-c.slot_count(il) // c.block_len)].astype(np.int64)
+        arrays[f"k.{il}"] = c.k_store[il][:, bt]
+        arrays[f"v.{il}"] = c.v_store[il][:, bt]
+    write_state(tmp_path / "v2.pkv", dict(header, version=2), arrays)
+    ref = _greedy(a, first, 40)
+    b = pyimp.load(model, n_ctx=256, block_len=32, batch_size=32, kv_type="f16")
+    assert b.load_state(tmp_path / "v2.pkv") == 90 and b.tokens == ids
+    assert np.array_equal(_greedy(b, first, 40), ref)
+    write_state(tmp_path / "v1.pkv", dict(header, version=1), arrays)
+    _state_error(b, tmp_path / "v1.pkv", "state version 1 is not supported")
+
+
+def _payload_flags(path, name) -> int:
+    """Byte 1 (the flags) of section ``name``'s payload in a state file."""
+    data = open(path, "rb").read()
+    _, _, hlen, tlen, n, _ = struct.unpack_from("<8sIIIII", data)
+    t, table = 0, data[28 + hlen + 4:28 + hlen + 4 + tlen]
+    at = 28 + hlen + 4 + tlen + 4
+    for _ in range(n):
+        (nlen,) = struct.unpack_from("<H", table, t)
+        sec = table[t + 2:t + 2 + nlen].decode()
+        t += 2 + nlen
+        ndim = table[t + 2]
+        t += 3 + 8 * ndim
+        _, stored, _ = struct.unpack_from("<QQI", table, t)
+        t += 20
+        if sec == name:
+            return data[at + 1]
+        at += stored
+    raise KeyError(name)
+
+
+def test_float16_kv_gets_the_predictive_codec_and_the_keys_their_rope_frame(model, tmp_path):
+    a = pyimp.load(model, n_ctx=256, block_len=32, batch_size=32, kv_type="f16")
+    a.eval(_ids(200))
+    path = tmp_path / "s.pkv"
+    stats = a.save_state(path)
+    assert stats["sections"]["k.0"]["codec"] == stats["sections"]["v.0"]["codec"] == "pred-f16"
+    assert _payload_flags(path, "k.0") & 1 and not _payload_flags(path, "v.0") & 1
+    kv = [s for name, s in stats["sections"].items() if name[0] in "kv"]
+    assert sum(s["raw_bytes"] for s in kv) == a.cache.bytes_held()
+    frame = state_mod._rope_frame(a, 0, a.cache.positions(0), 7 * 32)
+    assert frame.pairs[:2].tolist() == [[0, 1], [2, 3]]                 # llama: adjacent pairs
+    assert frame.positions.tolist() == list(range(7 * 32))
+    rotated = pyimp.load(model, n_ctx=256, block_len=32, kv_type="f16", kv_rotate=True)
+    assert state_mod._rope_frame(rotated, 0, np.arange(4), 4) is None
 
 
 def test_prefix_reuse_evaluates_only_the_rest(model, tmp_path):
