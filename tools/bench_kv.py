@@ -81,7 +81,9 @@ def run_pyimp(opts: dict, toks: list[int], score: int, state_path: str | None = 
         stats = eng.save_state(state_path)
         out["save_s"] = time.perf_counter() - t
         out["file_bytes"] = os.path.getsize(state_path)
-        out["raw_kv_bytes"] = int(len(prefix) * eng.cache.layer_token_bytes() * eng.cfg.n_layer)
+        # the KV the state holds: sliding-window layers keep only their window, so this is
+        # far less than len(prefix) * layer_token_bytes * n_layer (the untrimmed context)
+        out["raw_kv_bytes"] = int(eng.cache.bytes_held())
         del stats
         fresh = pyimp.load(None, n_ctx=len(toks) + 8, **opts)
         t = time.perf_counter()
