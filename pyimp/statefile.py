@@ -78,13 +78,17 @@ coded form is not smaller than the raw bytes, are stored ``raw``. Sections are e
 and decoded on up to four threads (the codecs release the GIL).
 
 ``tools/bench_statefile.py`` measures these choices on a real KV cache (Gemma 3 270M,
-f16, after a 4032-token prefill; 20.25 MB of KV held): the byte-plane split separates
-the skewed sign/exponent bytes of float data from their near-random low mantissa bytes,
-so zstd's entropy coder models each plane on its own (1.156x on that cache, decoding at
-1-2 GB/s); ``pred-f16`` models the values themselves (keys in their un-rotated frame,
-a first layer's repeated tokens) and reaches 1.259x, decoding at 30-40 MB/s: 0.5-0.7 s
-for that state, 5-6 % of the ~11 s prefill it replaces. zstd's default level 3 comes
-within 1 % of level 9's ratio at 3-5 times its compression speed; decoding speed hardly
+f16, after a 4032-token prefill of pydoc text; 20.25 MB of KV held, each layer's K and
+V a section): the byte-plane split separates the skewed sign/exponent bytes of float
+data from their near-random low mantissa bytes, so zstd's entropy coder models each
+plane on its own (1.16x on those sections, decoding at 1-2 GB/s; plain zstd 1.08x);
+``pred-f16`` models the values themselves (keys in their un-rotated frame, the first
+layer's recurring tokens) and reaches 1.259x, decoding at 26-39 MB/s: the whole state
+(1.264x against the raw bytes of all its sections, 1.258x against the KV it holds)
+reads in 0.3-0.65 s, 3-6 % of the ~11 s prefill it replaces. Subtracting each value's
+predecessor in its channel (as ordered integers, or XOR) before the shuffle does not
+help (1.134x / 1.138x on the keys against 1.136x). zstd's default level 3 comes within
+1 % of level 9's ratio at 3-5 times its compression speed; decoding speed hardly
 depends on the level.
 """
 from __future__ import annotations
