@@ -624,9 +624,6 @@ class Engine:
         if self.file is None:
             raise self._closed()
         self._host_only("saving a state")
-        if self.merger is not None:
-            raise ValueError("saving a state of a cache with merged tokens (--kv-merge) is not "
-                             "supported: state files do not hold the slots' multiplicities")
         from . import state
         return state.save(self, path)
 

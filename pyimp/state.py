@@ -13,6 +13,7 @@ written atomically). Its header holds::
     max_evicted per layer, the largest position it dropped (-1: none)
     tail_k / tail_v   per layer, the slot block held in the float tail of a quantized side
                 (-1: none)
+    merged      whether the cache carries slot multiplicities (``--kv-merge``; absent: no)
 
 and its sections, per layer in slot block order (``nlb = ceil(slots / B)``; block ids are
 not saved: a loaded state takes fresh physical blocks from the pools)::
@@ -28,6 +29,9 @@ not saved: a loaded state takes fresh physical blocks from the pools)::
                            (r = slots % B when the tail holds a block, else 0)
     importance.<il>        float16 [nlb][B][Hq] (sparse engines)
     anchor.<il>            float16 [nlb][A][Ha][D] (sparse engines, anchor layers)
+    lmul.<il>              float32 [nlb][B]: each slot's log-multiplicity (merged caches;
+                           loading one gives the engine's cache the multiplicities, with or
+                           without --kv-merge, since attention depends on them)
 
 Loading checks the header (model, geometry, sparse options) before decoding anything and
 every section before touching the engine: a file from another model, geometry or version,
@@ -193,10 +197,13 @@ def save(engine, path: str | os.PathLike) -> dict:
             arrays[f"importance.{il}"] = sp.importance_[il, tables[il]]
         for il in sp.anchor_.layers:
             arrays[f"anchor.{il}"] = sp.anchor_.storage(il)[tables[il]]
+    if c.lmul is not None:           # merged slots' log-multiplicities (pyimp.kv_merge)
+        for il in range(c.n_layer):
+            arrays[f"lmul.{il}"] = np.ascontiguousarray(c.lmul[il, tables[il]])
     header = {"format": FORMAT, "version": VERSION, "model": engine.file.fingerprint(),
               "geometry": geometry(engine), "sparse": _sparse_desc(engine), "n_tokens": n,
               "slots": slots, "max_evicted": [int(x) for x in c.max_evicted[0]],
-              "tail_k": tails["k"], "tail_v": tails["v"]}
+              "tail_k": tails["k"], "tail_v": tails["v"], "merged": c.lmul is not None}
     return write_state(path, header, arrays, rotary=frames)
 
 
@@ -297,6 +304,11 @@ def load(engine, path: str | os.PathLike) -> int:
         anchors = {il: need(f"anchor.{il}", (nlbs[il],) + sp.anchor_.storage(il).shape[1:],
                             np.float16)
                    for il in sp.anchor_.layers}
+    lmul = None
+    if header.get("merged"):
+        lmul = [need(f"lmul.{il}", (nlbs[il], B), np.float32) for il in range(L)]
+        if any(not (np.isfinite(x).all() and (x >= 0).all()) for x in lmul):
+            raise StateFileError(path, "a slot multiplicity (lmul) is negative or not finite")
     # everything checked: now replace the engine's state
     engine.reset()
     c.install(n, positions, header["max_evicted"])
@@ -311,6 +323,12 @@ def load(engine, path: str | os.PathLike) -> int:
             data, tail, tail_lb = item
             store[il][:, bt] = data
             c.set_tail(side, il, tail, int(bt[tail_lb]) if tail_lb >= 0 else -1)
+    if lmul is not None:
+        c.enable_merging()
+    if c.lmul is not None:
+        c.lmul[:] = 0
+        for il in range(L if lmul is not None else 0):
+            c.lmul[il, tables[il]] = lmul[il]
     engine.tokens = [int(t) for t in tokens]
     if sp is not None:
         for il in range(L):

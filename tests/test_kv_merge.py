@@ -301,8 +301,35 @@ def test_engine_merges_a_repeated_prompt(llama, kv):
     eng, rows = _run(llama, ids, 12, track=True, kv_type=kv, kv_merge=0.5, kv_merge_bits=2)
     assert eng.merger.merged > 0 and np.isfinite(rows).all()
     assert all(eng.cache.slot_count(il) < len(eng.tokens) for il in range(2))
-    with pytest.raises(ValueError, match="merged tokens"):
-        eng.save_state("/tmp/never-written.pkv")
+
+
+@pytest.mark.parametrize("merge_on_load", [0.5, 0.0])
+def test_a_merged_state_reloads_bit_for_bit(llama, tmp_path, merge_on_load):
+    """The state file keeps the slots' multiplicities: a fresh engine (merging or not) that
+    loads it continues with the logits of the engine that saved it."""
+    ids = [1] + [7] * 100
+    eng, _ = _run(llama, ids, 3, track=True, kv_merge=0.5, kv_merge_bits=2)
+    path = str(tmp_path / "m.pkv")
+    eng.save_state(path)
+    assert eng.merger.merged > 0
+    want = [eng.eval([t])[-1] for t in (5, 9, 11)]
+    fresh = pyimp.load(llama, n_ctx=256, block_len=8, batch_size=16, track=True,
+                       kv_merge=merge_on_load, kv_merge_bits=2)
+    fresh.eval([3, 4, 5])                # a different state first: load replaces it all
+    fresh.load_state(path)
+    assert fresh.cache.lmul is not None and fresh.cache.lmul.max() > 0
+    got = [fresh.eval([t])[-1] for t in (5, 9, 11)]
+    assert np.array_equal(np.array(want), np.array(got))
+    plain = pyimp.load(llama, n_ctx=256, block_len=8, batch_size=16, track=True)
+    plain.load_state(path)
+    assert not np.array_equal(np.array(want)[0], _without_bias(plain, 5))
+
+
+def _without_bias(eng, tok):
+    """The next logits if the loaded multiplicities were ignored (they matter: a check that
+    the reload test above compares something the multiplicities change)."""
+    eng.cache.lmul[:] = 0
+    return eng.eval([tok])[-1]
 
 
 @pytest.mark.parametrize("kw, msg", [
