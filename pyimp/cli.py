@@ -519,7 +519,8 @@ def run(args: argparse.Namespace) -> int:
         if engine.timings.extra.get("prefix_restarted") and not args.json:
             print(f"prompt cache {args.prompt_cache}: the prompt was processed again in full: the "
                   f"cache had dropped tokens its prefix needs (sliding-window layers keep only "
-                  f"their window; --swa-full keeps them)", file=err)
+                  f"their window, --swa-full keeps them; --kv-policy and --kv-merge drop or "
+                  f"merge tokens)", file=err)
     if engine.policy is not None:
         timings["kv_bytes_held"] = engine.cache.bytes_held()
         timings["kv_evicted"] = engine.policy.evicted
