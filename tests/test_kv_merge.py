@@ -13,7 +13,7 @@ from pyimp import kv_merge
 from pyimp.attention import attention_decode, attention_prefill
 from pyimp.kvcache import KVCache
 from pyimp.sparse.sparse_attention import every_block, sparse_attention_decode
-from tools.write_synthetic_gguf import SynthSpec, write
+from test_kv_policy import _run, llama  # noqa: F401  (the policy tests' model and runner)
 from tools.write_synthetic_gguf import prompt_ids as _ids
 
 
@@ -266,21 +266,6 @@ def test_write_slots_quantizes_rows_as_the_writer_does():
 
 
 # ----------------------------------------------------------------- the engine
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    return write(tmp_path_factory.mktemp("merge") / "llama.gguf",
-                 SynthSpec(arch="llama", n_layer=2, n_embd=128, n_head=4, n_head_kv=2, n_ff=256,
-                           vocab_size=300, seed=5))
-
-
-def _run(path, ids, n_decode, **opts):
-    eng = pyimp.load(path, n_ctx=256, block_len=8, batch_size=16, **opts)
-    rows = [eng.eval(ids)[-1]]
-    for _ in range(n_decode):
-        rows.append(eng.eval([int(np.argmax(rows[-1]))])[-1])
-    return eng, np.array(rows)
 
 
 def test_engine_without_duplicates_is_unchanged(llama):
