@@ -41,6 +41,13 @@ PAIRS = [("q8_0", "q4_0"), ("q4_0", "q8_0"), ("q4_1", "q5_1"), ("q5_0", "q4_1"),
          ("q5_1", "q5_0"), ("q8_0", "f16"), ("f32", "q4_1")]
 
 
+def _rotate(configs):
+    """Each pair with one of the configs in turn (every config on two or three pairs): the
+    configs (tail lengths, windows, observation windows) are type-independent code paths, and
+    every case reads full quantized blocks of both its types besides."""
+    return [(*pair, *configs[i % len(configs)]) for i, pair in enumerate(PAIRS)]
+
+
 def _imp_close(got, want):
     """importance within one fp16 ulp (the per-entry P differs in the last bits of exp, which
     can flip one rounding to fp16)."""
@@ -255,8 +262,7 @@ def test_channel_layout_is_refused_on_the_device():
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tk,tv", PAIRS)
-@pytest.mark.parametrize("n,window", [(21, 0), (24, 0), (22, 9)])
+@pytest.mark.parametrize("tk,tv,n,window", _rotate([(21, 0), (24, 0), (22, 9)]))
 def test_decode_dense_matches_reference(tk, tv, n, window):
     """Dense decode (with importance) over quantized layers, tails of one token, none and two
     tokens, and a sliding window."""
@@ -319,8 +325,8 @@ def test_sparse_decode_matches_reference(tk, tv, granularity):
     _imp_close(device.to_host(dimp), imp_want)
 
 
-@pytest.mark.parametrize("tk,tv", PAIRS)
-@pytest.mark.parametrize("window,obs_start,decay", [(0, 0, 1.0), (0, 9, 0.5), (5, 4, 1.0)])
+@pytest.mark.parametrize("tk,tv,window,obs_start,decay",
+                         _rotate([(0, 0, 1.0), (0, 9, 0.5), (5, 4, 1.0)]))
 def test_prefill_matches_reference(tk, tv, window, obs_start, decay):
     """Prefill of a second chunk (its keys already cached, the last block in the tail) with
     the prefill-importance kernel (observation window, decay)."""

@@ -1,0 +1,76 @@
+"""The simulator's barrier scheduler (fastsim.py): barriers across rounds, threads that exit
+before a barrier, exceptions that abort the block instead of hanging it, and the
+syncthreads reductions built on it."""
+import os
+
+import numpy as np
+import pytest
+from numba import cuda, int32
+
+pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
+                                reason="the simulator's scheduler")
+
+
+def test_installed():
+    from numba.cuda.simulator import kernel as K
+    assert getattr(K.BlockManager, "_pyimp_barrier", False)
+
+
+@cuda.jit
+def _rounds(out, n_rounds, exit_from):
+    """Each round every live thread adds its id to a shared slot after a barrier; threads
+    with id >= exit_from leave after the first round."""
+    sh = cuda.shared.array(64, int32)
+    tid = cuda.threadIdx.x
+    for r in range(n_rounds):
+        sh[tid] = tid + r
+        cuda.syncthreads()
+        # read a neighbour's slot: wrong unless the barrier waited for it
+        j = (tid + 1) % cuda.blockDim.x
+        if j < exit_from or r == 0:
+            out[cuda.blockIdx.x, r, tid] = sh[j]
+        cuda.syncthreads()
+        if tid >= exit_from:
+            return
+
+
+@pytest.mark.parametrize("threads,exit_from", [(1, 1), (8, 8), (8, 3), (16, 0)])
+def test_barriers_with_early_exits(threads, exit_from):
+    R = 4
+    out = np.full((2, R, threads), -1, np.int32)
+    _rounds[2, threads](out, R, exit_from)
+    for b in range(2):
+        for r in range(R):
+            for t in range(threads):
+                j = (t + 1) % threads
+                live = r == 0 or t < exit_from
+                want = j + r if live and (j < exit_from or r == 0) else -1
+                assert out[b, r, t] == want, (b, r, t)
+
+
+@cuda.jit
+def _raises(out):
+    tid = cuda.threadIdx.x
+    cuda.syncthreads()
+    out[tid] = 1          # out has fewer elements than threads: the last threads raise
+    cuda.syncthreads()    # the others wait here until the block is aborted
+
+
+def test_an_exception_aborts_the_block():
+    with pytest.raises(IndexError, match=r"tid=\[7"):
+        _raises[1, 8](np.zeros(7, np.int32))
+
+
+@cuda.jit
+def _count(x, out):
+    tid = cuda.threadIdx.x
+    out[0] = cuda.syncthreads_count(x[tid] > 0)
+    out[1] = cuda.syncthreads_or(x[tid] > 5)
+    out[2] = cuda.syncthreads_and(x[tid] >= 0)
+
+
+def test_syncthreads_reductions():
+    x = np.array([0, 3, 7, 1, 0, 2], np.int32)
+    out = np.zeros(3, np.int32)
+    _count[1, 6](x, out)
+    assert out.tolist() == [4, 1, 1]
