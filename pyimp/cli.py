@@ -214,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--stride", type=_int_at_least(1, "--stride"), default=4,
                     help="strided: every stride-th block back from the newest")
     sp.add_argument("--recall-target", type=_float_in(0.0, 1.0, "--recall-target"), default=0.0,
-                    help="pick blocks in score order until the anchors' estimate of the captured "
-                    "softmax mass reaches this (e.g. 0.95; --topk is then the floor)")
+                    help="pick blocks heaviest first until the captured softmax mass estimated "
+                    "from the anchors reaches this (e.g. 0.95; --topk is then the floor)")
     sp.add_argument("--recall-max-blocks", type=_int_at_least(0, "--recall-max-blocks"), default=0,
                     help="ceiling on the blocks --recall-target picks (0: none)")
     sp.add_argument("--report", action="store_true",

@@ -45,9 +45,8 @@ from .kvcache import KVCache
 from .sparse import AnchorType, RetrievalType, compute_anchors, retrieve_blocks, sparse_attention_decode
 from .sparse.anchors import group_shared, min_anchor_num
 from .sparse.importance import decay_importance
-from .sparse.anchors import anchor_slots
-from .sparse.retrieval import (ORDERED_ANCHORS, n_sets, recent_blocks, select_blocks,
-                               select_for_recall, set_scores)
+from .sparse.retrieval import (block_center_logits, n_sets, recent_blocks, select_blocks,
+                               select_for_recall)
 from .sparse.select_modes import MODES, LayerKeys, block_max, pattern_scores
 
 # decode steps whose block selections are kept (per sparse layer) for heatmaps and reports;
@@ -82,7 +81,7 @@ class SparseOptions:
     lsh_bits: int = 8               # lsh: hyperplanes (bits) per table
     lsh_min_hits: int = 2           # lsh: agreeing tables that make a token a candidate
     stride: int = 4                 # strided: every stride-th block back from the newest
-    recall_target: float = 0.0      # > 0: blocks in score order until the estimated recall reaches it
+    recall_target: float = 0.0      # > 0: blocks heaviest first until the estimated recall reaches it
     recall_max_blocks: int = 0      # ceiling of the blocks picked for the recall target (0: none)
     report: bool = False            # measure attention recall (runs dense attention too)
     track: bool = False             # keep importance_ (and selections) even when not sparse
@@ -571,7 +570,7 @@ class SparseState:
                    scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
         """The blocks layer il attends: every block at full budget, else its lead layer's cached
         selection while fresh (plus the blocks started since), else a new retrieval (with a
-        recall target: blocks in score order until the estimated recall reaches it)."""
+        recall target: blocks heaviest first until the estimated recall reaches it)."""
         o, B = self.opts, self.cache.block_len
         n_lb = -(-n_ctx // B)
         if n_ctx // B <= o.init_blocks + o.topk + o.local_blocks:
@@ -623,10 +622,11 @@ class SparseState:
         Hq = q.shape[0]
         nsets = n_sets(self.retrieval_type, Hq, self.n_head_kv)
         anchor = self._fresh_anchors(il, n_ctx)
-        scores = set_scores(q, anchor, self.cache.table(il), 0, -(-n_ctx // B), nsets,
-                            anchor_slots(self.anchor_type, anchor.shape[1]), Hq // self.n_head_kv,
-                            group_shared(self.anchor_type), self.anchor_type in ORDERED_ANCHORS)
-        return select_for_recall(scores, n_ctx, B, o.init_blocks, o.local_blocks, Hq // nsets,
+        n_lb = -(-n_ctx // B)
+        n_valid = np.minimum(B, n_ctx - np.arange(n_lb) * B)
+        logits = block_center_logits(q, anchor, self.cache.table(il), n_valid, self.anchor_type,
+                                     Hq // self.n_head_kv)
+        return select_for_recall(logits, n_ctx, B, o.init_blocks, o.local_blocks, Hq // nsets,
                                  scale, o.recall_target, o.topk, o.recall_max_blocks)
 
     def _record_selection(self, il: int, sel: np.ndarray, cnt: np.ndarray) -> None:

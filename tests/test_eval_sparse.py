@@ -188,7 +188,7 @@ def test_passkey_prompt_and_eval(model):
 
 def test_recall_target_row(model, ids):
     """A --recall-target configuration runs through the harness: labelled, no oracle (it has
-    no fixed block count). On this random-weight model the anchors' bounds are nearly flat, so
+    no fixed block count). On this random-weight model the blocks' estimated masses are nearly flat, so
     a target of 0.5 takes about half the context and 0.99 nearly all of it."""
     rows = ev.decode_quality(model, ids, CTX, STEPS,
                              [ev.SparseConfig("quest", 0, recall_target=t) for t in (0.5, 0.99)],

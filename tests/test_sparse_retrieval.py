@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from pyimp.sparse.anchors import AnchorType, block_spans, compute_anchors
+from pyimp.sparse.anchors import AnchorType, block_spans, compute_anchors, group_shared
 from pyimp.sparse.retrieval import (RetrievalType, block_scores, n_sets, retrieve_blocks,
                                     select_blocks, set_scores)
 
@@ -257,11 +257,13 @@ def test_recall_target_selection(n_ctx, B, init, local, nsets, target, floor, ce
     rng = np.random.default_rng(seed)
     n_lb = -(-n_ctx // B)
     F = n_ctx // B
-    scores = (rng.standard_normal((n_lb, nsets)) * 4).astype(np.float32)
-    sel, cnt, est = select_for_recall(scores, n_ctx, B, init, local, 2, 0.5, target, floor,
+    logits = (rng.standard_normal((n_lb, 2 * nsets)) * 4).astype(np.float32)   # 2 heads a set
+    sel, cnt, est = select_for_recall(logits, n_ctx, B, init, local, 2, 0.5, target, floor,
                                       ceiling)
     n_valid = np.minimum(B, n_ctx - np.arange(n_lb) * B)
-    w = estimated_mass(scores, 2, 0.5, n_valid)
+    w = estimated_mass(logits, 2, 0.5, n_valid)
+    assert w.shape == (n_lb, nsets)
+    np.testing.assert_allclose(w.sum(axis=0), 1.0, rtol=1e-12)
     forced = set(range(min(init, n_lb))) | set(range(max(F - recent_blocks(n_ctx, B, local), 0),
                                                      n_lb))
     cand = [b for b in range(n_lb) if b not in forced]
@@ -283,3 +285,41 @@ def test_recall_target_selection(n_ctx, B, init, local, nsets, target, floor, ce
             assert got >= target * (1 - 1e-9)
         if k > max(floor, 0):                       # one fewer would miss the target
             assert (w[chosen, si].sum() - w[order[k - 1], si]) / total < target
+
+
+@settings(deadline=None, max_examples=60)
+@given(st.integers(1, 200), st.sampled_from([1, 4, 8]), st.sampled_from([(1, 1), (1, 4), (2, 2)]),
+       st.sampled_from(list(AnchorType)), st.integers(0, 2**31 - 1))
+def test_estimated_mass_is_exact_for_constant_blocks(n_ctx, B, heads, atype, seed):
+    """When every key of a block is the same vector, the block's centre is that key for every
+    anchor type, and the estimate is each head's true softmax mass per block (from the keys,
+    in float64), averaged over the set's heads. The GQA mapping and the partial tail are
+    exercised; f16-exact keys, so the anchors round nothing."""
+    from pyimp.sparse.retrieval import block_center_logits, estimated_mass
+    Hkv, G = heads
+    Hq, D, A = Hkv * G, 8, 2
+    rng = np.random.default_rng(seed)
+    nb = -(-n_ctx // B)
+    kb = (np.round(rng.standard_normal((nb, Hkv, D)) * 8) / 8).astype(np.float16)
+    K = np.repeat(kb, B, axis=0)[:n_ctx]                        # [n, Hkv, D]
+    kc = np.zeros((Hkv, nb * B, D), np.float16)
+    kc[:, :n_ctx] = K.transpose(1, 0, 2)
+    kc = kc.reshape(Hkv, nb, B * D)                             # [Hkv][NB][B*D]
+    nv = np.minimum(B, n_ctx - np.arange(nb) * B)
+    anchor = np.zeros((nb, A, Hkv if group_shared(atype) else Hq, D), np.float16)
+    compute_anchors(atype, kc, np.arange(nb), nv, anchor,
+                    (rng.random((nb, B, Hq)) + 0.5).astype(np.float16))
+    q = rng.standard_normal((Hq, D)).astype(np.float32)
+    bt = np.arange(nb, dtype=np.int32)
+    logits = block_center_logits(q, anchor, bt, nv, atype, G)
+    scale = 0.3
+    true_logit = scale * np.einsum("hd,nhd->hn", q.astype(np.float64),
+                                   K[:, np.arange(Hq) // G].astype(np.float64))   # [Hq, n]
+    m = np.exp(true_logit - true_logit.max(axis=1, keepdims=True))
+    block_mass = np.add.reduceat(m, np.arange(0, n_ctx, B), axis=1)            # [Hq, nb]
+    share = (block_mass / block_mass.sum(axis=1, keepdims=True)).T             # [nb, Hq]
+    for hps in (1, G):
+        want = share.reshape(nb, Hq // hps, hps).mean(axis=2)
+        # float32 dot products of the centre (a few ulps of |q||k| ~ 1e-5 in the logit)
+        np.testing.assert_allclose(estimated_mass(logits, hps, scale, nv), want, rtol=1e-4,
+                                   atol=1e-9)

@@ -437,38 +437,89 @@ def retrieve_blocks(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, 
 # --------------------------------------------------------------------------
 
 
-def estimated_mass(scores: np.ndarray, heads_per_set: int, scale: float,
+def block_center_logits(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray,
+                        n_valid: np.ndarray, anchor_type, G: int) -> np.ndarray:
+    """float32 [n_lb, Hq]: each query head's dot product with the centre of each logical
+    block's anchor (n_lb = len(n_valid), the valid tokens of each block): ``(max + min) / 2``
+    for QUEST and CUBOID_MEAN, the mean key for BLOCK_MEAN and FIXED, the summed keys over
+    their count for DYNAMIC, the per-channel max for BLOCK_MAX.
+
+    A block's typical logit, where the selection score is its largest: the recall target
+    estimates mass from it (:func:`estimated_mass`). Layout and GQA mapping as
+    :func:`block_scores`; for every type the centre of a block whose keys are all equal is
+    that key."""
+    from .anchors import AnchorType, anchor_slots, group_shared
+    n_lb = len(n_valid)
+    n_slots = anchor_slots(anchor_type, anchor.shape[1])
+    shared = group_shared(anchor_type)
+    _check_scores(q, anchor, block_table, 0, n_lb, n_slots, G, shared)
+    Hq = q.shape[0]
+    heads = (np.arange(Hq) // G) * (anchor.shape[2] * G // Hq) if shared else np.arange(Hq)
+    lead, inv = np.unique(heads, return_inverse=True)
+    an = anchor[np.asarray(block_table[:n_lb])[:, None, None], np.arange(n_slots)[None, :, None],
+                lead[None, None, :]].astype(np.float32)           # [n_lb, S, L, D]
+    centre = an.mean(axis=1) if n_slots > 1 else an[:, 0]
+    q = np.asarray(q, np.float32)
+    out = np.empty((n_lb, Hq), np.float32)
+    for j in range(lead.size):
+        hs = np.flatnonzero(inv == j)
+        out[:, hs] = centre[:, j] @ q[hs].T
+    if anchor_type == AnchorType.DYNAMIC:      # the sum of the block's min(A, n) hottest keys
+        out /= np.maximum(np.minimum(anchor.shape[1], np.asarray(n_valid)), 1)[:, None]
+    return out
+
+
+def estimated_mass(logits: np.ndarray, heads_per_set: int, scale: float,
                    n_valid: np.ndarray) -> np.ndarray:
-    """Estimated softmax mass (unnormalized, float64 [n_blocks, nsets]) of each block from its
-    set score: the anchors bound each head's largest q.k in the block, so ``scale * score /
-    heads`` bounds the set's mean largest logit, and a block of n tokens weighs at most
-    ``n * exp(that bound)``. Shifted by the largest bound (only ratios matter)."""
-    u = np.where(np.isnan(scores), -np.inf, scores.astype(np.float64)) * (scale / heads_per_set)
-    top = u.max(axis=0, keepdims=True) if u.size else 0.0
-    return np.asarray(n_valid, np.float64)[:, None] * np.exp(u - top)
+    """Estimated share of each set's softmax mass in each block: float64 [n_blocks, nsets],
+    every column summing to 1 (zero where no block is finite).
+
+    logits: [n_blocks, Hq] per-head typical q.k of each block (:func:`block_center_logits`;
+    NaN or -inf: no keys). A block of n tokens is taken to weigh ``n * exp(scale * logit)``
+    for each head; each head's weights are normalized over the blocks (recall is measured
+    per head, and heads differ in scale) and a set's share is the mean over its heads.
+    Exact when every key of a block equals its centre. Measured on Gemma 3 270M at 2k and
+    4k context: selecting to 0.95 by this estimate captured 0.954 / 0.936 of the dense
+    mass; the selection score (the anchors' upper bound on the largest logit) in its
+    place, summed over the set, 0.904 / 0.834."""
+    u = np.where(np.isnan(logits), -np.inf, np.asarray(logits, np.float64)) * scale
+    nb, Hq = u.shape
+    if Hq % heads_per_set:
+        raise ValueError(f"{heads_per_set} heads per set do not divide the {Hq} heads")
+    with np.errstate(divide="ignore"):
+        lw = u + np.log(np.asarray(n_valid, np.float64))[:, None]
+    top = lw.max(axis=0, keepdims=True) if nb else np.zeros((1, Hq))
+    top = np.where(np.isfinite(top), top, 0.0)
+    w = np.exp(lw - top)
+    tot = w.sum(axis=0, keepdims=True)
+    share = np.divide(w, tot, out=np.zeros_like(w), where=tot > 0)
+    return share.reshape(nb, Hq // heads_per_set, heads_per_set).mean(axis=2)
 
 
-def select_for_recall(scores: np.ndarray, n_ctx: int, block_len: int, init: int, local: int,
+def select_for_recall(logits: np.ndarray, n_ctx: int, block_len: int, init: int, local: int,
                       heads_per_set: int, scale: float, target: float, floor: int,
                       ceiling: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Blocks per set in score order until the estimated captured mass reaches ``target``.
+    """Blocks per set in estimated-mass order until the estimated captured mass reaches
+    ``target``.
 
-    scores: float32 [n_lb, nsets], every logical block's set score (the partial tail's
-    included). The sinks, the ``local`` recent blocks and the tail are always selected and
-    count toward the estimate; then candidates join best first (ties: lower block) until
-    the estimate reaches the target, at least ``floor`` and at most ``ceiling`` of them
-    (ceiling 0: no limit). Returns (sel int32 [nsets, K], cnt int32 [nsets], the estimated
-    recall float64 [nsets]); sel ascending and -1 padded as :func:`select_blocks`.
+    logits: float32 [n_lb, Hq], every logical block's per-head typical logit (the partial
+    tail's included; :func:`block_center_logits`); sets are runs of ``heads_per_set`` heads.
+    The sinks, the ``local`` recent blocks and the tail are always selected and count
+    toward the estimate (:func:`estimated_mass`); then candidates join heaviest first
+    (ties: lower block) until the estimate reaches the target, at least ``floor`` and at
+    most ``ceiling`` of them (ceiling 0: no limit). Returns (sel int32 [nsets, K], cnt
+    int32 [nsets], the estimated recall float64 [nsets]); sel ascending and -1 padded as
+    :func:`select_blocks`.
     """
     F = n_ctx // block_len
     n_lb = -(-n_ctx // block_len)
-    nsets = scores.shape[1]
-    if scores.shape[0] != n_lb:
-        raise ValueError(f"scores has {scores.shape[0]} rows, expected one per block ({n_lb})")
+    if logits.shape[0] != n_lb:
+        raise ValueError(f"logits has {logits.shape[0]} rows, expected one per block ({n_lb})")
     if not 0.0 < target <= 1.0:
         raise ValueError(f"recall target must be in (0, 1], got {target}")
     n_valid = np.minimum(block_len, n_ctx - np.arange(n_lb) * block_len)
-    w = estimated_mass(scores, heads_per_set, scale, n_valid)
+    w = estimated_mass(logits, heads_per_set, scale, n_valid)
+    nsets = w.shape[1]
     loc = recent_blocks(n_ctx, block_len, local)
     forced = np.zeros(n_lb, bool)
     forced[:min(init, n_lb)] = True
