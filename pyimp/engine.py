@@ -89,6 +89,13 @@ class EngineOptions:
                 and self.type_v != "f32":
             raise ValueError(f"kv policy {self.kv_policy} drops single tokens, which V quantized "
                              f"by channel (v_layout='channel') cannot: use v_layout='token'")
+        if self.device != "cpu" and self.sparse.enabled:
+            if self.sparse.recall_target > 0:
+                raise ValueError("--recall-target runs on the CPU only (--device cpu): the device "
+                                 "path selects a fixed --topk")
+            if self.sparse.select != "anchors":
+                raise ValueError(f"--select {self.sparse.select} runs on the CPU only (--device "
+                                 f"cpu): the device path selects blocks by their anchors")
         self.merge.validate()
         if self.merge.enabled and self.device != "cpu":
             raise ValueError("--kv-merge runs on the CPU only (--device cpu)")

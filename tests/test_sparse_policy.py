@@ -395,3 +395,16 @@ def test_recall_target_attends_more_for_a_higher_target(model):
         d = dense.eval([int(np.argmax(d))])[-1]
     # every block attended: the block-sparse kernel equals dense to float32 reassociation
     np.testing.assert_allclose(res[1.0][2], d, atol=1e-4 * np.abs(d).max())
+
+
+@pytest.mark.parametrize("kw,flag", [(dict(recall_target=0.9), "--recall-target"),
+                                     (dict(select="lowrank"), "--select lowrank")])
+def test_device_path_refuses_cpu_only_selection(kw, flag):
+    """The device path selects a fixed top-k by the anchors: a recall target or another
+    selection mode there would be silently ignored, so it is refused, naming the flag."""
+    from pyimp.engine import EngineOptions
+    from pyimp.sparse_policy import SparseOptions
+    opts = EngineOptions(device="cuda", sparse=SparseOptions(enabled=True, **kw))
+    with pytest.raises(ValueError, match=f"{flag} runs on the CPU only"):
+        opts.validate()
+    EngineOptions(device="cpu", sparse=SparseOptions(enabled=True, **kw)).validate()
