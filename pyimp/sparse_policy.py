@@ -624,10 +624,16 @@ class SparseState:
         anchor = self._fresh_anchors(il, n_ctx)
         n_lb = -(-n_ctx // B)
         n_valid = np.minimum(B, n_ctx - np.arange(n_lb) * B)
+        tokens = n_valid
+        bias = self.cache.bias(il)
+        if bias is not None:         # a merged slot stands for exp(lmul) tokens
+            t = self.cache.table(il)[:n_lb]
+            tokens = np.where(np.arange(B) < n_valid[:, None], np.exp(bias[t].astype(np.float64)),
+                              0.0).sum(axis=1)
         logits = block_center_logits(q, anchor, self.cache.table(il), n_valid, self.anchor_type,
                                      Hq // self.n_head_kv)
         return select_for_recall(logits, n_ctx, B, o.init_blocks, o.local_blocks, Hq // nsets,
-                                 scale, o.recall_target, o.topk, o.recall_max_blocks)
+                                 scale, o.recall_target, o.topk, o.recall_max_blocks, tokens)
 
     def _record_selection(self, il: int, sel: np.ndarray, cnt: np.ndarray) -> None:
         """Keep set 0's blocks of this step for heatmaps (with ``report`` or ``track``)."""

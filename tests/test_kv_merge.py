@@ -1,5 +1,6 @@
 """Merging near-duplicate tokens (pyimp.kv_merge): the kernels' per-slot score bias, the
 SimHash plan, and merged caches against the caches they stand for."""
+import dataclasses
 import subprocess
 import sys
 
@@ -332,3 +333,34 @@ def test_cli_flag_errors_are_one_line(llama):
                         "--kv-merge", "2"], capture_output=True, text=True)
     assert r.returncode == 2 and "--kv-merge must be in" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_recall_target_counts_merged_tokens(llama):
+    """The recall target's mass estimate counts a merged slot as the exp(lmul) tokens it
+    stands for; with every block selected the merged sparse run equals the merged dense one."""
+    from pyimp.sparse.retrieval import block_center_logits, estimated_mass
+    ids = [1] + [7] * 60 + _ids(80)[1:]         # merged slots, then blocks of single tokens
+    kw = dict(track=True, kv_merge=0.5, kv_merge_bits=2)
+    _, dense = _run(llama, ids, 4, **kw)
+    eng, sparse = _run(llama, ids, 4, sparse=True, topk=0, recall_target=1.0, report=True,
+                       local_blocks=1, **kw)
+    np.testing.assert_allclose(sparse, dense, rtol=0, atol=1e-4 * np.abs(dense).max())
+    sp, c = eng.sparse, eng.cache
+    il = sp.sparse_layers[0]
+    n, B = c.slot_count(il), c.block_len
+    assert np.any(c.bias(il) != 0), "nothing merged: the test needs multiplicities"
+    q = np.random.default_rng(0).standard_normal((eng.cfg.n_head, eng.cfg.head_dim))
+    q = q.astype(np.float32)
+    sp.opts = dataclasses.replace(sp.opts, recall_target=0.6)
+    sel, cnt, est = sp._recall_selection(il, q, n, 0.125)
+    assert np.all(cnt < -(-n // B)), "every block selected: the estimate decides nothing"
+    n_lb = -(-n // B)
+    nv = np.minimum(B, n - np.arange(n_lb) * B)
+    logits = block_center_logits(q, sp._fresh_anchors(il, n), c.table(il), nv, sp.anchor_type,
+                                 eng.cfg.n_head // eng.cfg.n_head_kv)
+    lm = c.bias(il)[c.table(il)[:n_lb]]
+    tokens = np.where(np.arange(B) < nv[:, None], np.exp(lm.astype(np.float64)), 0).sum(1)
+    w = estimated_mass(logits, eng.cfg.n_head // est.size, 0.125, tokens)
+    assert not np.allclose(w, estimated_mass(logits, eng.cfg.n_head // est.size, 0.125, nv))
+    for si in range(est.size):
+        assert est[si] == pytest.approx(w[sel[si, :cnt[si]], si].sum(), rel=1e-9)

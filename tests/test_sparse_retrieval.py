@@ -323,3 +323,9 @@ def test_estimated_mass_is_exact_for_constant_blocks(n_ctx, B, heads, atype, see
         # float32 dot products of the centre (a few ulps of |q||k| ~ 1e-5 in the logit)
         np.testing.assert_allclose(estimated_mass(logits, hps, scale, nv), want, rtol=1e-4,
                                    atol=1e-9)
+    # merged slots: a block standing for mult times its tokens weighs mult times as much
+    mult = rng.integers(1, 4, nb)
+    bm = block_mass * mult
+    want = (bm / bm.sum(axis=1, keepdims=True)).T.reshape(nb, Hq // G, G).mean(axis=2)
+    np.testing.assert_allclose(estimated_mass(logits, G, scale, nv * mult), want, rtol=1e-4,
+                               atol=1e-9)

@@ -498,7 +498,8 @@ def estimated_mass(logits: np.ndarray, heads_per_set: int, scale: float,
 
 def select_for_recall(logits: np.ndarray, n_ctx: int, block_len: int, init: int, local: int,
                       heads_per_set: int, scale: float, target: float, floor: int,
-                      ceiling: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                      ceiling: int, tokens: np.ndarray | None = None
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Blocks per set in estimated-mass order until the estimated captured mass reaches
     ``target``.
 
@@ -509,7 +510,8 @@ def select_for_recall(logits: np.ndarray, n_ctx: int, block_len: int, init: int,
     (ties: lower block) until the estimate reaches the target, at least ``floor`` and at
     most ``ceiling`` of them (ceiling 0: no limit). Returns (sel int32 [nsets, K], cnt
     int32 [nsets], the estimated recall float64 [nsets]); sel ascending and -1 padded as
-    :func:`select_blocks`.
+    :func:`select_blocks`. tokens: the tokens each block stands for (default: its valid
+    slots; with merged slots, the sum of their multiplicities).
     """
     F = n_ctx // block_len
     n_lb = -(-n_ctx // block_len)
@@ -517,8 +519,9 @@ def select_for_recall(logits: np.ndarray, n_ctx: int, block_len: int, init: int,
         raise ValueError(f"logits has {logits.shape[0]} rows, expected one per block ({n_lb})")
     if not 0.0 < target <= 1.0:
         raise ValueError(f"recall target must be in (0, 1], got {target}")
-    n_valid = np.minimum(block_len, n_ctx - np.arange(n_lb) * block_len)
-    w = estimated_mass(logits, heads_per_set, scale, n_valid)
+    if tokens is None:
+        tokens = np.minimum(block_len, n_ctx - np.arange(n_lb) * block_len)
+    w = estimated_mass(logits, heads_per_set, scale, tokens)
     nsets = w.shape[1]
     loc = recent_blocks(n_ctx, block_len, local)
     forced = np.zeros(n_lb, bool)
