@@ -80,12 +80,17 @@ def _anchor_view(anchor):
 # --------------------------------------------------------------------------
 
 
+def anchor_heads(Hq: int, G: int, Ha: int, shared: bool) -> np.ndarray:
+    """int [Hq]: the anchor head each query head reads. Shared types: its group's slot, j*G
+    (per-query-head layout, Ha = Hq) or j (per kv head, Ha = Hkv); else its own."""
+    return (np.arange(Hq) // G) * (Ha * G // Hq) if shared else np.arange(Hq)
+
+
 def block_scores_ref(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared):
     """NumPy reference of :func:`block_scores`."""
     Hq, D = q.shape
     an = anchor[block_table[lb_start:lb_end], :n_slots].astype(np.float32)  # [C, S, Ha, D]
-    if shared:  # query head h reads its group's slot: j*G (per-query-head layout) or j (per kv head)
-        an = an[:, :, (np.arange(Hq) // G) * (anchor.shape[2] * G // Hq), :]
+    an = an[:, :, anchor_heads(Hq, G, anchor.shape[2], shared), :]
     return (an * q[None, None].astype(np.float32)).max(axis=1).sum(axis=-1).astype(np.float32)
 
 
@@ -448,14 +453,12 @@ def block_center_logits(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarr
     estimates mass from it (:func:`estimated_mass`). Layout and GQA mapping as
     :func:`block_scores`; for every type the centre of a block whose keys are all equal is
     that key."""
-    from .anchors import AnchorType, anchor_slots, group_shared
     n_lb = len(n_valid)
     n_slots = anchor_slots(anchor_type, anchor.shape[1])
     shared = group_shared(anchor_type)
     _check_scores(q, anchor, block_table, 0, n_lb, n_slots, G, shared)
     Hq = q.shape[0]
-    heads = (np.arange(Hq) // G) * (anchor.shape[2] * G // Hq) if shared else np.arange(Hq)
-    lead, inv = np.unique(heads, return_inverse=True)
+    lead, inv = np.unique(anchor_heads(Hq, G, anchor.shape[2], shared), return_inverse=True)
     an = anchor[np.asarray(block_table[:n_lb])[:, None, None], np.arange(n_slots)[None, :, None],
                 lead[None, None, :]].astype(np.float32)           # [n_lb, S, L, D]
     centre = an.mean(axis=1) if n_slots > 1 else an[:, 0]
