@@ -32,7 +32,10 @@ Two numerics:
   dot product of ggml's x86 CPU ``vec_dot`` as compiled for AVX-512/AVX2
   (integer block sums over 8 lanes of 4 elements, ``fma`` into 8 float lanes,
   ``hsum_float_8``; F32/F16 with 64 FMA lanes and ``_mm512_reduce_add_ps``,
-  BF16 with ``vdpbf16ps`` pairs).
+  BF16 with ``vdpbf16ps`` pairs). On x86 hosts with AVX2 (and, for Q8_0, VNNI)
+  the block types take the same numbers through SIMD integer dot products
+  (``_matmul_ggml_i8``: VPDPBUSD or VPMADDUBSW + VPMADDWD, two rows at a time,
+  prefetched); the portable kernels stay in ``PORTABLE_GGML``.
 
 Every kernel takes ``raw`` as ``uint8[rows, row_bytes]``; fp16 values are decoded
 through the 65536-entry table ``F16_TO_F32``. Plain NumPy references of every
@@ -711,6 +714,264 @@ def _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, head, pair, bsz, has_min, o
 # prange work items of the ggml block kernels: contiguous row ranges sharing one scratch allocation
 _ROW_CHUNKS = 64
 
+
+# ---------------------------------------------------------------------------------------
+# ggml numerics of the block types on SIMD integer dot products (x86 with AVX2)
+# ---------------------------------------------------------------------------------------
+# The same numbers as _matmul_ggml_blocks, in far fewer instructions per weight byte: a block's
+# 32 quants are unpacked as unsigned bytes u (Q4_*: nibbles, Q5_*: nibbles | fifth bit << 4,
+# Q8_0: the int8 quant + 128), and its 8 integer lane sums sum_{k<4} (u - off) * a are taken
+# by one VPDPBUSD (AVX-512 VNNI or AVX-VNNI) or VPMADDUBSW + VPMADDWD (AVX2) over the unsigned
+# bytes, starting from -off * (the lane's 4 activation quants): integers, exact in any order,
+# so every lane is the value ggml's sign-trick products give. Then one fma per lane and block
+# into 8 float lanes, in block order, and hsum_float_8, exactly as _matmul_ggml_blocks.
+# VPMADDUBSW saturates its int16 pair sums: 2 * 31 * 128 fits, 2 * 255 * 128 does not, so
+# Q8_0 takes this path only with VNNI (whose sums are int32).
+
+
+def _host_features() -> frozenset:
+    """The host CPU's features as LLVM names them (what Numba compiles for)."""
+    try:
+        from llvmlite import binding as llb
+        return frozenset(k for k, v in llb.get_host_cpu_features().items() if v)
+    except Exception:       # pragma: no cover - a platform where LLVM cannot tell
+        return frozenset()
+
+
+_FEATURES = _host_features()
+# "vnni": VPDPBUSD on 256-bit vectors; "avx2": VPMADDUBSW + VPMADDWD; None: no integer path
+I8_DOT = ("vnni" if ("avx512vnni" in _FEATURES and "avx512vl" in _FEATURES) or "avxvnni" in _FEATURES
+          else "avx2" if "avx2" in _FEATURES else None)
+
+
+def _v(t, n):
+    return ir.VectorType(t, n)
+
+
+_I8T, _I16T = ir.IntType(8), ir.IntType(16)
+
+
+def ir_unpack_u8x32(context, builder, wty, w, wo, qhty, qh, nbits):
+    """One block's 32 quants as a <32 x i8> of unsigned values: ``nbits`` 4 (the 16 bytes at
+    w[wo:] hold element j in the low nibble of byte j and j + 16 in its high one), 5 (those
+    nibbles | bit k of the uint32 ``qh`` << 4) or 8 (the 32 int8 at w[wo:] + 128)."""
+    v32 = _v(_I8T, 32)
+    if nbits == 8:
+        q = builder.load(ir_ptr(context, builder, wty, w, wo, v32), align=1)
+        return builder.xor(q, ir.Constant(v32, [0x80] * 32))
+    q16 = builder.load(ir_ptr(context, builder, wty, w, wo, _v(_I8T, 16)), align=1)
+    # the high nibbles by a 16-bit shift of the 16 bytes (no byte shifts on x86)
+    hi = builder.bitcast(builder.lshr(builder.bitcast(q16, _v(_I16T, 8)),
+                                      ir.Constant(_v(_I16T, 8), [4] * 8)), _v(_I8T, 16))
+    q = builder.shuffle_vector(q16, hi, ir.Constant(_v(_I32, 32), list(range(32))))
+    q = builder.and_(q, ir.Constant(v32, [15] * 32))
+    if nbits == 5:
+        # byte k of the broadcast qh holds bits 8(k//8)..; element k tests bit k % 8
+        h4 = builder.bitcast(_arg_i32(builder, qhty, qh), _v(_I8T, 4))
+        hb = builder.shuffle_vector(h4, h4, ir.Constant(_v(_I32, 32), [k // 8 for k in range(32)]))
+        set_ = builder.icmp_unsigned("!=", builder.and_(hb, ir.Constant(v32, [1 << (k % 8) for k in range(32)])),
+                                     ir.Constant(v32, [0] * 32))
+        q = builder.or_(q, builder.select(set_, ir.Constant(v32, [16] * 32), ir.Constant(v32, [0] * 32)))
+    return q
+
+
+def ir_lane_sums(builder, q, a, c, use_vnni):
+    """<8 x i32> c + (sum of 4 products of unsigned bytes q and signed bytes a per lane)."""
+    m = builder.module
+    v32, v8 = _v(_I8T, 32), _v(_I32, 8)
+    if use_vnni:
+        dp = cgutils.get_or_insert_function(m, ir.FunctionType(v8, [v8, v8, v8]), "llvm.x86.avx512.vpdpbusd.256")
+        return builder.call(dp, [c, builder.bitcast(q, v8), builder.bitcast(a, v8)])
+    ubs = cgutils.get_or_insert_function(m, ir.FunctionType(_v(_I16T, 16), [v32, v32]), "llvm.x86.avx2.pmadd.ub.sw")
+    wd = cgutils.get_or_insert_function(m, ir.FunctionType(v8, [_v(_I16T, 16), _v(_I16T, 16)]),
+                                        "llvm.x86.avx2.pmadd.wd")
+    return builder.add(builder.call(wd, [builder.call(ubs, [q, a]), ir.Constant(_v(_I16T, 16), [1] * 16)]), c)
+
+
+def ir_fma_lanes(context, builder, accty, acc, oo, d, s):
+    """acc[oo:oo+8] = fma(splat(d), float32(s), acc[oo:oo+8]) for <8 x i32> s."""
+    vf = _v(ir.FloatType(), 8)
+    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v8f32")
+    ap = ir_ptr(context, builder, accty, acc, oo, vf)
+    builder.store(builder.call(fma, [ir_splat(builder, d, vf), builder.sitofp(s, vf), builder.load(ap, align=4)]),
+                  ap, align=4)
+
+
+@intrinsic
+def _prefetch(typingctx, w, o):
+    """Prefetch (for reading, into every cache level) the byte at offset ``o`` of 1-D array w.
+    The address may lie past w's end: it is formed without an in-bounds assumption, and a
+    prefetch never faults."""
+    sig = types.void(w, o)
+
+    def codegen(context, builder, signature, args):
+        i64, p8 = ir.IntType(64), ir.IntType(8).as_pointer()
+        a = context.make_array(signature.args[0])(context, builder, args[0])
+        base = builder.ptrtoint(a.data, i64)
+        off = builder.sext(args[1], i64) if args[1].type.width < 64 else args[1]
+        ptr = builder.inttoptr(builder.add(base, off), p8)
+        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [p8, _I32, _I32, _I32]),
+                                           "llvm.prefetch.p0i8")
+        builder.call(f, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _unpack_u8x32(typingctx, w, wo, qh, bits, dst):
+    """ir_unpack_u8x32 into dst[0:32] (uint8); ``bits`` a literal."""
+    if not isinstance(bits, types.IntegerLiteral):
+        return None
+    nbits = bits.literal_value
+    sig = types.void(w, wo, qh, bits, dst)
+
+    def codegen(context, builder, signature, args):
+        wty, _, qhty, _, dty = signature.args
+        w_, wo_, qh_, _, d_ = args
+        q = ir_unpack_u8x32(context, builder, wty, w_, wo_, qhty, qh_, nbits)
+        builder.store(q, ir_ptr(context, builder, dty, d_, ir.Constant(ir.IntType(64), 0), _v(_I8T, 32)), align=1)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _fma_dot2(typingctx, w0, w1, wo, qh0, qh1, bits, a, ao, c, co, d0, d1, acc, vnni):
+    """Two weight rows' blocks at w0[wo:], w1[wo:] against one activation block: the
+    :func:`_fma_dot_u8` step of each (acc[0:8] for row 0, acc[8:16] for row 1) with its quants
+    unpacked in registers and the activation quants and ``c`` loaded once."""
+    if not isinstance(bits, types.IntegerLiteral) or not isinstance(vnni, types.BooleanLiteral):
+        return None
+    nbits, use_vnni = bits.literal_value, vnni.literal_value
+    sig = types.void(w0, w1, wo, qh0, qh1, bits, a, ao, c, co, d0, d1, acc, vnni)
+
+    def codegen(context, builder, signature, args):
+        wty, _, _, qhty, _, _, aty, _, cty, _, _, _, accty, _ = signature.args
+        w0_, w1_, wo_, qh0_, qh1_, _, a_, ao_, c_, co_, d0_, d1_, acc_, _ = args
+        av = builder.load(ir_ptr(context, builder, aty, a_, ao_, _v(_I8T, 32)), align=1)
+        cv = builder.load(ir_ptr(context, builder, cty, c_, co_, _v(_I32, 8)), align=4)
+        for k, (w_, qh_, d_) in enumerate(((w0_, qh0_, d0_), (w1_, qh1_, d1_))):
+            q = ir_unpack_u8x32(context, builder, wty, w_, wo_, qhty, qh_, nbits)
+            ir_fma_lanes(context, builder, accty, acc_, ir.Constant(ir.IntType(64), 8 * k), d_,
+                         ir_lane_sums(builder, q, av, cv, use_vnni))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _fma_dot_u8(typingctx, q, a, ao, c, co, d, acc, oo, vnni):
+    """acc[oo:oo+8] = fma(d, float32(s), acc[oo:oo+8]) with the int32 lane sums
+    s[l] = c[co + l] + sum_{k<4} q[4l + k] * a[ao + 4l + k]: q uint8[32] (unsigned quants),
+    a int8 activation quants, c int32 (-off times the activation lane sums); ``vnni`` (a
+    literal) True: VPDPBUSD, False: VPMADDUBSW + VPMADDWD."""
+    if not isinstance(vnni, types.BooleanLiteral):
+        return None
+    use_vnni = vnni.literal_value
+    sig = types.void(q, a, ao, c, co, d, acc, oo, vnni)
+
+    def codegen(context, builder, signature, args):
+        qty, aty, _, cty, _, _, accty, _, _ = signature.args
+        q_, a_, ao_, c_, co_, d_, acc_, oo_, _ = args
+        qv = builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(ir.IntType(64), 0), _v(_I8T, 32)), align=1)
+        av = builder.load(ir_ptr(context, builder, aty, a_, ao_, _v(_I8T, 32)), align=1)
+        cv = builder.load(ir_ptr(context, builder, cty, c_, co_, _v(_I32, 8)), align=4)
+        ir_fma_lanes(context, builder, accty, acc_, oo_, d_, ir_lane_sums(builder, qv, av, cv, use_vnni))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+# bytes ahead of the block being read that _matmul_ggml_i8 prefetches in each of its two rows
+# (Q4_0 5632 x 2048, 24 matrices in turn so that they stream from memory, AMD EPYC znver4: one
+# thread 6.9 -> 11.0-11.7 GB/s with 256-1024, two threads 11.4 -> 16-19 GB/s)
+I8_PREFETCH = 768
+
+
+@jit.njit(inline="always")
+def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni):
+    """_matmul_ggml_blocks' results through _unpack_u8x32 and _fma_dot_u8. Two weight rows per
+    work item, r and r + ceil(rows / 2): two fma chains in flight when m == 1 (a decode step's
+    matvec), and two memory streams far apart, prefetched I8_PREFETCH bytes ahead (two adjacent
+    rows read block by block streamed at 4 GB/s, the far pair at 7, prefetched at 11: the
+    hardware prefetchers alone fall behind). With m > 1 each block of both rows is unpacked
+    once and used for every activation row."""
+    rows = raw.shape[0]
+    m = aq.shape[0]
+    nb = ad.shape[1]
+    half = (rows + 1) // 2
+    for p in prange(half):
+        r0 = np.intp(p)                  # prange's index may be unsigned: uint + int is float
+        r1 = r0 + half
+        if r1 >= rows:                   # an odd row count: the middle row twice
+            r1 = r0
+        w0 = raw[r0]
+        w1 = raw[r1]
+        acc = np.zeros(16 * m, np.float32)
+        summs = np.zeros(2 * m, np.float32)
+        if m == 1:
+            # a decode step's matvec: quants unpacked in registers, the accumulators at constant
+            # addresses (LLVM keeps both fma chains in registers; through the loop over i they
+            # would go through memory, a store-to-load forwarding per block on each chain)
+            a0 = aq[0]
+            c0 = corr[0]
+            for b in range(nb):
+                o = b * bsz
+                _prefetch(w0, o + I8_PREFETCH)
+                _prefetch(w1, o + I8_PREFETCH)
+                d0, m0, h0 = head(w0, o, f16)
+                d1, m1, h1 = head(w1, o, f16)
+                da = ad[0, b]
+                _fma_dot2(w0, w1, o + qo, h0, h1, bits, a0, b * 32, c0, b * 8, d0 * da, d1 * da, acc, vnni)
+                if has_min:
+                    summs[0] = _fma32(m0, asum[0, b], summs[0])
+                    summs[1] = _fma32(m1, asum[0, b], summs[1])
+        else:
+            u0 = np.empty(32, np.uint8)
+            u1 = np.empty(32, np.uint8)
+            for b in range(nb):
+                o = b * bsz
+                d0, m0, h0 = head(w0, o, f16)
+                d1, m1, h1 = head(w1, o, f16)
+                _unpack_u8x32(w0, o + qo, h0, bits, u0)
+                _unpack_u8x32(w1, o + qo, h1, bits, u1)
+                for i in range(m):
+                    ai = aq[i]
+                    da = ad[i, b]
+                    _fma_dot_u8(u0, ai, b * 32, corr[i], b * 8, d0 * da, acc, 16 * i, vnni)
+                    _fma_dot_u8(u1, ai, b * 32, corr[i], b * 8, d1 * da, acc, 16 * i + 8, vnni)
+                    if has_min:
+                        summs[2 * i] = _fma32(m0, asum[i, b], summs[2 * i])
+                        summs[2 * i + 1] = _fma32(m1, asum[i, b], summs[2 * i + 1])
+        for i in range(m):
+            out[i, r0] = _hsum8(acc[16 * i:16 * i + 8]) + summs[2 * i] if has_min \
+                else _hsum8(acc[16 * i:16 * i + 8])
+            out[i, r1] = _hsum8(acc[16 * i + 8:16 * i + 16]) + summs[2 * i + 1] if has_min \
+                else _hsum8(acc[16 * i + 8:16 * i + 16])
+
+
+@jit.njit
+def _split_act_i8(xq, bsz, off, aq, ad, asum, corr, f16):
+    """Q8_0 (bsz 34) / Q8_1 (bsz 36) activation bytes uint8[m, nb*bsz] -> quants aq int8[m, nb*32],
+    d and s float32[m, nb] (s: Q8_1 only), and corr[i, l] = -off * (the sum of quants 4l .. 4l+3
+    of row i), int32[m, nb*8]; on the calling thread (a decode step's row: microseconds)."""
+    m = xq.shape[0]
+    nb = ad.shape[1]
+    oq = bsz - 32
+    for i in range(m):
+        for b in range(nb):
+            o = b * bsz
+            ad[i, b] = f16[_u16(xq[i], o)]
+            if oq == 4:
+                asum[i, b] = f16[_u16(xq[i], o + 2)]
+            for k in range(32):
+                aq[i, b * 32 + k] = np.int8(_s8(xq[i, o + oq + k]))
+            for l in range(8):
+                j = b * 32 + 4 * l
+                corr[i, b * 8 + l] = -off * (np.int32(aq[i, j]) + np.int32(aq[i, j + 1])
+                                             + np.int32(aq[i, j + 2]) + np.int32(aq[i, j + 3]))
+
 # ---------------------------------------------------------------------------------------
 # ggml numerics of the float types (their own code: ggml's float dot products)
 # ---------------------------------------------------------------------------------------
@@ -847,13 +1108,64 @@ def _quant_kernels(ns: dict, qtype: QT, act_type: QT, split_act, deq_call: str, 
 
 def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off: int,
                    act_type: QT, vec: str) -> TypeKernels:
-    """A block type's kernels; ggml activations are Q8_0 or Q8_1 blocks."""
+    """A block type's kernels; ggml activations are Q8_0 or Q8_1 blocks. Where the host has
+    the integer dot products (I8_DOT), ggml numerics run _matmul_ggml_i8; the portable kernel
+    stays in PORTABLE_GGML (the tests compare the two)."""
     dec = f"{head}, {pair}, {bsz}, {has_min}"
     with_sum = act_type == QT.Q8_1
     mv = f"_matvec_blocks(raw, x, out, f16, {bsz}, {vec})"
-    return _quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
-                          f"_dequantize_blocks(raw, out, f16, {dec})", mv,
-                          "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
+    k = _quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
+                       f"_dequantize_blocks(raw, out, f16, {dec})", mv,
+                       "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
+    PORTABLE_GGML[qtype] = k.matmul_ggml
+    variant = I8_DOT if I8_DOT is not None and I8_DOT in i8_variants(qtype) else None
+    return k if variant is None else k._replace(matmul_ggml=i8_matmul_ggml(qtype, variant))
+
+
+def i8_variants(qtype: QT) -> tuple:
+    """The integer dot-product variants ("vnni", "avx2") that compute ``qtype``'s ggml
+    numerics exactly (VPMADDUBSW's int16 pair sums overflow with Q8_0's unsigned quants)."""
+    return ("vnni",) if _I8_LAYOUT[qtype][0] == 8 else ("vnni", "avx2")
+
+
+def i8_matmul_ggml(qtype: QT, variant: str):
+    """The ggml-numerics wrapper ``matmul_ggml(raw, xq, out)`` of a block type on
+    _matmul_ggml_i8 with the instructions of ``variant`` (one of :func:`i8_variants`; the
+    host must have them: see I8_DOT)."""
+    qtype = QT(qtype)
+    if variant not in i8_variants(qtype):
+        raise ValueError(f"{qtype.name} has no exact {variant!r} integer path")
+    head, _, bsz, has_min, _, act_type, _ = _BLOCK_TYPES[qtype]
+    bits, qo, uoff = _I8_LAYOUT[qtype]
+    with_sum = act_type == QT.Q8_1
+    t = qtype.name.lower()
+    name = f"_matmul_ggml_i8_{t}_{variant}"
+    mm = globals().get(name) or jit.specialize(
+        globals(), name, "raw, aq, ad, asum, corr, out, f16",
+        f"_matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, {head}, {bsz}, {qo}, {bits}, {has_min}, "
+        f"{variant == 'vnni'})", parallel=True)
+
+    bsz_act = 36 if with_sum else 34
+
+    def matmul_ggml(raw, xq, out):
+        m, nb = xq.shape[0], xq.shape[1] // bsz_act
+        aq = np.empty((m, nb * 32), np.int8)
+        ad = np.empty((m, nb), np.float32)
+        asum = np.empty((m, nb), np.float32)
+        corr = np.empty((m, nb * 8), np.int32)
+        _split_act_i8(xq, bsz_act, np.int32(uoff), aq, ad, asum, corr, F16_TO_F32)
+        mm(raw, aq, ad, asum, corr, out, F16_TO_F32)
+
+    matmul_ggml.__name__ = matmul_ggml.__qualname__ = f"matmul_ggml_{t}"
+    return matmul_ggml
+
+
+# block type -> (bits of the unsigned quants _unpack_u8x32 makes, offset of the quants in the
+# block, offset subtracted from them to get ggml's signed quants)
+_I8_LAYOUT = {QT.Q4_0: (4, 2, 8), QT.Q4_1: (4, 4, 0), QT.Q5_0: (5, 6, 16), QT.Q5_1: (5, 8, 0),
+              QT.Q8_0: (8, 2, 128)}
+# the portable ggml-numerics kernel of each block type (_matmul_ggml_blocks)
+PORTABLE_GGML: dict = {}
 
 
 def _named(t: str, k: TypeKernels) -> TypeKernels:

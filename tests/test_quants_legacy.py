@@ -425,3 +425,76 @@ def test_oracle_binding_sane():
     got = ggml_oracle.vec_dot(QT.F32, w[0].view(np.uint8), x)
     ref = float(w[0].astype(np.float64) @ x.astype(np.float64))
     assert abs(got - ref) <= 140 * U * float(np.abs(w[0]) @ np.abs(x))  # gamma_(n+12) bound, n = 128
+
+
+# ----------------------------------------------------------------------------- integer dot-product path
+
+I8_CASES = [(qt, v) for qt in BLOCK_TYPES for v in L.i8_variants(qt)
+            if L.I8_DOT == "vnni" or v == L.I8_DOT]
+
+
+def test_host_ggml_kernels_take_the_integer_path():
+    """Where the host has the instructions, KERNELS' ggml numerics are the integer kernels (the
+    other tests of this module then check them against libggml); elsewhere the portable ones."""
+    for qt in BLOCK_TYPES:
+        fast = L.I8_DOT is not None and L.I8_DOT in L.i8_variants(qt)
+        assert (L.KERNELS[qt].matmul_ggml is not L.PORTABLE_GGML[qt]) == fast, qt.name
+
+
+def extreme_raw(qtype: QT, rows: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """random_raw with every quant byte at an end of its range in some rows (all 0x00, all 0xFF,
+    Q8_0's -128 and 127): the largest unsigned bytes and lane sums the integer path forms."""
+    raw = random_raw(qtype, rows, n, rng)
+    blk = raw.reshape(rows, n // 32, -1)
+    head = {QT.Q4_0: 2, QT.Q4_1: 4, QT.Q5_0: 2, QT.Q5_1: 4, QT.Q8_0: 2}[qtype]
+    for r in range(rows):
+        fill = (0x00, 0xFF, 0x80, 0x7F, None)[r % 5]
+        if fill is not None:
+            blk[r, :, head:] = fill
+    return raw
+
+
+@pytest.mark.skipif(not I8_CASES, reason=f"no integer dot products on this host ({L.I8_DOT})")
+@pytest.mark.parametrize("qtype,variant", I8_CASES, ids=lambda c: getattr(c, "name", c))
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 9), m=st.integers(1, 4),
+       nblocks=st.integers(1, 40), big=st.booleans())
+def test_i8_path_bit_identical_to_portable(qtype, variant, seed, rows, m, nblocks, big):
+    """The integer kernels replay _matmul_ggml_blocks exactly: any row count (odd ones pair the
+    middle row with itself), one activation row (decode) or several, quants at their extremes,
+    activations whose quants reach +-127 in every block (``big``: one huge element per block)."""
+    rng = np.random.default_rng(seed)
+    n = 32 * nblocks
+    raw = extreme_raw(qtype, rows, n, rng)
+    X = rng.standard_normal((m, n)).astype(np.float32)
+    if big:
+        X[:, ::32] *= 1e3
+    xq = L.ACT_CONVERTERS[L.KERNELS[qtype].act_type](X)
+    got = np.full((m, rows), np.nan, np.float32)
+    want = np.full((m, rows), np.nan, np.float32)
+    L.i8_matmul_ggml(qtype, variant)(raw, xq, got)
+    L.PORTABLE_GGML[qtype](raw, xq, want)
+    assert bits_equal(got, want)  # integer lane sums are exact; the float steps are the same
+
+
+def test_i8_path_refuses_an_inexact_variant():
+    with pytest.raises(ValueError, match="Q8_0 has no exact 'avx2'"):
+        L.i8_matmul_ggml(QT.Q8_0, "avx2")
+
+
+@pytest.mark.parametrize("act_type", [QT.Q8_0, QT.Q8_1], ids=lambda t: t.name)
+def test_split_act_i8_matches_split_act_blocks(act_type):
+    """The integer path's activation split equals the portable one, and its lane corrections are
+    -off times the sums of four quants."""
+    rng = np.random.default_rng(3)
+    X = (rng.standard_normal((3, 96)) * 50).astype(np.float32)
+    xq = L.ACT_CONVERTERS[act_type](X)
+    with_sum = act_type == QT.Q8_1
+    aq, ad, asum = L._split_act_blocks(xq, with_sum)
+    got = (np.empty((3, 96), np.int8), np.empty((3, 3), np.float32), np.empty((3, 3), np.float32),
+           np.empty((3, 24), np.int32))
+    L._split_act_i8(xq, 36 if with_sum else 34, np.int32(16), *got, L.F16_TO_F32)
+    assert np.array_equal(got[0], aq) and bits_equal(got[1], ad)
+    if with_sum:
+        assert bits_equal(got[2], asum)
+    assert np.array_equal(got[3], -16 * aq.astype(np.int32).reshape(3, 24, 4).sum(-1))
