@@ -883,6 +883,50 @@ def _fma_dot_u8(typingctx, q, a, ao, c, co, d, acc, oo, vnni):
     return sig, codegen
 
 
+@intrinsic
+def _fma_dot_tile(typingctx, ws, wo, qhs, bits, aq, ad, corr, rows4, b, dws, acc, vnni):
+    """Prefill's step: the blocks b (at offset wo) of R weight rows ``ws`` (a tuple of uint8
+    rows, with their ``qhs`` and scales ``dws``), each unpacked once, against the activation
+    rows rows4 = (i0, i1, i2, i3) of aq int8[m, n], ad float32[m, nb] and corr int32[m, nb * 8]:
+    for each t and k, acc[8(Rt + k):8(Rt + k) + 8] takes the :func:`_fma_dot_u8` step of row k
+    and activation row i_t with d = dws[k] * ad[i_t, b] (a float32 product). Constant
+    accumulator offsets: LLVM keeps the 4R fma chains in registers across blocks."""
+    if not isinstance(bits, types.IntegerLiteral) or not isinstance(vnni, types.BooleanLiteral):
+        return None
+    nbits, use_vnni = bits.literal_value, vnni.literal_value
+    nrow = len(ws)
+    sig = types.void(ws, wo, qhs, bits, aq, ad, corr, rows4, b, dws, acc, vnni)
+
+    def codegen(context, builder, signature, args):
+        wsty, _, qhsty, _, aqty, adty, cty, _, _, _, accty, _ = signature.args
+        ws_, wo_, qhs_, _, aq_, ad_, c_, r4_, b_, dws_, acc_, _ = args
+        i64 = ir.IntType(64)
+        qs = [ir_unpack_u8x32(context, builder, wsty[k], builder.extract_value(ws_, k), wo_, qhsty[k],
+                              builder.extract_value(qhs_, k), nbits) for k in range(nrow)]
+        dw = [builder.extract_value(dws_, k) for k in range(nrow)]
+        b64 = builder.sext(b_, i64) if b_.type.width < 64 else b_
+        aqa = context.make_array(aqty)(context, builder, aq_)
+        ada = context.make_array(adty)(context, builder, ad_)
+        ca = context.make_array(cty)(context, builder, c_)
+
+        def ptr(aty, arr, idx, vty):
+            p = cgutils.get_item_pointer(context, builder, aty, arr, idx, wraparound=False)
+            return builder.bitcast(p, vty.as_pointer())
+
+        for t in range(4):
+            i = builder.extract_value(r4_, t)
+            i = builder.sext(i, i64) if i.type.width < 64 else i
+            av = builder.load(ptr(aqty, aqa, [i, builder.mul(b64, ir.Constant(i64, 32))], _v(_I8T, 32)), align=1)
+            cv = builder.load(ptr(cty, ca, [i, builder.mul(b64, ir.Constant(i64, 8))], _v(_I32, 8)), align=4)
+            da = builder.load(cgutils.get_item_pointer(context, builder, adty, ada, [i, b64], wraparound=False))
+            for k in range(nrow):
+                ir_fma_lanes(context, builder, accty, acc_, ir.Constant(i64, 8 * (nrow * t + k)),
+                             builder.fmul(dw[k], da), ir_lane_sums(builder, qs[k], av, cv, use_vnni))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 # bytes ahead of the block being read that _matmul_ggml_i8 prefetches in each of its two rows
 # (Q4_0 5632 x 2048, 24 matrices in turn so that they stream from memory, AMD EPYC znver4: one
 # thread 6.9 -> 11.0-11.7 GB/s with 256-1024, two threads 11.4 -> 16-19 GB/s)
@@ -908,9 +952,9 @@ def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_
             r1 = r0
         w0 = raw[r0]
         w1 = raw[r1]
-        acc = np.zeros(16 * m, np.float32)
-        summs = np.zeros(2 * m, np.float32)
         if m == 1:
+            acc = np.zeros(16, np.float32)
+            summs = np.zeros(2, np.float32)
             # a decode step's matvec: quants unpacked in registers, the accumulators at constant
             # addresses (LLVM keeps both fma chains in registers; through the loop over i they
             # would go through memory, a store-to-load forwarding per block on each chain)
@@ -927,28 +971,49 @@ def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_
                 if has_min:
                     summs[0] = _fma32(m0, asum[0, b], summs[0])
                     summs[1] = _fma32(m1, asum[0, b], summs[1])
-        else:
-            u0 = np.empty(32, np.uint8)
-            u1 = np.empty(32, np.uint8)
-            for b in range(nb):
-                o = b * bsz
-                d0, m0, h0 = head(w0, o, f16)
-                d1, m1, h1 = head(w1, o, f16)
-                _unpack_u8x32(w0, o + qo, h0, bits, u0)
-                _unpack_u8x32(w1, o + qo, h1, bits, u1)
-                for i in range(m):
-                    ai = aq[i]
-                    da = ad[i, b]
-                    _fma_dot_u8(u0, ai, b * 32, corr[i], b * 8, d0 * da, acc, 16 * i, vnni)
-                    _fma_dot_u8(u1, ai, b * 32, corr[i], b * 8, d1 * da, acc, 16 * i + 8, vnni)
-                    if has_min:
-                        summs[2 * i] = _fma32(m0, asum[i, b], summs[2 * i])
-                        summs[2 * i + 1] = _fma32(m1, asum[i, b], summs[2 * i + 1])
-        for i in range(m):
-            out[i, r0] = _hsum8(acc[16 * i:16 * i + 8]) + summs[2 * i] if has_min \
-                else _hsum8(acc[16 * i:16 * i + 8])
-            out[i, r1] = _hsum8(acc[16 * i + 8:16 * i + 16]) + summs[2 * i + 1] if has_min \
-                else _hsum8(acc[16 * i + 8:16 * i + 16])
+            out[0, r0] = _hsum8(acc[0:8]) + summs[0] if has_min else _hsum8(acc[0:8])
+            out[0, r1] = _hsum8(acc[8:16]) + summs[1] if has_min else _hsum8(acc[8:16])
+            continue
+        if p % 2:                        # prefill: four rows per tile, made by the even items
+            continue
+        _prefill_tile_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni,
+                         r0, min(r0 + 1, half - 1), half)
+
+
+@jit.njit(inline="always")
+def _prefill_tile_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni, p0, p1, half):
+    """The rows of work items p0 and p1 of _matmul_ggml_i8 (p0, p0 + half, p1, p1 + half, each
+    clamped to the last row) against every activation row, four at a time (a short last group
+    repeats its last row: the same values computed again and written again)."""
+    rows = raw.shape[0]
+    m = aq.shape[0]
+    nb = ad.shape[1]
+    rr = (p0, min(p0 + half, rows - 1), p1, min(p1 + half, rows - 1))
+    ws = (raw[rr[0]], raw[rr[1]], raw[rr[2]], raw[rr[3]])
+    a16 = np.zeros(128, np.float32)
+    s16 = np.zeros(16, np.float32)
+    for g in range(0, m, 4):
+        rows4 = (g, min(g + 1, m - 1), min(g + 2, m - 1), min(g + 3, m - 1))
+        a16[:] = 0
+        s16[:] = 0
+        for b in range(nb):
+            o = b * bsz
+            d0, m0, h0 = head(ws[0], o, f16)
+            d1, m1, h1 = head(ws[1], o, f16)
+            d2, m2, h2 = head(ws[2], o, f16)
+            d3, m3, h3 = head(ws[3], o, f16)
+            _fma_dot_tile(ws, o + qo, (h0, h1, h2, h3), bits, aq, ad, corr, rows4, b, (d0, d1, d2, d3), a16, vnni)
+            if has_min:
+                for t in range(4):
+                    sa = asum[rows4[t], b]
+                    s16[4 * t] = _fma32(m0, sa, s16[4 * t])
+                    s16[4 * t + 1] = _fma32(m1, sa, s16[4 * t + 1])
+                    s16[4 * t + 2] = _fma32(m2, sa, s16[4 * t + 2])
+                    s16[4 * t + 3] = _fma32(m3, sa, s16[4 * t + 3])
+        for t in range(4):
+            for k in range(4):
+                v = _hsum8(a16[8 * (4 * t + k):8 * (4 * t + k) + 8])
+                out[rows4[t], rr[k]] = v + s16[4 * t + k] if has_min else v
 
 
 @jit.njit
