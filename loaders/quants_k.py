@@ -101,8 +101,8 @@ from numba.extending import intrinsic
 
 from . import jit, quants_legacy
 from .ggml_types import TypeKernels
-from .quants_legacy import (_ROW_CHUNKS, _fma32, _hsum8, _i8, _lanes_sum32, _quant_kernels, _u16,
-                            ir_ptr, ir_splat)
+from .quants_legacy import (_ROW_CHUNKS, _fma32, _hsum8, _i8, _lanes_sum32, _prefetch, _quant_kernels, _u16,
+                            I8_DOT, I8_PREFETCH, ir_lane_sums, ir_ptr, ir_splat)
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -536,6 +536,168 @@ def _matmul_ggml_k(raw, yd, yf, ybs, out, f16, head, quad, bsz, sub, nmin, off):
                     out[a, r] = _hsum8(acc[a])
 
 
+# ------------------------------------------------------------------ ggml numerics on SIMD integer dot products
+# Q4_K and Q6_K (the K types of the default model) on x86 with AVX2 or VNNI: the same integer
+# lane sums _matmul_ggml_k forms in float32/float64, taken per 32-element group by VPDPBUSD
+# (or VPMADDUBSW + VPMADDWD) over the unsigned quants and the Q8_K quants, times the group's
+# scales, in int32 (exact: |lane| < 2**26); then the same fma per block and lane, min terms
+# and final sums. Unsigned quants up to 63 keep VPMADDUBSW's pair sums below 2**15.
+
+
+def _v(t, n):
+    return ir.VectorType(t, n)
+
+
+_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+
+
+@intrinsic
+def _k_lanes(typingctx, q, a, ao, sc, lanes, kind, vnni):
+    """lanes int32[8] = one super-block's integer lane sums: lane l sums scale * quant * a over
+    the elements 4l .. 4l + 3 of every 32-element group. q: the block's bytes (uint8[bsz]);
+    a: int8 Q8_K quants from a[ao]; sc int32[16]: the scales (Q4_K: sc[s] of 32-element
+    sub-block s; Q6_K: sc[s] of 16-element sub-block s, the first 4 lanes of group g take
+    sc[2g], the last 4 sc[2g + 1]); ``lanes`` holds Q6_K's start value on entry (the offset
+    terms), is overwritten for Q4_K. ``kind`` 4 or 6 and ``vnni`` are literals."""
+    if not isinstance(kind, types.IntegerLiteral) or not isinstance(vnni, types.BooleanLiteral):
+        return None
+    k6, use_vnni = kind.literal_value == 6, vnni.literal_value
+    sig = types.void(q, a, ao, sc, lanes, kind, vnni)
+
+    def codegen(context, builder, signature, args):
+        qty, aty, _, scty, lty, _, _ = signature.args
+        q_, a_, ao_, sc_, l_, _, _ = args
+        v32, v8 = _v(_I8, 32), _v(_I32, 8)
+        c = lambda ty, vals: ir.Constant(ty, vals)         # noqa: E731
+        ao64 = builder.sext(ao_, _I64) if ao_.type.width < 64 else ao_
+
+        def ld(ty, arr, off, vty):
+            return builder.load(ir_ptr(context, builder, ty, arr, off, vty), align=1)
+
+        def a_group(g):                       # Q8_K quants of 32-element group g
+            return ld(aty, a_, builder.add(ao64, c(_I64, 32 * g)), v32)
+
+        scv = ld(scty, sc_, c(_I64, 0), _v(_I32, 16))
+        groups = []                           # (unsigned quants, group index)
+        if k6:
+            for j in range(2):
+                v0 = ld(qty, q_, c(_I64, 64 * j), v32)
+                v1 = ld(qty, q_, c(_I64, 64 * j + 32), v32)
+                hb = ld(qty, q_, c(_I64, 128 + 32 * j), v32)
+                lo4, sh4 = c(v32, [15] * 32), c(v32, [4] * 32)
+                groups.append((builder.or_(builder.and_(v0, lo4), builder.shl(builder.and_(hb, c(v32, [3] * 32)), sh4)), 4 * j))
+                groups.append((builder.or_(builder.and_(v1, lo4),
+                                           builder.shl(builder.and_(hb, c(v32, [12] * 32)), c(v32, [2] * 32))), 4 * j + 1))
+                groups.append((builder.or_(builder.lshr(v0, sh4), builder.and_(hb, c(v32, [48] * 32))), 4 * j + 2))
+                groups.append((builder.or_(builder.lshr(v1, sh4),
+                                           builder.lshr(builder.and_(hb, c(v32, [192] * 32)), c(v32, [2] * 32))), 4 * j + 3))
+            tot = builder.load(ir_ptr(context, builder, lty, l_, c(_I64, 0), v8), align=4)
+        else:
+            for g in range(4):
+                v = ld(qty, q_, c(_I64, 16 + 32 * g), v32)
+                groups.append((builder.and_(v, c(v32, [15] * 32)), 2 * g))
+                groups.append((builder.lshr(v, c(v32, [4] * 32)), 2 * g + 1))
+            tot = c(v8, [0] * 8)
+        for u, g in groups:
+            s = ir_lane_sums(builder, u, a_group(g), c(v8, [0] * 8), use_vnni)
+            if k6:
+                scale = builder.shuffle_vector(scv, scv, c(v8, [2 * g] * 4 + [2 * g + 1] * 4))
+            else:
+                scale = builder.shuffle_vector(scv, scv, c(v8, [g] * 8))
+            tot = builder.add(tot, builder.mul(s, scale))
+        builder.store(tot, ir_ptr(context, builder, lty, l_, c(_I64, 0), v8), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@jit.njit(inline="always")
+def _k_block_i8(q, yq, i, ybs, ydi, f16, sc, mn, lanes, acc, accm, ao, kind, vnni):
+    """One super-block of one weight row against one activation row (quants yq, block sums
+    ybs, scale ydi): acc[ao:ao+8] and accm[ao:ao+4] take _matmul_ggml_k's steps."""
+    if kind == 6:
+        dw = _head_q6_k(q, f16, sc, mn)[0]
+        bs = ybs[16 * i:16 * i + 16]
+        for k in range(8):                   # ggml takes 32 * scale * bsums off lane k
+            lanes[k] = -32 * (np.int32(bs[2 * k]) * sc[2 * k] + np.int32(bs[2 * k + 1]) * sc[2 * k + 1])
+    else:
+        dw, dmw = _head_q4_k(q, f16, sc, mn)
+        bs = ybs[16 * i:16 * i + 16]
+        dmin = (-ydi) * dmw
+        for k in range(4):
+            pm = (mn[2 * k] * (np.int32(bs[4 * k]) + np.int32(bs[4 * k + 1]))
+                  + mn[2 * k + 1] * (np.int32(bs[4 * k + 2]) + np.int32(bs[4 * k + 3])))
+            accm[ao // 2 + k] = _fma32(dmin, np.float32(pm), accm[ao // 2 + k])
+    _k_lanes(q, yq, i * QK_K, sc, lanes, kind, vnni)
+    d = ydi * dw
+    for k in range(8):
+        acc[ao + k] = _fma32(d, np.float32(lanes[k]), acc[ao + k])
+
+
+@jit.njit(inline="always")
+def _matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, bsz, kind, vnni):
+    """_matmul_ggml_k's results for Q4_K (kind 4) and Q6_K (kind 6) through _k_lanes. Two
+    weight rows per work item, r and r + ceil(rows / 2), prefetched (as _matmul_ggml_i8)."""
+    rows = raw.shape[0]
+    m, nb = yd.shape
+    half = (rows + 1) // 2
+    for p in prange(half):
+        r0 = np.intp(p)
+        r1 = r0 + half
+        if r1 >= rows:
+            r1 = r0
+        sc = np.zeros(16, np.int32)
+        mn = np.zeros(16, np.int32)
+        lanes = np.zeros(16, np.int32)
+        acc = np.zeros(16, np.float32)
+        accm = np.zeros(8, np.float32)
+        for a in range(m):
+            acc[:] = 0
+            accm[:] = 0
+            yqa = yq[a]
+            ybsa = ybs[a]
+            for i in range(nb):
+                o = i * bsz
+                _prefetch(raw[r0], o + I8_PREFETCH)
+                _prefetch(raw[r1], o + I8_PREFETCH)
+                _k_block_i8(raw[r0, o:o + bsz], yqa, i, ybsa, yd[a, i], f16, sc, mn, lanes, acc, accm, 0, kind, vnni)
+                _k_block_i8(raw[r1, o:o + bsz], yqa, i, ybsa, yd[a, i], f16, sc, mn, lanes[8:], acc, accm, 8,
+                            kind, vnni)
+            for t in range(2):
+                r = r0 if t == 0 else r1
+                v = _hsum8(acc[8 * t:8 * t + 8])
+                if kind == 4:
+                    v += (accm[4 * t] + accm[4 * t + 2]) + (accm[4 * t + 1] + accm[4 * t + 3])
+                out[a, r] = v
+
+
+def i8_variants(qtype: QT) -> tuple:
+    """The integer dot-product variants ("vnni", "avx2") of ``qtype``'s ggml numerics
+    (Q4_K and Q6_K; none for the other K types)."""
+    return ("vnni", "avx2") if qtype in (QT.Q4_K, QT.Q6_K) else ()
+
+
+def i8_matmul_ggml(qtype: QT, variant: str):
+    """The ggml-numerics wrapper ``matmul_ggml(raw, xq, out)`` of Q4_K / Q6_K on
+    _matmul_ggml_k_i8 with the instructions of ``variant`` (the host must have them)."""
+    qtype = QT(qtype)
+    if variant not in i8_variants(qtype):
+        raise ValueError(f"{qtype.name} has no {variant!r} integer path")
+    t = qtype.name.lower()
+    name = f"_matmul_ggml_i8_{t}_{variant}"
+    kind = 4 if qtype == QT.Q4_K else 6
+    mm = globals().get(name) or jit.specialize(
+        globals(), name, "raw, yd, yq, ybs, out, f16",
+        f"_matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, {BLOCK_BYTES[qtype]}, {kind}, {variant == 'vnni'})",
+        parallel=True)
+
+    def matmul_ggml(raw, xq, out):
+        mm(raw, *split_q8_k(xq), out, quants_legacy.F16_TO_F32)
+
+    matmul_ggml.__name__ = matmul_ggml.__qualname__ = f"matmul_ggml_{t}"
+    return matmul_ggml
+
+
 # ------------------------------------------------------------------ per-type kernels: a driver with the type's decoder
 
 # type: decoder (head, quad), bytes per block, elements per sub-block, ggml min lanes
@@ -559,6 +721,12 @@ def _k_kernels(qtype: QT, head: str, quad: str, bsz: int, sub: int, nmin: int, o
 
 
 KERNELS: dict[QT, TypeKernels] = {qt: _k_kernels(qt, *row) for qt, row in _TYPES.items()}
+# the portable ggml-numerics kernel of each K type (_matmul_ggml_k); KERNELS takes the integer
+# one where the host has its instructions
+PORTABLE_GGML = {qt: k.matmul_ggml for qt, k in KERNELS.items()}
+for _qt in KERNELS:
+    if I8_DOT is not None and I8_DOT in i8_variants(_qt):
+        KERNELS[_qt] = KERNELS[_qt]._replace(matmul_ggml=i8_matmul_ggml(_qt, I8_DOT))
 
 
 # ------------------------------------------------------------------ NumPy references

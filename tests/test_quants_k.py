@@ -389,3 +389,52 @@ def test_matvec_q4_k_vector_step_is_the_scalar_loop_bit_for_bit(rows, nb, x_exp,
     got = np.empty(rows, np.float32)
     K.KERNELS[QT.Q4_K].matvec(raw, x, got)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+# ------------------------------------------------------------------ integer dot-product path
+
+from loaders import quants_legacy as L  # noqa: E402
+
+I8_CASES = [(qt, v) for qt in K_TYPES for v in K.i8_variants(qt) if L.I8_DOT == "vnni" or v == L.I8_DOT]
+
+
+def test_host_k_kernels_take_the_integer_path():
+    """Q4_K and Q6_K's ggml numerics are the integer kernels where the host has them (the
+    libggml tests above then run them); the other K types keep the portable kernel."""
+    for qt in K_TYPES:
+        fast = L.I8_DOT is not None and L.I8_DOT in K.i8_variants(qt)
+        assert (K.KERNELS[qt].matmul_ggml is not K.PORTABLE_GGML[qt]) == fast, qt.name
+
+
+@pytest.mark.skipif(not I8_CASES, reason=f"no integer dot products on this host ({L.I8_DOT})")
+@pytest.mark.parametrize("qtype,variant", I8_CASES, ids=lambda c: getattr(c, "name", c))
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 7), nb=st.integers(1, 3), m=st.integers(1, 3),
+       extreme=st.sampled_from([None, 0x00, 0xFF]))
+def test_k_i8_path_bit_identical_to_portable(qtype, variant, seed, rows, nb, m, extreme):
+    """Bit for bit the portable kernel's results (which equal libggml's): any row count, any
+    finite fp16 scales, one or more activation rows, quant bytes (and Q4_K's scale bytes)
+    all 0x00 or all 0xFF, activations whose quants reach +-127."""
+    rng = np.random.default_rng(seed)
+    raw = random_blocks(qtype, rows, nb, rng)
+    if extreme is not None:
+        blk = raw.reshape(rows, nb, -1)
+        if qtype == QT.Q4_K:
+            blk[:, :, 4:] = extreme              # scales, mins and quants
+        else:
+            blk[:, :, :208] = extreme            # quants and int8 scales
+    X = rng.standard_normal((m, 256 * nb)).astype(np.float32)
+    X[:, ::16] *= 1e3
+    xq = K.quantize_act_q8_k(X)
+    got = np.full((m, rows), np.nan, np.float32)
+    want = np.full((m, rows), np.nan, np.float32)
+    with np.errstate(all="ignore"):
+        K.i8_matmul_ggml(qtype, variant)(raw, xq, got)
+        K.PORTABLE_GGML[qtype](raw, xq, want)
+    # exact integer lane sums, then the same float operations in the same order
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+def test_k_i8_path_refuses_other_types():
+    with pytest.raises(ValueError, match="Q5_K has no 'vnni' integer path"):
+        K.i8_matmul_ggml(QT.Q5_K, "vnni")
