@@ -31,7 +31,9 @@ take ``raw = uint8[rows, row_bytes]`` (one row = ``n // 256`` consecutive blocks
     lanes; Q5_K: one scalar FMA per block; Q6_K: ``32 * bsums * scale`` taken
     off the integer lane sums), and the final horizontal sum
     ``((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))``. The results equal libggml's
-    bit for bit.
+    bit for bit. Q4_K and Q6_K take the same numbers through SIMD integer dot
+    products where the host has AVX2 or VNNI (``_matmul_ggml_k_i8``); the
+    portable kernels stay in ``PORTABLE_GGML``.
 
 Block layouts (little endian; ``fp16`` = IEEE half; element indices within a
 256-element block; ggml field names):
