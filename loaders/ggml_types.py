@@ -54,12 +54,17 @@ class TypeKernels(NamedTuple):
     matmul_ggml(raw, xq, out)      ggml numerics: xq = activations already converted to
                                    ``act_type`` (uint8[m, act_row_bytes], or float32[m, n]
                                    when act_type is F32); out: float32[m, rows]
+    matvec_ggml(raw, x, out)       ggml numerics of one float32[n] activation row (converted
+                                   inside, as matmul_ggml's callers do), out float32[rows]; the
+                                   decode step's call, with no byte form where the kernel does
+                                   not need one (None: convert, then matmul_ggml)
     """
 
     dequantize: Callable
     matvec: Callable
     act_type: QT
     matmul_ggml: Callable
+    matvec_ggml: Callable | None = None
 
 
 # Byte offsets of the fp16 fields inside one block of each quantized type (the scale d, and the

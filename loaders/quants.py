@@ -155,7 +155,7 @@ def as_raw(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
     return out
 
 
-def _check_numerics(numerics: str) -> None:
+def check_numerics(numerics: str) -> None:
     if numerics not in NUMERICS:
         raise ValueError(f"numerics must be one of {NUMERICS}, got {numerics!r}")
 
@@ -204,7 +204,7 @@ def quantize_activations(x: np.ndarray, act_type: int) -> np.ndarray:
 def matvec(raw: np.ndarray, qtype: int, n: int, x: np.ndarray, numerics: str = "fp32",
            out: np.ndarray | None = None) -> np.ndarray:
     """W @ x: weights ``[rows, n]`` of ``qtype``, x float32[n] -> float32[rows]."""
-    _check_numerics(numerics)
+    check_numerics(numerics)
     k = kernels(qtype)
     r = as_raw(raw, qtype, n)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -216,18 +216,23 @@ def matvec(raw: np.ndarray, qtype: int, n: int, x: np.ndarray, numerics: str = "
     if numerics == "fp32":
         choice.run(k.matvec, r, x, res)
     else:
-        choice.run(_matvec_ggml, k, r, x, res)
+        choice.run(matvec_ggml_kernel, k, r, x, res)
     return res
 
 
-def _matvec_ggml(k: TypeKernels, r: np.ndarray, x: np.ndarray, res: np.ndarray) -> None:
-    k.matmul_ggml(r, quantize_activations(x, k.act_type), res.reshape(1, -1))
+def matvec_ggml_kernel(k: TypeKernels, r: np.ndarray, x: np.ndarray, res: np.ndarray) -> None:
+    """ggml numerics of one checked activation row: ``k.matvec_ggml`` where the type has one,
+    else the activations converted, then ``k.matmul_ggml``."""
+    if k.matvec_ggml is not None:
+        k.matvec_ggml(r, x, res)
+    else:
+        k.matmul_ggml(r, quantize_activations(x, k.act_type), res.reshape(1, -1))
 
 
 def matmul(raw: np.ndarray, qtype: int, n: int, X: np.ndarray, numerics: str = "fp32",
            out: np.ndarray | None = None) -> np.ndarray:
     """X @ W.T: weights ``[rows, n]`` of ``qtype``, X float32[m, n] -> float32[m, rows]."""
-    _check_numerics(numerics)
+    check_numerics(numerics)
     k = kernels(qtype)
     r = as_raw(raw, qtype, n)
     X = np.ascontiguousarray(X, dtype=np.float32)

@@ -158,6 +158,17 @@ def _quantize_q8_k(x, d, qs, bsums):
     of largest magnitude (first one on ties) maps to -127, iscale = -127 / max,
     q = min(127, round_half_even(iscale * x)), d = 1 / iscale.
     """
+    _quantize_q8_k_rows(x, d, qs, bsums)
+
+
+@jit.njit
+def _quantize_q8_k_serial(x, d, qs, bsums):
+    """_quantize_q8_k on the calling thread (one decode row: no thread-pool launch)."""
+    _quantize_q8_k_rows(x, d, qs, bsums)
+
+
+@jit.njit(inline="always")
+def _quantize_q8_k_rows(x, d, qs, bsums):
     m, n = x.shape
     nb = n // QK_K
     for a in prange(m):
@@ -201,7 +212,7 @@ def quantize_act_q8_k(x: np.ndarray) -> np.ndarray:
     d = np.empty((m, nb), np.float32)
     qs = np.empty((m, nb * QK_K), np.int8)
     bsums = np.empty((m, nb * 16), np.int16)
-    _quantize_q8_k(x, d, qs, bsums)
+    (_quantize_q8_k_serial if m == 1 else _quantize_q8_k)(x, d, qs, bsums)
     out = np.empty((m, nb, Q8_K_BYTES), np.uint8)
     out[:, :, 0:4] = d.view(np.uint8).reshape(m, nb, 4)
     out[:, :, 4:260] = qs.view(np.uint8).reshape(m, nb, QK_K)
@@ -700,6 +711,25 @@ def i8_matmul_ggml(qtype: QT, variant: str):
     return matmul_ggml
 
 
+def i8_matvec_ggml(qtype: QT, variant: str):
+    """``matvec_ggml(raw, x, out)`` of Q4_K / Q6_K: x float32[n] quantized to Q8_K as
+    :func:`quantize_act_q8_k` does, without its byte form, then _matmul_ggml_k_i8."""
+    i8_matmul_ggml(qtype, variant)          # checks the variant, compiles the kernel
+    mm = globals()[f"_matmul_ggml_i8_{QT(qtype).name.lower()}_{variant}"]
+
+    def matvec_ggml(raw, x, out):
+        n = x.shape[0]
+        nb = n // QK_K
+        d = np.empty((1, nb), np.float32)
+        qs = np.empty((1, n), np.int8)
+        bsums = np.empty((1, nb * 16), np.int16)
+        _quantize_q8_k_serial(x.reshape(1, n), d, qs, bsums)
+        mm(raw, d, qs, bsums, out.reshape(1, -1), quants_legacy.F16_TO_F32)
+
+    matvec_ggml.__name__ = matvec_ggml.__qualname__ = f"matvec_ggml_{QT(qtype).name.lower()}"
+    return matvec_ggml
+
+
 # ------------------------------------------------------------------ per-type kernels: a driver with the type's decoder
 
 # type: decoder (head, quad), bytes per block, elements per sub-block, ggml min lanes
@@ -728,7 +758,8 @@ KERNELS: dict[QT, TypeKernels] = {qt: _k_kernels(qt, *row) for qt, row in _TYPES
 PORTABLE_GGML = {qt: k.matmul_ggml for qt, k in KERNELS.items()}
 for _qt in KERNELS:
     if I8_DOT is not None and I8_DOT in i8_variants(_qt):
-        KERNELS[_qt] = KERNELS[_qt]._replace(matmul_ggml=i8_matmul_ggml(_qt, I8_DOT))
+        KERNELS[_qt] = KERNELS[_qt]._replace(matmul_ggml=i8_matmul_ggml(_qt, I8_DOT),
+                                             matvec_ggml=i8_matvec_ggml(_qt, I8_DOT))
 
 
 # ------------------------------------------------------------------ NumPy references

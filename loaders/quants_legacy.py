@@ -354,6 +354,17 @@ def _lanes_sum32(acc):
 @jit.njit(parallel=True)
 def _quantize_act_q8(x, out, with_sum):
     """x: float32[m, n] -> Q8_0 (with_sum False) or Q8_1 (True) blocks in out: uint8[m, bytes]."""
+    _quantize_act_q8_rows(x, out, with_sum)
+
+
+@jit.njit
+def _quantize_act_q8_serial(x, out, with_sum):
+    """_quantize_act_q8 on the calling thread (one decode row: no thread-pool launch)."""
+    _quantize_act_q8_rows(x, out, with_sum)
+
+
+@jit.njit(inline="always")
+def _quantize_act_q8_rows(x, out, with_sum):
     m, n = x.shape
     nb = n // 32
     bsz = 36 if with_sum else 34
@@ -417,7 +428,7 @@ def _quantize_act_blocks(x: np.ndarray, with_sum: bool) -> np.ndarray:
     if x.shape[1] % 32:
         raise ValueError(f"{name} activations need n % 32 == 0, got n={x.shape[1]}")
     out = np.empty((x.shape[0], x.shape[1] // 32 * bsz), dtype=np.uint8)
-    _quantize_act_q8(x, out, with_sum)
+    (_quantize_act_q8_serial if x.shape[0] == 1 else _quantize_act_q8)(x, out, with_sum)
     return out
 
 
@@ -1184,7 +1195,15 @@ def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off
                        "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
     PORTABLE_GGML[qtype] = k.matmul_ggml
     variant = I8_DOT if I8_DOT is not None and I8_DOT in i8_variants(qtype) else None
-    return k if variant is None else k._replace(matmul_ggml=i8_matmul_ggml(qtype, variant))
+    if variant is None:
+        return k
+    mm = i8_matmul_ggml(qtype, variant)
+
+    def matvec_ggml(raw, x, out):
+        mm(raw, _quantize_act_blocks(x, with_sum), out.reshape(1, -1))
+
+    matvec_ggml.__name__ = matvec_ggml.__qualname__ = f"matvec_ggml_{qtype.name.lower()}"
+    return k._replace(matmul_ggml=mm, matvec_ggml=matvec_ggml)
 
 
 def i8_variants(qtype: QT) -> tuple:

@@ -48,25 +48,30 @@ class Linear:
         self.n_out = t.n_rows
         self._rows = None          # checked uint8 row view and kernels, made at the first decode
         self._threads = quants.ThreadChoice()   # decode matvec: serial or parallel, as measured
+        self._threads_ggml = quants.ThreadChoice()
 
     def __call__(self, x: np.ndarray, numerics: str) -> np.ndarray:
         """x float32[T, n_in] -> float32[T, n_out]."""
-        if x.shape[0] == 1 and numerics == "fp32":
-            return self._matvec(x)
         if x.shape[0] == 1:
-            return quants.matvec(self.raw, self.qtype, self.n_in, x[0], numerics)[None, :]
+            return self._matvec(x, numerics)
         return quants.matmul(self.raw, self.qtype, self.n_in, x, numerics)
 
-    def _matvec(self, x: np.ndarray) -> np.ndarray:
-        """A decode step's fused matvec with the weight checks of quants.matvec done once (they
-        cost more than a small layer matrix's kernel) and its thread choice measured."""
+    def _matvec(self, x: np.ndarray, numerics: str = "fp32") -> np.ndarray:
+        """A decode step's matvec with the weight checks of quants.matvec done once (they
+        cost more than a small layer matrix's kernel) and its thread choice measured (one per
+        numerics: their kernels differ)."""
         if self._rows is None:
             self._rows = (quants.as_raw(self.raw, self.qtype, self.n_in), quants.kernels(self.qtype))
         raw, k = self._rows
         if x.shape != (1, self.n_in):
             raise ValueError(f"{self.name}: input must be float32[1, {self.n_in}], got shape {x.shape}")
         out = np.empty((1, self.n_out), np.float32)
-        self._threads.run(k.matvec, raw, np.ascontiguousarray(x[0], dtype=np.float32), out[0])
+        xr = np.ascontiguousarray(x[0], dtype=np.float32)
+        if numerics == "fp32":
+            self._threads.run(k.matvec, raw, xr, out[0])
+        else:
+            quants.check_numerics(numerics)
+            self._threads_ggml.run(quants.matvec_ggml_kernel, k, raw, xr, out[0])
         return out
 
     @property

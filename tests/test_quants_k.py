@@ -438,3 +438,18 @@ def test_k_i8_path_bit_identical_to_portable(qtype, variant, seed, rows, nb, m, 
 def test_k_i8_path_refuses_other_types():
     with pytest.raises(ValueError, match="Q5_K has no 'vnni' integer path"):
         K.i8_matmul_ggml(QT.Q5_K, "vnni")
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
+def test_matvec_ggml_equals_matmul_ggml(qtype):
+    """The decode entry (one float row, Q8_K made without its byte form where the type has an
+    integer path) gives matmul_ggml's bits."""
+    from loaders import quants
+    rng = np.random.default_rng(12)
+    raw = random_blocks(qtype, 9, 2, rng)
+    x = rng.standard_normal(512).astype(np.float32)
+    with np.errstate(all="ignore"):
+        got = quants.matvec(raw, qtype, 512, x, "ggml")
+        want = np.empty((1, 9), np.float32)
+        K.KERNELS[qtype].matmul_ggml(raw, K.quantize_act_q8_k(x[None, :]), want)
+    assert np.array_equal(got.view(np.uint32), want[0].view(np.uint32))

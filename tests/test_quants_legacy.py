@@ -498,3 +498,15 @@ def test_split_act_i8_matches_split_act_blocks(act_type):
     if with_sum:
         assert bits_equal(got[2], asum)
     assert np.array_equal(got[3], -16 * aq.astype(np.int32).reshape(3, 24, 4).sum(-1))
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
+def test_matvec_ggml_equals_matmul_ggml(qtype):
+    """The decode entry (one float row, converted inside) gives matmul_ggml's bits."""
+    from loaders import quants
+    rng = np.random.default_rng(11)
+    raw = random_raw(qtype, 9, 320, rng)
+    x = rng.standard_normal(320).astype(np.float32)
+    got = quants.matvec(raw, qtype, 320, x, "ggml")
+    want, _ = run_matmul_ggml(qtype, raw, x[None, :])
+    assert bits_equal(got, want[0])
