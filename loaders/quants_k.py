@@ -104,7 +104,7 @@ from numba.extending import intrinsic
 from . import jit, quants_legacy
 from .ggml_types import TypeKernels
 from .quants_legacy import (_ROW_CHUNKS, _fma32, _hsum8, _i8, _lanes_sum32, _prefetch, _quant_kernels, _u16,
-                            I8_DOT, I8_PREFETCH, ir_lane_sums, ir_ptr, ir_splat)
+                            I8_DOT, PREFETCH_BYTES, ir_lane_sums, ir_ptr, ir_splat)
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -671,8 +671,8 @@ def _matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, bsz, kind, vnni):
             ybsa = ybs[a]
             for i in range(nb):
                 o = i * bsz
-                _prefetch(raw[r0], o + I8_PREFETCH)
-                _prefetch(raw[r1], o + I8_PREFETCH)
+                _prefetch(raw[r0], o + PREFETCH_BYTES)
+                _prefetch(raw[r1], o + PREFETCH_BYTES)
                 _k_block_i8(raw[r0, o:o + bsz], yqa, i, ybsa, yd[a, i], f16, sc, mn, lanes, acc, accm, 0, kind, vnni)
                 _k_block_i8(raw[r1, o:o + bsz], yqa, i, ybsa, yd[a, i], f16, sc, mn, lanes[8:], acc, accm, 8,
                             kind, vnni)

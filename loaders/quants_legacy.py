@@ -645,6 +645,33 @@ def _matvec_blocks(raw, x, out, f16, bsz, vec):
 
 
 @jit.njit(inline="always")
+def _matvec_blocks_far_pairs(raw, x, out, f16, bsz, vec):
+    """_matvec_blocks with rows r and r + ceil(rows / 2) per work item, each prefetched
+    PREFETCH_BYTES bytes ahead: the same operations per row (the same bits), two memory streams
+    far apart that the hardware prefetchers alone do not keep fed. For the types whose block
+    step is light enough to wait on memory (FAR_PAIR_MATVEC)."""
+    rows = raw.shape[0]
+    nb = x.shape[0] // 32
+    half = (rows + 1) // 2
+    for p in prange(half):
+        r0 = np.intp(p)                  # prange's index may be unsigned: uint + int is float
+        r1 = r0 + half
+        if r1 >= rows:                   # an odd row count: the middle row twice
+            r1 = r0
+        w0 = raw[r0]
+        w1 = raw[r1]
+        acc0 = np.zeros(32, np.float32)
+        acc1 = np.zeros(32, np.float32)
+        for b in range(nb):
+            _prefetch(w0, b * bsz + PREFETCH_BYTES)
+            _prefetch(w1, b * bsz + PREFETCH_BYTES)
+            vec(w0, b * bsz, f16, x, b * 32, acc0)
+            vec(w1, b * bsz, f16, x, b * 32, acc1)
+        out[r0] = _lanes_sum32(acc0)
+        out[r1] = _lanes_sum32(acc1)
+
+
+@jit.njit(inline="always")
 def _ggml_lanes64(wr, ar, npart, acc, f16, elem):
     """ggml_vec_dot_f32 / _f16 (AVX-512) main part: 4x16 FMA lanes over the first npart
     elements, folded 64 -> 16 and reduced as _mm512_reduce_add_ps."""
@@ -732,7 +759,7 @@ _ROW_CHUNKS = 64
 # The same numbers as _matmul_ggml_blocks, in far fewer instructions per weight byte: a block's
 # 32 quants are unpacked as unsigned bytes u (Q4_*: nibbles, Q5_*: nibbles | fifth bit << 4,
 # Q8_0: the int8 quant + 128), and its 8 integer lane sums sum_{k<4} (u - off) * a are taken
-# by one VPDPBUSD (AVX-512 VNNI or AVX-VNNI) or VPMADDUBSW + VPMADDWD (AVX2) over the unsigned
+# by one VPDPBUSD (AVX-512 VNNI) or VPMADDUBSW + VPMADDWD (AVX2) over the unsigned
 # bytes, starting from -off * (the lane's 4 activation quants): integers, exact in any order,
 # so every lane is the value ggml's sign-trick products give. Then one fma per lane and block
 # into 8 float lanes, in block order, and hsum_float_8, exactly as _matmul_ggml_blocks.
@@ -750,8 +777,9 @@ def _host_features() -> frozenset:
 
 
 _FEATURES = _host_features()
-# "vnni": VPDPBUSD on 256-bit vectors; "avx2": VPMADDUBSW + VPMADDWD; None: no integer path
-I8_DOT = ("vnni" if ("avx512vnni" in _FEATURES and "avx512vl" in _FEATURES) or "avxvnni" in _FEATURES
+# "vnni": VPDPBUSD on 256-bit vectors (AVX-512 VNNI with VL; an AVX-VNNI-only host takes "avx2",
+# the encoding not tried here); "avx2": VPMADDUBSW + VPMADDWD; None: no integer path
+I8_DOT = ("vnni" if "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
           else "avx2" if "avx2" in _FEATURES else None)
 
 
@@ -941,14 +969,14 @@ def _fma_dot_tile(typingctx, ws, wo, qhs, bits, aq, ad, corr, rows4, b, dws, acc
 # bytes ahead of the block being read that _matmul_ggml_i8 prefetches in each of its two rows
 # (Q4_0 5632 x 2048, 24 matrices in turn so that they stream from memory, AMD EPYC znver4: one
 # thread 6.9 -> 11.0-11.7 GB/s with 256-1024, two threads 11.4 -> 16-19 GB/s)
-I8_PREFETCH = 768
+PREFETCH_BYTES = 768
 
 
 @jit.njit(inline="always")
 def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni):
     """_matmul_ggml_blocks' results through _unpack_u8x32 and _fma_dot_u8. Two weight rows per
     work item, r and r + ceil(rows / 2): two fma chains in flight when m == 1 (a decode step's
-    matvec), and two memory streams far apart, prefetched I8_PREFETCH bytes ahead (two adjacent
+    matvec), and two memory streams far apart, prefetched PREFETCH_BYTES bytes ahead (two adjacent
     rows read block by block streamed at 4 GB/s, the far pair at 7, prefetched at 11: the
     hardware prefetchers alone fall behind). With m > 1 each block of both rows is unpacked
     once and used for every activation row."""
@@ -973,8 +1001,8 @@ def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_
             c0 = corr[0]
             for b in range(nb):
                 o = b * bsz
-                _prefetch(w0, o + I8_PREFETCH)
-                _prefetch(w1, o + I8_PREFETCH)
+                _prefetch(w0, o + PREFETCH_BYTES)
+                _prefetch(w1, o + PREFETCH_BYTES)
                 d0, m0, h0 = head(w0, o, f16)
                 d1, m1, h1 = head(w1, o, f16)
                 da = ad[0, b]
@@ -1189,7 +1217,8 @@ def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off
     stays in PORTABLE_GGML (the tests compare the two)."""
     dec = f"{head}, {pair}, {bsz}, {has_min}"
     with_sum = act_type == QT.Q8_1
-    mv = f"_matvec_blocks(raw, x, out, f16, {bsz}, {vec})"
+    driver = "_matvec_blocks_far_pairs" if qtype in FAR_PAIR_MATVEC else "_matvec_blocks"
+    mv = f"{driver}(raw, x, out, f16, {bsz}, {vec})"
     k = _quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
                        f"_dequantize_blocks(raw, out, f16, {dec})", mv,
                        "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
@@ -1244,6 +1273,10 @@ def i8_matmul_ggml(qtype: QT, variant: str):
     return matmul_ggml
 
 
+# fp32 matvec by far row pairs, prefetched: Q8_0 (Gemma 3 270M's 262144 x 640 output head, two
+# threads, AMD EPYC znver4: 14.3-18.8 -> 10.2-12.2 ms, bit-identical); Q5_0 gained nothing on
+# its 81 layer matrices (6.6-7.0 ms either way: its block step, not memory, is the limit)
+FAR_PAIR_MATVEC = frozenset({QT.Q8_0})
 # block type -> (bits of the unsigned quants _unpack_u8x32 makes, offset of the quants in the
 # block, offset subtracted from them to get ggml's signed quants)
 _I8_LAYOUT = {QT.Q4_0: (4, 2, 8), QT.Q4_1: (4, 4, 0), QT.Q5_0: (5, 6, 16), QT.Q5_1: (5, 8, 0),

@@ -510,3 +510,17 @@ def test_matvec_ggml_equals_matmul_ggml(qtype):
     got = quants.matvec(raw, qtype, 320, x, "ggml")
     want, _ = run_matmul_ggml(qtype, raw, x[None, :])
     assert bits_equal(got, want[0])
+
+
+@pytest.mark.parametrize("qtype", sorted(L.FAR_PAIR_MATVEC), ids=lambda t: t.name)
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 11), nblocks=st.integers(1, 30))
+def test_far_pair_matvec_rows_as_computed_alone(qtype, seed, rows, nblocks):
+    """The far-pair fp32 matvec does each row's operations exactly as for a matrix of that row
+    alone: every row index reached once (odd counts pair the middle row with itself), in place."""
+    rng = np.random.default_rng(seed)
+    raw = random_raw(qtype, rows, 32 * nblocks, rng)
+    x = rng.standard_normal(32 * nblocks).astype(np.float32)
+    whole = run_matvec(qtype, raw, x)
+    alone = np.concatenate([run_matvec(qtype, raw[r:r + 1], x) for r in range(rows)])
+    assert bits_equal(whole, alone)
