@@ -76,19 +76,24 @@ def test_sparse_matches_cpu(models):
 # bits of a rounding boundary of the quantizer is stored at neighbouring levels by the two
 # engines (hardware arithmetic may do it: ~1 run in 50 at q8_0 on this model); one such level
 # moved logits by up to 2.5e-3 (q8_0) / 3.6e-2 (q4_0) of the scale when injected on the CPU.
-# _flips counts them (cache elements more than float noise apart) and the logit tolerance
-# allows that much per flip; with none, LOGIT_RTOL.
+# The same happens to a block's scale (d = amax / 127 rounded to fp16 lands on the other side
+# of a boundary: every element of the block moves by one fp16 ulp of d, relative 5e-4 to 1e-3;
+# seen on an AMD EPYC znver4 host, where one q8_0 V block of layer 1 did so on every run).
+# _flips counts the blocks holding such a difference (cache elements more than float noise
+# apart) and the logit tolerance allows that much per flip; with none, LOGIT_RTOL.
 FLIP_RTOL = {"q8_0": 5e-3, "q4_0": 6e-2}
 
 
 def _flips(cpu, gpu):
-    """Cache elements (dequantized K and V, every layer) the two engines store more than float
-    noise apart (1e-5 of the layer's largest |value|; a quantization level is 1/127 of a
-    block's largest |value| at q8_0)."""
+    """Quantization blocks (32 consecutive elements of a head's token row, dequantized K and V,
+    every layer) in which the two engines store an element more than float noise apart (1e-5
+    of the layer's largest |value|; a quantization level is 1/127 of a block's largest |value|
+    at q8_0): one rounding event each, of a quant or of the block's scale."""
     n = 0
     for il in range(cpu.cfg.n_layer):
         for a, b in zip(cpu.cache.gather(il), gpu.cache.gather(il)):
-            n += int((np.abs(a - b) > 1e-5 * np.abs(a).max()).sum())
+            far = np.abs(a - b) > 1e-5 * np.abs(a).max()          # [Hkv, T, D]
+            n += int(far.reshape(*far.shape[:-1], -1, 32).any(axis=-1).sum())
     return n
 
 
