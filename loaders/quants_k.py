@@ -103,8 +103,8 @@ from numba.extending import intrinsic
 
 from . import jit, quants_legacy
 from .ggml_types import TypeKernels
-from .quants_legacy import (_ROW_CHUNKS, _fma32, _hsum8, _i8, _lanes_sum32, _prefetch, _quant_kernels, _u16,
-                            I8_DOT, PREFETCH_BYTES, ir_lane_sums, ir_ptr, ir_splat)
+from .quants_legacy import (I8_DOT, PREFETCH_BYTES, _ROW_CHUNKS, _far_pair, _fma32, _hsum8, _i8,
+                            _lanes_sum32, _prefetch, _quant_kernels, _u16, ir_lane_sums, ir_ptr, ir_splat)
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -597,13 +597,18 @@ def _k_lanes(typingctx, q, a, ao, sc, lanes, kind, vnni):
                 v0 = ld(qty, q_, c(_I64, 64 * j), v32)
                 v1 = ld(qty, q_, c(_I64, 64 * j + 32), v32)
                 hb = ld(qty, q_, c(_I64, 128 + 32 * j), v32)
+
+                def high2(mask, shift):       # the qh bits under mask moved to bits 4-5
+                    t = builder.and_(hb, c(v32, [mask] * 32))
+                    if shift >= 0:
+                        return builder.shl(t, c(v32, [shift] * 32))
+                    return builder.lshr(t, c(v32, [-shift] * 32))
+
                 lo4, sh4 = c(v32, [15] * 32), c(v32, [4] * 32)
-                groups.append((builder.or_(builder.and_(v0, lo4), builder.shl(builder.and_(hb, c(v32, [3] * 32)), sh4)), 4 * j))
-                groups.append((builder.or_(builder.and_(v1, lo4),
-                                           builder.shl(builder.and_(hb, c(v32, [12] * 32)), c(v32, [2] * 32))), 4 * j + 1))
-                groups.append((builder.or_(builder.lshr(v0, sh4), builder.and_(hb, c(v32, [48] * 32))), 4 * j + 2))
-                groups.append((builder.or_(builder.lshr(v1, sh4),
-                                           builder.lshr(builder.and_(hb, c(v32, [192] * 32)), c(v32, [2] * 32))), 4 * j + 3))
+                groups += [(builder.or_(builder.and_(v0, lo4), high2(3, 4)), 4 * j),
+                           (builder.or_(builder.and_(v1, lo4), high2(12, 2)), 4 * j + 1),
+                           (builder.or_(builder.lshr(v0, sh4), high2(48, 0)), 4 * j + 2),
+                           (builder.or_(builder.lshr(v1, sh4), high2(192, -2)), 4 * j + 3)]
             tot = builder.load(ir_ptr(context, builder, lty, l_, c(_I64, 0), v8), align=4)
         else:
             for g in range(4):
@@ -625,22 +630,28 @@ def _k_lanes(typingctx, q, a, ao, sc, lanes, kind, vnni):
 
 
 @jit.njit(inline="always")
-def _k_block_i8(q, yq, i, ybs, ydi, f16, sc, mn, lanes, acc, accm, ao, kind, vnni):
-    """One super-block of one weight row against one activation row (quants yq, block sums
-    ybs, scale ydi): acc[ao:ao+8] and accm[ao:ao+4] take _matmul_ggml_k's steps."""
+def _k_head(q, f16, sc, mn, kind):
+    """The super-block's (d, dmin) and scales (and Q4_K's mins) into sc, mn."""
     if kind == 6:
-        dw = _head_q6_k(q, f16, sc, mn)[0]
-        bs = ybs[16 * i:16 * i + 16]
+        return _head_q6_k(q, f16, sc, mn)
+    return _head_q4_k(q, f16, sc, mn)
+
+
+@jit.njit(inline="always")
+def _k_step(q, yq, i, ybs, ydi, dw, dmw, sc, mn, lanes, acc, ao, accm, mo, kind, vnni):
+    """One super-block of one weight row (its head already in dw, dmw, sc, mn) against one
+    activation row (quants yq, block sums ybs, scale ydi): acc[ao:ao+8] and accm[mo:mo+4]
+    take _matmul_ggml_k's steps."""
+    bs = ybs[16 * i:16 * i + 16]
+    if kind == 6:
         for k in range(8):                   # ggml takes 32 * scale * bsums off lane k
             lanes[k] = -32 * (np.int32(bs[2 * k]) * sc[2 * k] + np.int32(bs[2 * k + 1]) * sc[2 * k + 1])
     else:
-        dw, dmw = _head_q4_k(q, f16, sc, mn)
-        bs = ybs[16 * i:16 * i + 16]
         dmin = (-ydi) * dmw
         for k in range(4):
             pm = (mn[2 * k] * (np.int32(bs[4 * k]) + np.int32(bs[4 * k + 1]))
                   + mn[2 * k + 1] * (np.int32(bs[4 * k + 2]) + np.int32(bs[4 * k + 3])))
-            accm[ao // 2 + k] = _fma32(dmin, np.float32(pm), accm[ao // 2 + k])
+            accm[mo + k] = _fma32(dmin, np.float32(pm), accm[mo + k])
     _k_lanes(q, yq, i * QK_K, sc, lanes, kind, vnni)
     d = ydi * dw
     for k in range(8):
@@ -650,37 +661,44 @@ def _k_block_i8(q, yq, i, ybs, ydi, f16, sc, mn, lanes, acc, accm, ao, kind, vnn
 @jit.njit(inline="always")
 def _matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, bsz, kind, vnni):
     """_matmul_ggml_k's results for Q4_K (kind 4) and Q6_K (kind 6) through _k_lanes. Two
-    weight rows per work item, r and r + ceil(rows / 2), prefetched (as _matmul_ggml_i8)."""
+    weight rows per work item, r and r + ceil(rows / 2), prefetched (as _matmul_ggml_i8);
+    with several activation rows (prefill) each block's heads are decoded once for all."""
     rows = raw.shape[0]
     m, nb = yd.shape
     half = (rows + 1) // 2
     for p in prange(half):
-        r0 = np.intp(p)
-        r1 = r0 + half
-        if r1 >= rows:
-            r1 = r0
-        sc = np.zeros(16, np.int32)
-        mn = np.zeros(16, np.int32)
-        lanes = np.zeros(16, np.int32)
-        acc = np.zeros(16, np.float32)
-        accm = np.zeros(8, np.float32)
+        r0, r1 = _far_pair(p, half, rows)
+        sc0 = np.zeros(16, np.int32)
+        mn0 = np.zeros(16, np.int32)
+        sc1 = np.zeros(16, np.int32)
+        mn1 = np.zeros(16, np.int32)
+        lanes = np.zeros(8, np.int32)
+        acc = np.zeros(16 * m, np.float32)
+        accm = np.zeros(8 * m, np.float32)
+        for i in range(nb):
+            o = i * bsz
+            _prefetch(raw[r0], o + PREFETCH_BYTES)
+            _prefetch(raw[r1], o + PREFETCH_BYTES)
+            q0 = raw[r0, o:o + bsz]
+            q1 = raw[r1, o:o + bsz]
+            dw0, dmw0 = _k_head(q0, f16, sc0, mn0, kind)
+            dw1, dmw1 = _k_head(q1, f16, sc1, mn1, kind)
+            if m == 1:                       # constant offsets: a decode step's matvec
+                _k_step(q0, yq[0], i, ybs[0], yd[0, i], dw0, dmw0, sc0, mn0, lanes, acc, 0, accm, 0, kind, vnni)
+                _k_step(q1, yq[0], i, ybs[0], yd[0, i], dw1, dmw1, sc1, mn1, lanes, acc, 8, accm, 4, kind, vnni)
+                continue
+            for a in range(m):
+                _k_step(q0, yq[a], i, ybs[a], yd[a, i], dw0, dmw0, sc0, mn0, lanes, acc, 16 * a, accm, 8 * a,
+                        kind, vnni)
+                _k_step(q1, yq[a], i, ybs[a], yd[a, i], dw1, dmw1, sc1, mn1, lanes, acc, 16 * a + 8, accm,
+                        8 * a + 4, kind, vnni)
         for a in range(m):
-            acc[:] = 0
-            accm[:] = 0
-            yqa = yq[a]
-            ybsa = ybs[a]
-            for i in range(nb):
-                o = i * bsz
-                _prefetch(raw[r0], o + PREFETCH_BYTES)
-                _prefetch(raw[r1], o + PREFETCH_BYTES)
-                _k_block_i8(raw[r0, o:o + bsz], yqa, i, ybsa, yd[a, i], f16, sc, mn, lanes, acc, accm, 0, kind, vnni)
-                _k_block_i8(raw[r1, o:o + bsz], yqa, i, ybsa, yd[a, i], f16, sc, mn, lanes[8:], acc, accm, 8,
-                            kind, vnni)
             for t in range(2):
                 r = r0 if t == 0 else r1
-                v = _hsum8(acc[8 * t:8 * t + 8])
+                v = _hsum8(acc[16 * a + 8 * t:16 * a + 8 * t + 8])
                 if kind == 4:
-                    v += (accm[4 * t] + accm[4 * t + 2]) + (accm[4 * t + 1] + accm[4 * t + 3])
+                    e = 8 * a + 4 * t
+                    v += (accm[e] + accm[e + 2]) + (accm[e + 1] + accm[e + 3])
                 out[a, r] = v
 
 

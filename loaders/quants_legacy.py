@@ -645,6 +645,15 @@ def _matvec_blocks(raw, x, out, f16, bsz, vec):
 
 
 @jit.njit(inline="always")
+def _far_pair(p, half, rows):
+    """Rows of work item p when item p holds rows p and p + half (half = ceil(rows / 2)): an
+    odd row count gives the middle row to its item twice (computed twice, written the same)."""
+    r0 = np.intp(p)                      # prange's index may be unsigned: uint + int is float
+    r1 = r0 + half
+    return r0, (r1 if r1 < rows else r0)
+
+
+@jit.njit(inline="always")
 def _matvec_blocks_far_pairs(raw, x, out, f16, bsz, vec):
     """_matvec_blocks with rows r and r + ceil(rows / 2) per work item, each prefetched
     PREFETCH_BYTES bytes ahead: the same operations per row (the same bits), two memory streams
@@ -654,10 +663,7 @@ def _matvec_blocks_far_pairs(raw, x, out, f16, bsz, vec):
     nb = x.shape[0] // 32
     half = (rows + 1) // 2
     for p in prange(half):
-        r0 = np.intp(p)                  # prange's index may be unsigned: uint + int is float
-        r1 = r0 + half
-        if r1 >= rows:                   # an odd row count: the middle row twice
-            r1 = r0
+        r0, r1 = _far_pair(p, half, rows)
         w0 = raw[r0]
         w1 = raw[r1]
         acc0 = np.zeros(32, np.float32)
@@ -985,10 +991,7 @@ def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_
     nb = ad.shape[1]
     half = (rows + 1) // 2
     for p in prange(half):
-        r0 = np.intp(p)                  # prange's index may be unsigned: uint + int is float
-        r1 = r0 + half
-        if r1 >= rows:                   # an odd row count: the middle row twice
-            r1 = r0
+        r0, r1 = _far_pair(p, half, rows)
         w0 = raw[r0]
         w1 = raw[r1]
         if m == 1:
