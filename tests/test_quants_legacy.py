@@ -457,11 +457,12 @@ def extreme_raw(qtype: QT, rows: int, n: int, rng: np.random.Generator) -> np.nd
 @pytest.mark.skipif(not I8_CASES, reason=f"no integer dot products on this host ({L.I8_DOT})")
 @pytest.mark.parametrize("qtype,variant", I8_CASES, ids=lambda c: getattr(c, "name", c))
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 9), m=st.integers(1, 4),
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 9), m=st.integers(1, 9),
        nblocks=st.integers(1, 40), big=st.booleans())
 def test_i8_path_bit_identical_to_portable(qtype, variant, seed, rows, m, nblocks, big):
     """The integer kernels replay _matmul_ggml_blocks exactly: any row count (odd ones pair the
-    middle row with itself), one activation row (decode) or several, quants at their extremes,
+    middle row with itself; prefill tiles of four rows clamp at the last), one activation row
+    (decode) or several (in groups of four, a short last group), quants at their extremes,
     activations whose quants reach +-127 in every block (``big``: one huge element per block)."""
     rng = np.random.default_rng(seed)
     n = 32 * nblocks
