@@ -864,28 +864,13 @@ def _prefetch(typingctx, w, o):
 
 
 @intrinsic
-def _unpack_u8x32(typingctx, w, wo, qh, bits, dst):
-    """ir_unpack_u8x32 into dst[0:32] (uint8); ``bits`` a literal."""
-    if not isinstance(bits, types.IntegerLiteral):
-        return None
-    nbits = bits.literal_value
-    sig = types.void(w, wo, qh, bits, dst)
-
-    def codegen(context, builder, signature, args):
-        wty, _, qhty, _, dty = signature.args
-        w_, wo_, qh_, _, d_ = args
-        q = ir_unpack_u8x32(context, builder, wty, w_, wo_, qhty, qh_, nbits)
-        builder.store(q, ir_ptr(context, builder, dty, d_, ir.Constant(ir.IntType(64), 0), _v(_I8T, 32)), align=1)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def _fma_dot2(typingctx, w0, w1, wo, qh0, qh1, bits, a, ao, c, co, d0, d1, acc, vnni):
-    """Two weight rows' blocks at w0[wo:], w1[wo:] against one activation block: the
-    :func:`_fma_dot_u8` step of each (acc[0:8] for row 0, acc[8:16] for row 1) with its quants
-    unpacked in registers and the activation quants and ``c`` loaded once."""
+    """A decode step's block: for the blocks of rows w0 and w1 at byte wo (quants unpacked in
+    registers by ir_unpack_u8x32, ``bits`` a literal), acc[8k:8k+8] = fma(d_k, float32(s),
+    acc[8k:8k+8]) with the int32 lane sums s[l] = c[co + l] + sum_{j<4} u[4l + j] * a[ao + 4l + j]
+    of row k's unsigned quants u: a int8 activation quants and c int32 (-off times their lane
+    sums), loaded once for both rows; ``vnni`` (a literal) True: VPDPBUSD, False: VPMADDUBSW +
+    VPMADDWD."""
     if not isinstance(bits, types.IntegerLiteral) or not isinstance(vnni, types.BooleanLiteral):
         return None
     nbits, use_vnni = bits.literal_value, vnni.literal_value
@@ -906,34 +891,11 @@ def _fma_dot2(typingctx, w0, w1, wo, qh0, qh1, bits, a, ao, c, co, d0, d1, acc, 
 
 
 @intrinsic
-def _fma_dot_u8(typingctx, q, a, ao, c, co, d, acc, oo, vnni):
-    """acc[oo:oo+8] = fma(d, float32(s), acc[oo:oo+8]) with the int32 lane sums
-    s[l] = c[co + l] + sum_{k<4} q[4l + k] * a[ao + 4l + k]: q uint8[32] (unsigned quants),
-    a int8 activation quants, c int32 (-off times the activation lane sums); ``vnni`` (a
-    literal) True: VPDPBUSD, False: VPMADDUBSW + VPMADDWD."""
-    if not isinstance(vnni, types.BooleanLiteral):
-        return None
-    use_vnni = vnni.literal_value
-    sig = types.void(q, a, ao, c, co, d, acc, oo, vnni)
-
-    def codegen(context, builder, signature, args):
-        qty, aty, _, cty, _, _, accty, _, _ = signature.args
-        q_, a_, ao_, c_, co_, d_, acc_, oo_, _ = args
-        qv = builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(ir.IntType(64), 0), _v(_I8T, 32)), align=1)
-        av = builder.load(ir_ptr(context, builder, aty, a_, ao_, _v(_I8T, 32)), align=1)
-        cv = builder.load(ir_ptr(context, builder, cty, c_, co_, _v(_I32, 8)), align=4)
-        ir_fma_lanes(context, builder, accty, acc_, oo_, d_, ir_lane_sums(builder, qv, av, cv, use_vnni))
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
 def _fma_dot_tile(typingctx, ws, wo, qhs, bits, aq, ad, corr, rows4, b, dws, acc, vnni):
     """Prefill's step: the blocks b (at offset wo) of R weight rows ``ws`` (a tuple of uint8
     rows, with their ``qhs`` and scales ``dws``), each unpacked once, against the activation
     rows rows4 = (i0, i1, i2, i3) of aq int8[m, n], ad float32[m, nb] and corr int32[m, nb * 8]:
-    for each t and k, acc[8(Rt + k):8(Rt + k) + 8] takes the :func:`_fma_dot_u8` step of row k
+    for each t and k, acc[8(Rt + k):8(Rt + k) + 8] takes the :func:`_fma_dot2` step of row k
     and activation row i_t with d = dws[k] * ad[i_t, b] (a float32 product). Constant
     accumulator offsets: LLVM keeps the 4R fma chains in registers across blocks."""
     if not isinstance(bits, types.IntegerLiteral) or not isinstance(vnni, types.BooleanLiteral):
@@ -980,12 +942,13 @@ PREFETCH_BYTES = 768
 
 @jit.njit(inline="always")
 def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni):
-    """_matmul_ggml_blocks' results through _unpack_u8x32 and _fma_dot_u8. Two weight rows per
-    work item, r and r + ceil(rows / 2): two fma chains in flight when m == 1 (a decode step's
-    matvec), and two memory streams far apart, prefetched PREFETCH_BYTES bytes ahead (two adjacent
-    rows read block by block streamed at 4 GB/s, the far pair at 7, prefetched at 11: the
-    hardware prefetchers alone fall behind). With m > 1 each block of both rows is unpacked
-    once and used for every activation row."""
+    """_matmul_ggml_blocks' results through _fma_dot2 (decode) and _fma_dot_tile (prefill).
+    Two weight rows per work item, r and r + ceil(rows / 2): two fma chains in flight when
+    m == 1 (a decode step's matvec), and two memory streams far apart, prefetched
+    PREFETCH_BYTES bytes ahead (two adjacent rows read block by block streamed at 4 GB/s, the
+    far pair at 7, prefetched at 11: the hardware prefetchers alone fall behind). With m > 1
+    the even work items take tiles of four rows (theirs and the next item's), each block
+    unpacked once for four activation rows at a time."""
     rows = raw.shape[0]
     m = aq.shape[0]
     nb = ad.shape[1]
@@ -1280,7 +1243,7 @@ def i8_matmul_ggml(qtype: QT, variant: str):
 # threads, AMD EPYC znver4: 14.3-18.8 -> 10.2-12.2 ms, bit-identical); Q5_0 gained nothing on
 # its 81 layer matrices (6.6-7.0 ms either way: its block step, not memory, is the limit)
 FAR_PAIR_MATVEC = frozenset({QT.Q8_0})
-# block type -> (bits of the unsigned quants _unpack_u8x32 makes, offset of the quants in the
+# block type -> (bits of the unsigned quants ir_unpack_u8x32 makes, offset of the quants in the
 # block, offset subtracted from them to get ggml's signed quants)
 _I8_LAYOUT = {QT.Q4_0: (4, 2, 8), QT.Q4_1: (4, 4, 0), QT.Q5_0: (5, 6, 16), QT.Q5_1: (5, 8, 0),
               QT.Q8_0: (8, 2, 128)}
