@@ -103,8 +103,9 @@ from numba.extending import intrinsic
 
 from . import jit, quants_legacy
 from .ggml_types import TypeKernels
-from .quants_legacy import (I8_DOT, PREFETCH_BYTES, _ROW_CHUNKS, _far_pair, _fma32, _hsum8, _i8,
-                            _lanes_sum32, _prefetch, _quant_kernels, _u16, ir_lane_sums, ir_ptr, ir_splat)
+from .quants_legacy import (_I32, I8_DOT, PREFETCH_BYTES, _ROW_CHUNKS, _far_pair, _fma32, _hsum8, _i8,
+                            _I8T as _I8, _lanes_sum32, _prefetch, _quant_kernels, _u16, _v, ir_lane_sums,
+                            ir_ptr, ir_splat)
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -202,6 +203,18 @@ def _quantize_q8_k_rows(x, d, qs, bsums):
             d[a, i] = np.float32(1.0) / iscale
 
 
+def _q8_k_arrays(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Contiguous float32[m, n] (n % 256 == 0) -> Q8_K's (d float32[m, nb], qs int8[m, n],
+    bsums int16[m, nb*16]); one row on the calling thread."""
+    m, n = x.shape
+    nb = n // QK_K
+    d = np.empty((m, nb), np.float32)
+    qs = np.empty((m, nb * QK_K), np.int8)
+    bsums = np.empty((m, nb * 16), np.int16)
+    (_quantize_q8_k_serial if m == 1 else _quantize_q8_k)(x, d, qs, bsums)
+    return d, qs, bsums
+
+
 def quantize_act_q8_k(x: np.ndarray) -> np.ndarray:
     """Activations float32[m, n] (n % 256 == 0) -> Q8_K blocks uint8[m, n // 256 * 292]."""
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -209,10 +222,7 @@ def quantize_act_q8_k(x: np.ndarray) -> np.ndarray:
     if n % QK_K:
         raise ValueError(f"row length {n} is not a multiple of {QK_K}")
     nb = n // QK_K
-    d = np.empty((m, nb), np.float32)
-    qs = np.empty((m, nb * QK_K), np.int8)
-    bsums = np.empty((m, nb * 16), np.int16)
-    (_quantize_q8_k_serial if m == 1 else _quantize_q8_k)(x, d, qs, bsums)
+    d, qs, bsums = _q8_k_arrays(x)
     out = np.empty((m, nb, Q8_K_BYTES), np.uint8)
     out[:, :, 0:4] = d.view(np.uint8).reshape(m, nb, 4)
     out[:, :, 4:260] = qs.view(np.uint8).reshape(m, nb, QK_K)
@@ -557,11 +567,7 @@ def _matmul_ggml_k(raw, yd, yf, ybs, out, f16, head, quad, bsz, sub, nmin, off):
 # and final sums. Unsigned quants up to 63 keep VPMADDUBSW's pair sums below 2**15.
 
 
-def _v(t, n):
-    return ir.VectorType(t, n)
-
-
-_I8, _I32, _I64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+_I64 = ir.IntType(64)
 
 
 @intrinsic
@@ -708,41 +714,39 @@ def i8_variants(qtype: QT) -> tuple:
     return ("vnni", "avx2") if qtype in (QT.Q4_K, QT.Q6_K) else ()
 
 
-def i8_matmul_ggml(qtype: QT, variant: str):
-    """The ggml-numerics wrapper ``matmul_ggml(raw, xq, out)`` of Q4_K / Q6_K on
-    _matmul_ggml_k_i8 with the instructions of ``variant`` (the host must have them)."""
+def _i8_kernel(qtype: QT, variant: str):
+    """_matmul_ggml_k_i8 specialized for Q4_K / Q6_K and ``variant`` (the host must have its
+    instructions); ValueError for a type or variant without an integer path."""
     qtype = QT(qtype)
     if variant not in i8_variants(qtype):
         raise ValueError(f"{qtype.name} has no {variant!r} integer path")
-    t = qtype.name.lower()
-    name = f"_matmul_ggml_i8_{t}_{variant}"
+    name = f"_matmul_ggml_i8_{qtype.name.lower()}_{variant}"
     kind = 4 if qtype == QT.Q4_K else 6
-    mm = globals().get(name) or jit.specialize(
+    return globals().get(name) or jit.specialize(
         globals(), name, "raw, yd, yq, ybs, out, f16",
         f"_matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, {BLOCK_BYTES[qtype]}, {kind}, {variant == 'vnni'})",
         parallel=True)
 
+
+def i8_matmul_ggml(qtype: QT, variant: str):
+    """The ggml-numerics wrapper ``matmul_ggml(raw, xq, out)`` of Q4_K / Q6_K on
+    _matmul_ggml_k_i8 with the instructions of ``variant`` (the host must have them)."""
+    mm = _i8_kernel(qtype, variant)
+
     def matmul_ggml(raw, xq, out):
         mm(raw, *split_q8_k(xq), out, quants_legacy.F16_TO_F32)
 
-    matmul_ggml.__name__ = matmul_ggml.__qualname__ = f"matmul_ggml_{t}"
+    matmul_ggml.__name__ = matmul_ggml.__qualname__ = f"matmul_ggml_{QT(qtype).name.lower()}"
     return matmul_ggml
 
 
 def i8_matvec_ggml(qtype: QT, variant: str):
     """``matvec_ggml(raw, x, out)`` of Q4_K / Q6_K: x float32[n] quantized to Q8_K as
     :func:`quantize_act_q8_k` does, without its byte form, then _matmul_ggml_k_i8."""
-    i8_matmul_ggml(qtype, variant)          # checks the variant, compiles the kernel
-    mm = globals()[f"_matmul_ggml_i8_{QT(qtype).name.lower()}_{variant}"]
+    mm = _i8_kernel(qtype, variant)
 
     def matvec_ggml(raw, x, out):
-        n = x.shape[0]
-        nb = n // QK_K
-        d = np.empty((1, nb), np.float32)
-        qs = np.empty((1, n), np.int8)
-        bsums = np.empty((1, nb * 16), np.int16)
-        _quantize_q8_k_serial(x.reshape(1, n), d, qs, bsums)
-        mm(raw, d, qs, bsums, out.reshape(1, -1), quants_legacy.F16_TO_F32)
+        mm(raw, *_q8_k_arrays(x.reshape(1, -1)), out.reshape(1, -1), quants_legacy.F16_TO_F32)
 
     matvec_ggml.__name__ = matvec_ggml.__qualname__ = f"matvec_ggml_{QT(qtype).name.lower()}"
     return matvec_ggml
