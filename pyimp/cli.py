@@ -69,6 +69,18 @@ def _float_in(lo: float, hi: float, name: str):
     return conv
 
 
+def _float_at_least(lo: float, name: str):
+    def conv(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
+        if not lo <= v < float("inf"):
+            raise argparse.ArgumentTypeError(f"{name} must be a finite number >= {lo}, got {s}")
+        return v
+    return conv
+
+
 def _window(s: str) -> int:
     if s == "all":
         return 0
@@ -243,6 +255,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="snapkv / pyramidkv observation window (last prompt rows)")
     ev.add_argument("--kv-pool", type=_int_at_least(1, "--kv-pool"), default=5,
                     help="snapkv / pyramidkv pooling kernel (odd)")
+    ev.add_argument("--kv-depth-ratio", type=_float_at_least(1.0, "--kv-depth-ratio"),
+                    default=1.0, metavar="R",
+                    help="streaming / h2o / snapkv: budgets shrink linearly with depth over the "
+                    "layers that evict (global attention), the first R times the last's, "
+                    "their mean --kv-budget (1: the same in every layer)")
     ev.add_argument("--kv-merge", type=_float_in(0.0, 1.0, "--kv-merge"), default=0.0,
                     metavar="COS", help="merge cached tokens whose keys share a SimHash "
                     "signature and have cosine similarity >= COS into one slot (importance-"
@@ -433,6 +450,7 @@ def run(args: argparse.Namespace) -> int:
                                                 kv_recent=args.kv_recent,
                                                 kv_obs_window=args.kv_obs_window,
                                                 kv_pool=args.kv_pool,
+                                                kv_depth_ratio=args.kv_depth_ratio,
                                                 swa_full=args.swa_full, kv_merge=args.kv_merge,
                                                 kv_merge_bits=args.kv_merge_bits))
     except (GGUFError, DefaultModelError, ValueError, MemoryError, DeviceUnavailable) as e:

@@ -95,6 +95,9 @@ def test_help_compiles_nothing():
     (["--kv-type", "q4", "-p", "x"], "invalid choice: 'q4'"),
     (["--bogus"], "unrecognized arguments: --bogus"),
     (["-c", "-5", "-p", "x"], "--ctx-size must be >= 0"),
+    (["--kv-depth-ratio", "0.5", "-p", "x"], "--kv-depth-ratio must be a finite number >= 1.0"),
+    (["--kv-depth-ratio", "inf", "-p", "x"], "--kv-depth-ratio must be a finite number >= 1.0"),
+    (["--kv-depth-ratio", "x", "-p", "x"], "--kv-depth-ratio must be a number"),
 ])
 def test_flag_errors(capsys, argv, needle):
     with pytest.raises(SystemExit) as ei:
@@ -342,12 +345,15 @@ def test_kv_policy_flags(capsys, tiny):
     code, out, err = _run([tiny, "-c", "256", "-p", "ab", "--kv-policy", "h2o", "--kv-budget", "20"],
                           capsys)
     _one_line_error(code, err, "kv budget")
+    code, out, err = _run([tiny, "-c", "256", "-p", "ab", "--kv-policy", "pyramidkv",
+                           "--kv-budget", "64", "--kv-depth-ratio", "2"], capsys)
+    _one_line_error(code, err, "own depth schedule")
 
 
 def test_kv_policy_stats_line(capsys, tiny):
     code, out, err = _run([tiny, "-c", "256", "--block-len", "8", "-p", "abcdefgh" * 8, "-n", "4",
                            "--temp", "0", "--stats", "--kv-policy", "streaming", "--kv-budget",
-                           "24", "--kv-recent", "8"], capsys)
+                           "24", "--kv-recent", "8", "--kv-depth-ratio", "1.5"], capsys)
     assert code == 0, err
     lines = err.strip().splitlines()
     assert lines[-2].startswith("kv cache: ") and "evicted by --kv-policy streaming" in lines[-2]

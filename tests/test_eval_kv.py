@@ -32,40 +32,67 @@ def test_grid_rows(model, tmp_path):
     prompts = ev.make_prompts(model, CTX, 1, 6, 2, [0.3, 0.7])
     assert [p.kind for p in prompts] == ["text", "passkey", "passkey"]
     assert all(len(p.prefix) + len(p.tail) <= CTX for p in prompts)
-    policies = ["full", "streaming", "h2o", "snapkv", "full+merge0.5"]
+    policies = ["full", "streaming", "h2o+depth2", "snapkv", "full+merge0.5"]
+    kvs = ("f16", "q8_0/q4_0+rot")
+    q = (34 + 18) / (2 * 2 * 32)            # q8_0 K + q4_0 V bytes per f16 byte
     with distributed.Client(processes=False, n_workers=1, threads_per_worker=1,
                             dashboard_address=None) as client:
         pre, rows = ev.run_grid(client, model, CTX, prompts, policies, [0.3, 0.6], 32,
-                                str(tmp_path), log=lambda s: None)
-    assert len(pre) == 3 and len(rows) == 3 * (2 + 3 * 2)
+                                str(tmp_path), kvs, log=lambda s: None)
+    assert len(pre) == 3 * 2 and len(rows) == 2 * 3 * (2 + 3 * 2)
+    assert {r["kv"] for r in pre} == set(kvs)
+    # the reference answers come from the f16 prefill only
+    assert all(("answer" in r) == (r["kv"] == "f16") for r in pre if r["name"].startswith("passkey"))
+    budgets = {}
     for r in rows:
+        quant = r["kv"] != "f16"
         if r["policy"] == "full+merge0.5":       # merging only: never more than the baseline
-            assert 0 < r["memory_fraction"] <= 1.0 + 1e-9 and r["fraction"] == 1.0
+            assert 0 < r["memory_fraction"] <= (q if quant else 1.0) + 1e-9
+            assert r["fraction"] == 1.0
         elif r["policy"] == "full":
-            assert r["memory_fraction"] == pytest.approx(1.0)
-            if r["kind"] == "text":
+            # the same blocks as the baseline, at q8_0/q4_0's share of f16's bytes
+            assert r["memory_fraction"] == pytest.approx(q if quant else 1.0)
+            if r["kind"] == "text" and not quant:
                 # the full row reloads the state the reference continued from: same logits
                 assert r["kl"] == 0.0 and r["top1"] == 1.0
-            else:
+            elif not quant:
                 assert r["passkey_ok"] == r["full_passkey_ok"]
         else:
             # whole blocks of 32 and the floors of small budgets: within a block per layer
             assert r["memory_fraction"] < r["fraction"] + 0.35
             assert r["bytes_held"] > 0
+            if quant and r["fraction"] >= q:     # fits without evicting: nothing dropped
+                assert r["memory_fraction"] == pytest.approx(q)
+            budgets[(r["policy"], r["kv"], r["fraction"])] = r["budget"]
         if r["kind"] == "text":
             assert r["kl"] >= 0.0 and 0.0 <= r["top1"] <= 1.0
+    # at equal memory the smaller cache type holds more tokens
+    assert budgets[("h2o+depth2", "q8_0/q4_0+rot", 0.3)] > budgets[("h2o+depth2", "f16", 0.3)]
     s = ev.summarize(rows)
-    assert {(x["policy"], x["fraction"]) for x in s} == \
-        {("full", 1.0), ("full+merge0.5", 1.0)} | {(p, f) for p in policies[1:4] for f in (0.3, 0.6)}
-    assert "mean KL" in ev.format_table(s)
+    assert {(x["policy"], x["kv"], x["fraction"]) for x in s} == \
+        {("full", k, 1.0) for k in kvs} | {("full+merge0.5", k, 1.0) for k in kvs} | \
+        {(p, k, f) for p in policies[1:4] for k in kvs for f in (0.3, 0.6)}
+    table = ev.format_table(s)
+    assert "mean KL" in table and "h2o+depth2@q8_0/q4_0+rot" in table
     ev.plot(s, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
-def test_split_policy():
-    assert ev.split_policy("h2o") == ("h2o", 0.0)
-    assert ev.split_policy("snapkv+merge0.9") == ("snapkv", 0.9)
+def test_parse_policy_and_kv():
+    assert ev.parse_policy("h2o") == ("h2o", {})
+    assert ev.parse_policy("snapkv+merge0.9") == ("snapkv", {"kv_merge": 0.9})
+    assert ev.parse_policy("h2o+depth3+recent64") == ("h2o", {"kv_depth_ratio": 3.0,
+                                                             "kv_recent": 64})
     for bad, msg in (("lru", "unknown policy"), ("h2o+merge", "merge threshold"),
-                     ("h2o+merge1.5", "merge threshold"), ("h2o+mergex", "merge threshold")):
+                     ("h2o+merge1.5", "merge threshold"), ("h2o+mergex", "merge threshold"),
+                     ("h2o+depth0.5", "depth ratio"), ("h2o+depthnan", "depth ratio"),
+                     ("h2o+recent0", "recent window"), ("h2o+depth2+depth3", "twice"),
+                     ("h2o+lsh", "unknown suffix"), ("full+depth2", "only \\+merge"),
+                     ("pyramidkv+depth2", "own depth schedule")):
         with pytest.raises(ValueError, match=msg):
-            ev.split_policy(bad)
+            ev.parse_policy(bad)
+    assert ev.parse_kv("f16") == ("f16", "f16", False)
+    assert ev.parse_kv("q8_0/q4_0+rot") == ("q8_0", "q4_0", True)
+    for bad, msg in (("q3_0", "not one of"), ("q8_0/x", "not one of"), ("q8_0+r", "only suffix")):
+        with pytest.raises(ValueError, match=msg):
+            ev.parse_kv(bad)

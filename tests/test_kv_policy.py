@@ -118,7 +118,36 @@ def test_layer_budgets():
     assert np.array_equal(PolicyOptions("h2o", budget=100).layer_budgets(3), [100, 100, 100])
 
 
+@settings(deadline=None, max_examples=200)
+@given(st.lists(st.booleans(), min_size=1, max_size=30), st.integers(40, 5000),
+       st.floats(1.0, 50.0), st.sampled_from(["h2o", "streaming", "snapkv"]))
+def test_depth_ratio_budgets(profiled, budget, ratio, policy):
+    """--kv-depth-ratio: the profiled layers' budgets fall linearly with depth from
+    2R/(1+R) to 2/(1+R) of the budget, their mean is the budget (to rounding, half a token
+    per layer), every other layer keeps the budget."""
+    o = PolicyOptions(policy, budget=budget, depth_ratio=ratio)
+    o.validate()
+    b = o.layer_budgets(len(profiled), profiled)
+    idx = np.flatnonzero(profiled)
+    others = np.flatnonzero(~np.asarray(profiled))
+    assert np.all(b[others] == budget)
+    if idx.size < 2:
+        assert np.all(b == budget)
+        return
+    p = b[idx]
+    assert np.all(np.diff(p) <= 0)
+    assert abs(p.mean() - budget) <= 0.5
+    assert p[0] == round(budget * 2 * ratio / (1 + ratio))
+    assert p[-1] == round(budget * 2 / (1 + ratio))
+    # ratio 1 is the uniform budget exactly
+    assert np.all(PolicyOptions(policy, budget=budget).layer_budgets(len(profiled), profiled)
+                  == budget)
+
+
 @pytest.mark.parametrize("kw, msg", [
+    ({"policy": "h2o", "budget": 100, "depth_ratio": 0.5}, "depth ratio must be >= 1"),
+    ({"policy": "h2o", "budget": 100, "depth_ratio": float("nan")}, "depth ratio must be >= 1"),
+    ({"policy": "pyramidkv", "budget": 100, "depth_ratio": 2.0}, "own depth schedule"),
     ({"policy": "lru"}, "not one of"),
     ({"policy": "h2o"}, "needs a budget"),
     ({"policy": "streaming", "budget": 10, "keep": 4, "recent": 6}, "must exceed"),
@@ -392,6 +421,43 @@ def test_engine_refusals(llama):
     with pytest.raises(ValueError, match="v_layout"):
         pyimp.load(llama, n_ctx=256, kv_policy="h2o", kv_budget=64, kv_type="q8_0",
                    v_layout="channel")
+
+
+def test_depth_ratio_in_the_engine(tmp_path):
+    """h2o with --kv-depth-ratio 3 on a gemma3 whose layers alternate sliding / global: the
+    sliding layers keep their window, the global ones hold their own budgets (the first three
+    times the last, the same total as a uniform budget), sinks and the current token stay."""
+    path = write(tmp_path / "g.gguf",
+                 SynthSpec(arch="gemma3", n_layer=4, n_embd=128, n_head=4, n_head_kv=1,
+                           head_dim=32, n_ff=256, vocab_size=300, sliding_window=24,
+                           swa_pattern=2, rope_base=1e6, rope_base_swa=1e4, seed=7))
+    B, budget = 8, 40
+    eng, rows = _run(path, _ids(100), 20, kv_policy="h2o", kv_budget=budget, kv_depth_ratio=3.0,
+                     keep=4)
+    assert np.isfinite(rows).all()
+    cfg, c = eng.cfg, eng.cache
+    glob = [il for il in range(cfg.n_layer) if not cfg.is_swa(il)]
+    assert len(glob) == 2
+    assert [int(eng.policy.budgets[il]) for il in glob] == [60, 20]
+    assert eng.policy.recent == [int(x) // 2 for x in eng.policy.budgets]
+    n = len(eng.tokens)
+    for il in range(cfg.n_layer):
+        pos = c.positions(il)
+        assert pos[-1] == n - 1
+        if cfg.is_swa(il):
+            assert c.slot_count(il) < cfg.sliding_window + B
+        else:
+            assert c.slot_count(il) < eng.policy.budgets[il] + B
+            assert set(range(4)) <= set(pos.tolist())
+    assert c.slot_count(glob[0]) > c.slot_count(glob[1])
+    with pytest.raises(ValueError, match="layer 1's"):          # 40 * 2 / 10 = 8 tokens
+        pyimp.load(llama_path(tmp_path), n_ctx=256, block_len=B, kv_policy="h2o",
+                   kv_budget=budget, kv_depth_ratio=9.0)
+
+
+def llama_path(tmp_path):
+    return write(tmp_path / "l.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=128, n_head=4,
+                                                n_head_kv=2, n_ff=256, vocab_size=300, seed=5))
 
 
 def test_swa_full_keeps_every_token_and_any_prefix(gemma):

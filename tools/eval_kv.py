@@ -3,10 +3,10 @@
     python -m tools.eval_kv [MODEL] [--ctx 4096] [--windows 2] [--passkeys 6] [--out DIR]
     python -m tools.eval_kv --scheduler tcp://host:8786 --workdir /shared/dir ...   # a cluster
 
-The grid is policy x memory fraction x prompt. Prompts are windows of real text (Python's
+The grid is policy x KV cache type x memory fraction x prompt. Prompts are windows of real text (Python's
 pydoc topics, ``--ctx`` tokens) and passkey prompts (a five-digit key at a depth of filler,
-``--depths``). Each prompt is prefilled once with full attention (stage 1, one Dask task per
-prompt): the state is saved twice (:meth:`pyimp.Engine.save_state`), with ``importance_``
+``--depths``). Each prompt is prefilled once per KV cache type with full attention (stage 1,
+one Dask task per prompt and type): the state is saved twice (:meth:`pyimp.Engine.save_state`), with ``importance_``
 summed over every prompt row (what h2o ranks by) and over the last ``--obs-window`` rows only
 (snapkv / pyramidkv). Stage 2 runs one task per (prompt, policy, fraction): load the state,
 apply the policy as at the end of a prefill (:meth:`pyimp.Engine.evict`), then
@@ -18,13 +18,19 @@ apply the policy as at the end of a prefill (:meth:`pyimp.Engine.evict`), then
 
 Each task reports the KV bytes the layers hold at the end and the decode speed (one thread
 per worker). Memory fractions are relative to the *window-only baseline*: the bytes the
-``full`` policy holds after the prefill (sliding-window layers keep only their window under
-every policy). A fraction f becomes the per-layer token budget N whose held tokens
-``sum_l min(N, held_l)`` are f of the baseline's.
+``full`` policy holds after the prefill with an f16 cache (sliding-window layers keep only
+their window under every policy). The reference is full attention over that f16 cache. A
+cache type whose blocks take a share q of f16's bytes (``--kv-types``: ``q8_0`` 0.53,
+``q8_0/q4_0`` K / V 0.41) meets a fraction f by holding f / q of the baseline's tokens: f / q
+becomes the per-layer token budget N whose held tokens ``sum_l min(N, held_l)`` are that
+share of the baseline's (no eviction where f >= q). ``+rot`` rotates K and V (``--kv-rotate``)
+before they are quantized.
 
-A policy name may carry a merge step: ``h2o+merge0.9`` merges near-duplicate tokens at cosine
-0.9 (``--kv-merge``, :mod:`pyimp.kv_merge`) before h2o evicts; ``full+merge0.9`` merges only
-(one task, its memory is what the merge leaves).
+A policy name may carry options: ``+mergeCOS`` merges near-duplicate tokens at that cosine
+(``--kv-merge``, :mod:`pyimp.kv_merge`) before the policy evicts (``full+merge0.9`` merges
+only: one task, its memory is what the merge leaves); ``+depthR`` shrinks the budget with
+depth over the layers that evict (``--kv-depth-ratio``); ``+recentN`` sets h2o's and
+streaming's recent window (``--kv-recent``).
 
 Policies evict here once the prompt is in and then as decode goes on; ``pyimp-run`` evicts
 streaming and h2o during a long prefill too, which this grid does not measure.
@@ -52,24 +58,67 @@ POLICIES = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
 IMPORTANCE_OF = {"full": "obs", "streaming": "obs", "h2o": "all", "snapkv": "obs",
                  "pyramidkv": "obs"}
 PASSKEY_ANSWER = 8            # tokens decoded for a passkey answer
+DEFAULT_POLICIES = POLICIES + ("h2o+depth3",)
+DEFAULT_KVS = ("f16", "q8_0/q4_0+rot")
+REFERENCE_KV = "f16"          # full attention over an f16 cache: the reference and the baseline
 
 
-def split_policy(name: str) -> tuple[str, float]:
-    """``"h2o+merge0.9"`` -> ("h2o", 0.9); a plain policy -> (name, 0.0). ValueError naming
-    the part that is not a policy or a threshold in (0, 1]."""
-    base, sep, merge = name.partition("+merge")
+def parse_policy(name: str) -> tuple[str, dict]:
+    """``"h2o+depth3+merge0.9"`` -> ("h2o", {"kv_depth_ratio": 3.0, "kv_merge": 0.9}); the
+    suffixes are ``+mergeCOS`` (--kv-merge, a cosine in (0, 1]), ``+depthR`` (--kv-depth-ratio,
+    R >= 1) and ``+recentN`` (--kv-recent, N >= 1). ValueError naming the part that is wrong."""
+    base, *parts = name.split("+")
     if base not in POLICIES:
         raise ValueError(f"unknown policy {base!r} (one of {', '.join(POLICIES)}, optionally "
-                         f"+mergeCOS)")
-    if not sep:
-        return base, 0.0
-    try:
-        t = float(merge)
-    except ValueError:
-        t = -1.0
-    if not 0.0 < t <= 1.0:
-        raise ValueError(f"policy {name!r}: the merge threshold must be a cosine in (0, 1]")
-    return base, t
+                         f"+mergeCOS, +depthR, +recentN)")
+    opts: dict = {}
+    for part in parts:
+        for prefix, key, conv, ok, what in (
+                ("merge", "kv_merge", float, lambda v: 0.0 < v <= 1.0,
+                 "the merge threshold must be a cosine in (0, 1]"),
+                ("depth", "kv_depth_ratio", float, lambda v: 1.0 <= v < float("inf"),
+                 "the depth ratio must be a number >= 1"),
+                ("recent", "kv_recent", int, lambda v: v >= 1,
+                 "the recent window must be an integer >= 1")):
+            if part.startswith(prefix):
+                try:
+                    v = conv(part[len(prefix):])
+                except ValueError:
+                    v = None
+                if v is None or not ok(v) or key in opts:
+                    raise ValueError(f"policy {name!r}: {what}" if key not in opts else
+                                     f"policy {name!r}: +{prefix} given twice")
+                opts[key] = v
+                break
+        else:
+            raise ValueError(f"policy {name!r}: unknown suffix +{part} (+mergeCOS, +depthR, "
+                             f"+recentN)")
+    if base == "full" and set(opts) - {"kv_merge"}:
+        raise ValueError(f"policy {name!r}: full evicts nothing; only +merge applies")
+    if base == "pyramidkv" and "kv_depth_ratio" in opts:
+        raise ValueError(f"policy {name!r}: pyramidkv has its own depth schedule")
+    return base, opts
+
+
+def parse_kv(spec: str) -> tuple[str, str, bool]:
+    """A KV cache spec of the grid: ``"f16"``, ``"q8_0"`` (K and V), ``"q8_0/q4_0"`` (K / V),
+    with ``+rot`` for the Hadamard rotation (--kv-rotate) -> (type_k, type_v, rotate)."""
+    from pyimp.kvcache import FLOAT_TYPES, QUANT_TYPES
+    body, sep, rot = spec.partition("+")
+    if sep and rot != "rot":
+        raise ValueError(f"kv type {spec!r}: the only suffix is +rot (the Hadamard rotation)")
+    k, _, v = body.partition("/")
+    v = v or k
+    for t in (k, v):
+        if t not in FLOAT_TYPES and t not in QUANT_TYPES:
+            raise ValueError(f"kv type {spec!r}: {t!r} is not one of "
+                             f"{', '.join(list(FLOAT_TYPES) + list(QUANT_TYPES))}")
+    return k, v, bool(sep)
+
+
+def kv_options(spec: str) -> dict:
+    k, v, rot = parse_kv(spec)
+    return {"cache_type_k": k, "cache_type_v": v, "kv_rotate": rot}
 
 
 @dataclass(frozen=True)
@@ -86,6 +135,7 @@ class Prompt:
 class Task:
     prompt: Prompt
     policy: str
+    kv: str                   # KV cache spec (parse_kv)
     fraction: float
     budget: int               # tokens per layer (0: full)
 
@@ -110,18 +160,21 @@ def _engine(model: str, n_ctx: int, batch_size: int = 512, **opts):
     return eng
 
 
-def state_path(workdir: str, prompt: Prompt, mode: str) -> str:
-    return os.path.join(workdir, f"{prompt.name}.{mode}.state")
+def state_path(workdir: str, prompt: Prompt, kv: str, mode: str) -> str:
+    return os.path.join(workdir, f"{prompt.name}.{kv.replace('/', '-')}.{mode}.state")
 
 
 def ref_path(workdir: str, prompt: Prompt) -> str:
     return os.path.join(workdir, f"{prompt.name}.ref.npy")
 
 
-def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: Prompt) -> dict:
-    """Stage 1: full-attention prefill of one prompt; two states (importance over every row /
-    over the last obs_window rows), the reference logits or answer, the baseline's held slots."""
-    eng = _engine(model, n_ctx, importance_window=0)     # every prompt row adds importance
+def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: Prompt,
+                 kv: str = REFERENCE_KV) -> dict:
+    """Stage 1: full-attention prefill of one prompt with one KV cache type; two states
+    (importance over every row / over the last obs_window rows), the baseline's held slots and
+    bytes (and what an f16 cache holding the same blocks takes); with the reference type, the
+    reference logits or answer too."""
+    eng = _engine(model, n_ctx, importance_window=0, **kv_options(kv))  # every row adds importance
     eng.reset()
     pre = list(prompt.prefix)
     head, last = pre[:-obs_window], pre[-obs_window:]
@@ -130,16 +183,20 @@ def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: 
     split = os.path.join(workdir, f"{prompt.name}.split.state")
     eng.save_state(split)
     eng.eval(last)
-    eng.save_state(state_path(workdir, prompt, "all"))
+    eng.save_state(state_path(workdir, prompt, kv, "all"))
     eng.load_state(split)
     eng.sparse.importance_[:] = 0                 # only the observation window's mass
     eng.eval(last)
-    eng.save_state(state_path(workdir, prompt, "obs"))
+    eng.save_state(state_path(workdir, prompt, kv, "obs"))
     os.remove(split)
     t_prefill = time.perf_counter() - t0
-    held = [eng.cache.slot_count(il) for il in range(eng.cfg.n_layer)]
-    out = {"name": prompt.name, "held": held, "baseline_bytes": eng.cache.bytes_held(),
-           "prefill_s": t_prefill}
+    c = eng.cache
+    held = [c.slot_count(il) for il in range(eng.cfg.n_layer)]
+    f16_block = 2 * c.n_head_kv * c.block_len * c.head_dim * 2       # K and V, 2 bytes each
+    out = {"name": prompt.name, "kv": kv, "held": held, "baseline_bytes": c.bytes_held(),
+           "f16_bytes": c.bytes_held() // c.block_bytes() * f16_block, "prefill_s": t_prefill}
+    if kv != REFERENCE_KV:
+        return out
     if prompt.kind == "text":
         rows = [eng.eval([t])[-1] for t in prompt.tail]
         np.save(ref_path(workdir, prompt), np.array(rows, np.float32))
@@ -169,18 +226,17 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Task) -> dict:
     """Stage 2: one policy at one budget on one prefilled prompt."""
     p = task.prompt
-    base, merge = split_policy(task.policy)
-    opts = {} if base == "full" else {"kv_policy": base, "kv_budget": task.budget,
-                                      "kv_obs_window": obs_window}
-    if merge:
-        opts["kv_merge"] = merge
-    eng = _engine(model, n_ctx, batch_size=n_ctx, **opts)
+    base, popts = parse_policy(task.policy)
+    opts = dict(popts) if base == "full" else {"kv_policy": base, "kv_budget": task.budget,
+                                               "kv_obs_window": obs_window, **popts}
+    eng = _engine(model, n_ctx, batch_size=n_ctx, **opts, **kv_options(task.kv))
     eng.reset()
-    eng.load_state(state_path(workdir, p, IMPORTANCE_OF[base]))
+    eng.load_state(state_path(workdir, p, task.kv, IMPORTANCE_OF[base]))
     eng.evict()
     after_evict = eng.cache.bytes_held()
-    row = {"prompt": p.name, "kind": p.kind, "policy": task.policy, "fraction": task.fraction,
-           "budget": task.budget, "bytes_after_prefill": after_evict, "kl": "", "top1": "",
+    row = {"prompt": p.name, "kind": p.kind, "policy": task.policy, "kv": task.kv,
+           "fraction": task.fraction, "budget": task.budget, "bytes_after_prefill": after_evict,
+           "kl": "", "top1": "",
            "passkey_ok": "", "answer": ""}
     t0 = time.perf_counter()
     if p.kind == "text":
@@ -246,47 +302,63 @@ def make_prompts(model: str, ctx: int, n_windows: int, steps: int, n_passkeys: i
 
 
 def run_grid(client, model: str, ctx: int, prompts: list, policies: list, fractions: list,
-             obs_window: int, workdir: str, log=print) -> tuple[list, list]:
-    """Both stages on ``client``; returns (stage-1 results, stage-2 rows)."""
+             obs_window: int, workdir: str, kvs: tuple = (REFERENCE_KV,),
+             log=print) -> tuple[list, list]:
+    """Both stages on ``client`` for every KV cache spec in ``kvs`` (the f16 reference is
+    prefilled in any case); returns (stage-1 results, stage-2 rows)."""
     n_ctx = ctx + PASSKEY_ANSWER + 8
-    futs = client.map(prefill_task, [model] * len(prompts), [n_ctx] * len(prompts),
-                      [obs_window] * len(prompts), [workdir] * len(prompts), prompts, pure=False)
+    pre_kvs = [REFERENCE_KV] + [k for k in kvs if k != REFERENCE_KV]
+    jobs = [(p, kv) for kv in pre_kvs for p in prompts]
+    futs = client.map(prefill_task, [model] * len(jobs), [n_ctx] * len(jobs),
+                      [obs_window] * len(jobs), [workdir] * len(jobs), [j[0] for j in jobs],
+                      [j[1] for j in jobs], pure=False)
     pre = client.gather(futs)
     for r in pre:
-        log(f"prefill {r['name']}: {r['prefill_s']:.1f} s, held per layer {min(r['held'])}.."
-            f"{max(r['held'])}" + (f", full answer {r['answer']!r}" if "answer" in r else ""))
-    held = pre[0]["held"]
+        log(f"prefill {r['name']} ({r['kv']}): {r['prefill_s']:.1f} s, held per layer "
+            f"{min(r['held'])}..{max(r['held'])}" +
+            (f", full answer {r['answer']!r}" if "answer" in r else ""))
+    ref = {r["name"]: r for r in pre if r["kv"] == REFERENCE_KV}
+    held = ref[prompts[0].name]["held"]
     tasks = []
-    for p in prompts:
-        for pol in policies:
-            if split_policy(pol)[0] == "full":
-                tasks.append(Task(p, pol, 1.0, 0))
-                continue
-            for f in fractions:
-                floor = (4 + max(obs_window, 32) + 2 if split_policy(pol)[0] in ("snapkv", "pyramidkv")
+    for kv in kvs:
+        # memory is counted against the f16 window-only baseline: a cache type that takes a
+        # share q of f16's bytes holds fraction / q of the baseline's tokens
+        r0 = next(r for r in pre if r["kv"] == kv and r["name"] == prompts[0].name)
+        q = r0["baseline_bytes"] / r0["f16_bytes"]
+        for p in prompts:
+            for pol in policies:
+                base = parse_policy(pol)[0]
+                if base == "full":
+                    tasks.append(Task(p, pol, kv, 1.0, 0))
+                    continue
+                floor = (4 + max(obs_window, 32) + 2 if base in ("snapkv", "pyramidkv")
                          else 4 + 32 + 2)
-                tasks.append(Task(p, pol, f, budget_for(f, held, floor)))
+                for f in fractions:
+                    tasks.append(Task(p, pol, kv, f, budget_for(min(f / q, 1.0), held, floor)))
     futs = client.map(policy_task, [model] * len(tasks), [n_ctx] * len(tasks),
                       [obs_window] * len(tasks), [workdir] * len(tasks), tasks, pure=False)
     rows = []
-    base = {r["name"]: r["baseline_bytes"] for r in pre}
-    ref_ok = {r["name"]: r.get("passkey_ok") for r in pre}
     for row in client.gather(futs):
-        row["baseline_bytes"] = base[row["prompt"]]
-        row["memory_fraction"] = row["bytes_after_prefill"] / base[row["prompt"]]
-        row["full_passkey_ok"] = ref_ok[row["prompt"]] if row["kind"] == "passkey" else ""
+        r = ref[row["prompt"]]
+        row["baseline_bytes"] = r["baseline_bytes"]
+        row["memory_fraction"] = row["bytes_after_prefill"] / r["baseline_bytes"]
+        row["full_passkey_ok"] = r.get("passkey_ok") if row["kind"] == "passkey" else ""
         rows.append(row)
     return pre, rows
 
 
+def label(policy: str, kv: str) -> str:
+    return policy if kv == REFERENCE_KV else f"{policy}@{kv}"
+
+
 def summarize(rows: list) -> list:
-    """One line per (policy, fraction): mean KL, top-1, passkeys found among those full
+    """One line per (policy, kv, fraction): mean KL, top-1, passkeys found among those full
     attention finds, memory fraction, decode tok/s."""
     out = {}
     for r in rows:
-        k = (r["policy"], r["fraction"])
-        e = out.setdefault(k, {"policy": k[0], "fraction": k[1], "kl": [], "top1": [],
-                               "pk": [], "mem": [], "tok_s": []})
+        k = (r["policy"], r["kv"], r["fraction"])
+        e = out.setdefault(k, {"policy": k[0], "kv": k[1], "fraction": k[2], "kl": [],
+                               "top1": [], "pk": [], "mem": [], "tok_s": []})
         if r["kind"] == "text":
             e["kl"].append(r["kl"])
             e["top1"].append(r["top1"])
@@ -296,7 +368,8 @@ def summarize(rows: list) -> list:
         e["tok_s"].append(r["decode_tok_s"])
     res = []
     for e in out.values():
-        res.append({"policy": e["policy"], "fraction": e["fraction"],
+        res.append({"policy": e["policy"], "kv": e["kv"], "label": label(e["policy"], e["kv"]),
+                    "fraction": e["fraction"],
                     "mean_kl": float(np.mean(e["kl"])) if e["kl"] else float("nan"),
                     "top1": float(np.mean(e["top1"])) if e["top1"] else float("nan"),
                     "passkeys": f"{int(np.sum(e['pk']))}/{len(e['pk'])}",
@@ -305,11 +378,12 @@ def summarize(rows: list) -> list:
 
 
 def format_table(summary: list) -> str:
-    head = (f"{'fraction':>8} {'policy':<16} {'memory':>7} {'mean KL':>10} {'top-1':>6} "
+    w = max([16] + [len(r["label"]) for r in summary])
+    head = (f"{'fraction':>8} {'policy':<{w}} {'memory':>7} {'mean KL':>10} {'top-1':>6} "
             f"{'passkeys':>9} {'tok/s':>7}")
     lines = [head]
     for r in summary:
-        lines.append(f"{r['fraction']:>8.3f} {r['policy']:<16} {r['memory']:>7.3f} "
+        lines.append(f"{r['fraction']:>8.3f} {r['label']:<{w}} {r['memory']:>7.3f} "
                      f"{r['mean_kl']:>10.4g} {r['top1']:>6.3f} {r['passkeys']:>9} "
                      f"{r['tok_s']:>7.2f}")
     return "\n".join(lines)
@@ -321,9 +395,9 @@ def plot(summary: list, path: str) -> None:
     fig = Figure(figsize=(10, 4))
     FigureCanvasAgg(fig)
     ax1, ax2 = fig.subplots(1, 2)
-    for pol in dict.fromkeys(r["policy"] for r in summary):
+    for pol in dict.fromkeys(r["label"] for r in summary):
         pts = sorted((r["memory"], r["mean_kl"], r["passkeys"]) for r in summary
-                     if r["policy"] == pol)
+                     if r["label"] == pol)
         if not pts:
             continue
         mem = [p[0] for p in pts]
@@ -351,7 +425,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--steps", type=int, default=32, help="teacher-forced steps per window")
     ap.add_argument("--passkeys", type=int, default=6, help="passkey prompts")
     ap.add_argument("--depths", default="0.1,0.5,0.9", help="passkey depths, cycled")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
+                    help="policies, each optionally with +mergeCOS, +depthR, +recentN")
+    ap.add_argument("--kv-types", default=",".join(DEFAULT_KVS),
+                    help="KV caches: f16, q8_0 (K and V), q8_0/q4_0 (K / V), +rot for the "
+                    "Hadamard rotation; memory is counted against the f16 baseline")
     ap.add_argument("--fractions", default="0.125,0.25,0.5",
                     help="memory fractions of the window-only baseline")
     ap.add_argument("--obs-window", type=int, default=32)
@@ -365,9 +443,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     policies = [p for p in args.policies.split(",") if p]
+    kvs = list(dict.fromkeys(k for k in args.kv_types.split(",") if k))
     try:
         for p in policies:
-            split_policy(p)
+            parse_policy(p)
+        for k in kvs:
+            parse_kv(k)
+        if not policies or not kvs:
+            raise ValueError("--policies and --kv-types need at least one entry each")
     except ValueError as e:
         print(f"eval_kv: {e}", file=sys.stderr)
         return 2
@@ -401,7 +484,7 @@ def main(argv=None) -> int:
         client = Client(cluster)
     try:
         _, rows = run_grid(client, model, args.ctx, prompts, policies, fractions,
-                             args.obs_window, workdir)
+                           args.obs_window, workdir, kvs)
     finally:
         client.close()
         if cluster is not None:
