@@ -8,10 +8,43 @@ condition variable instead: the last live thread to arrive (or to exit) releases
 and the manager just joins them. The semantics are the simulator's: threads that have
 exited do not count at a barrier, the first exception aborts the block and is re-raised with
 its CUDA thread and block named. Kernels, arrays and the fake ``cuda`` module are untouched.
+
+It also makes ``cuda.shared.array`` atomic. The simulator finds a block's static shared array
+by its call site, and creates it when the site is not in its table yet: two threads that
+both look before either stores get two different arrays, and the block then computes with
+both (a rare, timing-dependent wrong answer: a radix select that indexed out of its output).
+Here the look-up and the creation happen under one lock.
 """
+import sys
 import threading
 
 import numpy as np
+
+_SHARED_LOCK = threading.Lock()
+
+
+def _new_array(shape, dtype):
+    return np.empty(shape, dtype)
+
+
+def _shared_array(self, shape, dtype, alignment=None):
+    """``FakeCUDAShared.array`` with the call-site look-up and the creation under one lock
+    (dynamic shared memory, ``shape == 0``, and the refusals stay the simulator's)."""
+    if alignment is not None or shape == 0:
+        return _STOCK_SHARED_ARRAY(self, shape, dtype, alignment)
+    from numba.cuda.simulator import kernelapi as api
+    if isinstance(dtype, api.types.Type):
+        dtype = api.numpy_support.as_dtype(dtype)
+    f = sys._getframe(1)
+    site = (f.f_code.co_filename, f.f_lineno)
+    with _SHARED_LOCK:
+        res = self._allocations.get(site)
+        if res is None:
+            res = self._allocations[site] = _new_array(shape, dtype)
+    return res
+
+
+_STOCK_SHARED_ARRAY = None
 
 
 class _Barrier:
@@ -93,4 +126,10 @@ def install() -> bool:
 
     BT.run, BT.syncthreads, BM.run = thread_run, syncthreads, manager_run
     BM._pyimp_barrier = True
+    global _STOCK_SHARED_ARRAY
+    from numba.cuda.simulator import kernelapi
+    sh = getattr(kernelapi, "FakeCUDAShared", None)
+    if sh is not None and hasattr(sh, "array"):
+        _STOCK_SHARED_ARRAY = sh.array
+        sh.array = _shared_array
     return True

@@ -74,3 +74,35 @@ def test_syncthreads_reductions():
     out = np.zeros(3, np.int32)
     _count[1, 6](x, out)
     assert out.tolist() == [4, 1, 1]
+
+
+def test_shared_array_creation_is_atomic(monkeypatch):
+    """Threads asking for the same call site's shared array at once all get one array, even
+    when creating it takes long enough for every thread to look first (the stock simulator
+    gave each a new one)."""
+    import threading
+    import time
+
+    import fastsim
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+
+    def slow(shape, dtype):
+        time.sleep(0.02)                      # every other thread looks meanwhile
+        return np.zeros(shape, dtype)
+
+    monkeypatch.setattr(fastsim, "_new_array", slow)
+    shared = FakeCUDAShared(0)
+    got = [None] * 8
+    start = threading.Barrier(8)
+
+    def alloc(i):
+        start.wait()
+        got[i] = shared.array(16, int32)      # one call site for every thread
+
+    threads = [threading.Thread(target=alloc, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(g is got[0] for g in got) and got[0].dtype == np.int32
+    assert shared.array(0, np.dtype(np.float32)).size == 0          # dynamic shared memory: the stock path
