@@ -96,3 +96,26 @@ def test_parse_policy_and_kv():
     for bad, msg in (("q3_0", "not one of"), ("q8_0/x", "not one of"), ("q8_0+r", "only suffix")):
         with pytest.raises(ValueError, match=msg):
             ev.parse_kv(bad)
+
+
+def test_reuse_prefill_and_bounded_engines(model, tmp_path):
+    """--reuse-prefill takes an earlier run's stage 1 (same prompts and types) and gives the
+    same rows; a changed prompt is prefilled again. A worker keeps at most MAX_ENGINES."""
+    prompts = ev.make_prompts(model, CTX, 1, 6, 0, [0.5])
+    kw = dict(log=lambda s: None)
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=1,
+                            dashboard_address=None) as client:
+        pre1, rows1 = ev.run_grid(client, model, CTX, prompts, ["full", "h2o"], [0.3, 0.6], 32,
+                                  str(tmp_path), ("f16", "q8_0"), True, **kw)
+        assert all(r["prefill_s"] > 0 for r in pre1)
+        assert len(ev._ENGINES) <= ev.MAX_ENGINES        # 2 prefill + 6 policy configurations
+        pre2, rows2 = ev.run_grid(client, model, CTX, prompts, ["full", "h2o"], [0.3, 0.6], 32,
+                                  str(tmp_path), ("f16", "q8_0"), True, **kw)
+        assert all(r["prefill_s"] == 0.0 for r in pre2)
+        assert [{k: v for k, v in r.items() if k != "decode_tok_s"} for r in rows1] == \
+            [{k: v for k, v in r.items() if k != "decode_tok_s"} for r in rows2]
+        other = [ev.Prompt(prompts[0].name, "text", prompts[0].prefix[1:],
+                           prompts[0].tail)]                  # same name, another prompt
+        pre3, _ = ev.run_grid(client, model, CTX, other, ["full"], [0.5], 32, str(tmp_path),
+                              ("f16",), True, **kw)
+        assert pre3[0]["prefill_s"] > 0

@@ -145,18 +145,24 @@ class Task:
 # --------------------------------------------------------------------------
 
 _ENGINES: dict = {}
+MAX_ENGINES = 3               # engines a worker keeps (each holds its cache and scratch)
 
 
 def _engine(model: str, n_ctx: int, batch_size: int = 512, **opts):
-    """One engine per worker and configuration (the model's memory map stays loaded). Policy
-    engines only decode, so their batch size is the context: an eviction budget sizes a layer
-    for budget + one prefill chunk, and a state holding the whole prompt must fit."""
+    """One engine per worker and configuration, the ``MAX_ENGINES`` most recently used kept
+    (the grid sends a configuration's tasks one after another, so a worker reuses its engine
+    without holding one per configuration of the grid: 30 of them took 12 GB). Policy engines
+    only decode, so their batch size is the context: an eviction budget sizes a layer for
+    budget + one prefill chunk, and a state holding the whole prompt must fit."""
     import pyimp
     key = (model, n_ctx, batch_size, tuple(sorted(opts.items())))
-    eng = _ENGINES.get(key)
+    eng = _ENGINES.pop(key, None)
     if eng is None:
-        eng = _ENGINES[key] = pyimp.load(model, n_ctx=n_ctx, n_threads=1, batch_size=batch_size,
-                                         track=True, **opts)
+        while len(_ENGINES) >= MAX_ENGINES:
+            _ENGINES.pop(next(iter(_ENGINES))).close()          # the least recently used
+        eng = pyimp.load(model, n_ctx=n_ctx, n_threads=1, batch_size=batch_size, track=True,
+                         **opts)
+    _ENGINES[key] = eng                                         # now the most recent
     return eng
 
 
@@ -168,19 +174,43 @@ def ref_path(workdir: str, prompt: Prompt) -> str:
     return os.path.join(workdir, f"{prompt.name}.ref.npy")
 
 
+def _stage1_key(model: str, n_ctx: int, obs_window: int, prompt: Prompt, kv: str) -> str:
+    """What a stage-1 result depends on: the model file, the geometry, the prompt, the type."""
+    import hashlib
+    st = os.stat(model)
+    h = hashlib.sha256(repr((os.path.abspath(model), st.st_size, st.st_mtime_ns, n_ctx,
+                             obs_window, prompt, kv)).encode())
+    return h.hexdigest()
+
+
 def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: Prompt,
-                 kv: str = REFERENCE_KV) -> dict:
+                 kv: str = REFERENCE_KV, reuse: bool = False) -> dict:
     """Stage 1: full-attention prefill of one prompt with one KV cache type; two states
     (importance over every row / over the last obs_window rows), the baseline's held slots and
     bytes (and what an f16 cache holding the same blocks takes); with the reference type, the
-    reference logits or answer too."""
+    reference logits or answer too. ``reuse``: return the result a previous run left in
+    ``workdir`` for the same model, geometry, prompt and type (its files still there)."""
+    import json
+    tag = f"{prompt.name}.{kv.replace('/', '-')}"
+    meta = os.path.join(workdir, f"{tag}.stage1.json")
+    key = _stage1_key(model, n_ctx, obs_window, prompt, kv)
+    if reuse and os.path.exists(meta):
+        with open(meta) as f:
+            old = json.load(f)
+        files = [state_path(workdir, prompt, kv, m) for m in ("all", "obs")]
+        if kv == REFERENCE_KV and prompt.kind == "text":
+            files.append(ref_path(workdir, prompt))
+        if old.get("key") == key and all(os.path.exists(x) for x in files):
+            out = old["result"]
+            out["prefill_s"] = 0.0
+            return out
     eng = _engine(model, n_ctx, importance_window=0, **kv_options(kv))  # every row adds importance
     eng.reset()
     pre = list(prompt.prefix)
     head, last = pre[:-obs_window], pre[-obs_window:]
     t0 = time.perf_counter()
     eng.eval(head)
-    split = os.path.join(workdir, f"{prompt.name}.split.state")
+    split = os.path.join(workdir, f"{tag}.split.state")
     eng.save_state(split)
     eng.eval(last)
     eng.save_state(state_path(workdir, prompt, kv, "all"))
@@ -195,14 +225,15 @@ def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: 
     f16_block = 2 * c.n_head_kv * c.block_len * c.head_dim * 2       # K and V, 2 bytes each
     out = {"name": prompt.name, "kv": kv, "held": held, "baseline_bytes": c.bytes_held(),
            "f16_bytes": c.bytes_held() // c.block_bytes() * f16_block, "prefill_s": t_prefill}
-    if kv != REFERENCE_KV:
-        return out
-    if prompt.kind == "text":
+    if kv == REFERENCE_KV and prompt.kind == "text":
         rows = [eng.eval([t])[-1] for t in prompt.tail]
         np.save(ref_path(workdir, prompt), np.array(rows, np.float32))
-    else:
+    elif kv == REFERENCE_KV:
         out["answer"] = _answer(eng, eng.eval(list(prompt.tail))[-1])
         out["passkey_ok"] = int(str(prompt.key) in out["answer"])
+    with open(meta + ".tmp", "w") as f:
+        json.dump({"key": key, "result": out}, f)
+    os.replace(meta + ".tmp", meta)
     return out
 
 
@@ -302,19 +333,22 @@ def make_prompts(model: str, ctx: int, n_windows: int, steps: int, n_passkeys: i
 
 
 def run_grid(client, model: str, ctx: int, prompts: list, policies: list, fractions: list,
-             obs_window: int, workdir: str, kvs: tuple = (REFERENCE_KV,),
+             obs_window: int, workdir: str, kvs: tuple = (REFERENCE_KV,), reuse: bool = False,
              log=print) -> tuple[list, list]:
     """Both stages on ``client`` for every KV cache spec in ``kvs`` (the f16 reference is
-    prefilled in any case); returns (stage-1 results, stage-2 rows)."""
+    prefilled in any case); ``reuse``: stage-1 results left in ``workdir`` by an earlier run
+    of the same model, prompts and types are taken as they are. Returns (stage-1 results,
+    stage-2 rows)."""
     n_ctx = ctx + PASSKEY_ANSWER + 8
     pre_kvs = [REFERENCE_KV] + [k for k in kvs if k != REFERENCE_KV]
     jobs = [(p, kv) for kv in pre_kvs for p in prompts]
     futs = client.map(prefill_task, [model] * len(jobs), [n_ctx] * len(jobs),
                       [obs_window] * len(jobs), [workdir] * len(jobs), [j[0] for j in jobs],
-                      [j[1] for j in jobs], pure=False)
+                      [j[1] for j in jobs], [reuse] * len(jobs), pure=False)
     pre = client.gather(futs)
     for r in pre:
-        log(f"prefill {r['name']} ({r['kv']}): {r['prefill_s']:.1f} s, held per layer "
+        took = f"{r['prefill_s']:.1f} s" if r["prefill_s"] else "reused"
+        log(f"prefill {r['name']} ({r['kv']}): {took}, held per layer "
             f"{min(r['held'])}..{max(r['held'])}" +
             (f", full answer {r['answer']!r}" if "answer" in r else ""))
     ref = {r["name"]: r for r in pre if r["kv"] == REFERENCE_KV}
@@ -325,16 +359,14 @@ def run_grid(client, model: str, ctx: int, prompts: list, policies: list, fracti
         # share q of f16's bytes holds fraction / q of the baseline's tokens
         r0 = next(r for r in pre if r["kv"] == kv and r["name"] == prompts[0].name)
         q = r0["baseline_bytes"] / r0["f16_bytes"]
-        for p in prompts:
-            for pol in policies:
-                base = parse_policy(pol)[0]
-                if base == "full":
-                    tasks.append(Task(p, pol, kv, 1.0, 0))
-                    continue
-                floor = (4 + max(obs_window, 32) + 2 if base in ("snapkv", "pyramidkv")
-                         else 4 + 32 + 2)
-                for f in fractions:
-                    tasks.append(Task(p, pol, kv, f, budget_for(min(f / q, 1.0), held, floor)))
+        # configuration-major: a worker's consecutive tasks share an engine
+        for pol in policies:
+            base = parse_policy(pol)[0]
+            floor = (4 + max(obs_window, 32) + 2 if base in ("snapkv", "pyramidkv")
+                     else 4 + 32 + 2)
+            for f in ([1.0] if base == "full" else fractions):
+                budget = 0 if base == "full" else budget_for(min(f / q, 1.0), held, floor)
+                tasks.extend(Task(p, pol, kv, f, budget) for p in prompts)
     futs = client.map(policy_task, [model] * len(tasks), [n_ctx] * len(tasks),
                       [obs_window] * len(tasks), [workdir] * len(tasks), tasks, pure=False)
     rows = []
@@ -437,6 +469,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scheduler", help="address of an existing Dask scheduler")
     ap.add_argument("--workdir", help="states and reference logits (shared by the workers)")
     ap.add_argument("--out", default="eval_kv_out", help="directory for the CSV and the plot")
+    ap.add_argument("--reuse-prefill", action="store_true",
+                    help="take stage-1 results (states, reference logits and answers) an earlier "
+                    "run left in the work directory for the same model, prompts and KV types")
     return ap
 
 
@@ -484,7 +519,7 @@ def main(argv=None) -> int:
         client = Client(cluster)
     try:
         _, rows = run_grid(client, model, args.ctx, prompts, policies, fractions,
-                           args.obs_window, workdir, kvs)
+                           args.obs_window, workdir, kvs, args.reuse_prefill)
     finally:
         client.close()
         if cluster is not None:
