@@ -119,3 +119,27 @@ def test_reuse_prefill_and_bounded_engines(model, tmp_path):
         pre3, _ = ev.run_grid(client, model, CTX, other, ["full"], [0.5], 32, str(tmp_path),
                               ("f16",), True, **kw)
         assert pre3[0]["prefill_s"] > 0
+
+
+def test_command_line_run_reuses_engines(model, tmp_path):
+    """``python -m tools.eval_kv`` on one worker process: the tasks of a configuration share
+    its engine (run as __main__, the task functions reached the workers pickled by value with
+    a fresh engine cache each, and every task loaded an engine: the workers ran out of
+    memory). CSV and table written."""
+    import csv
+    import os
+    import subprocess
+    import sys
+    out = tmp_path / "out"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "tools.eval_kv", str(model), "--ctx", str(CTX),
+                        "--windows", "1", "--steps", "4", "--passkeys", "1", "--policies",
+                        "full,h2o", "--kv-types", "f16", "--fractions", "0.5", "--workers", "1",
+                        "--out", str(out)], cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "mean KL" in r.stdout
+    with open(out / "eval_kv.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 4                                   # 2 prompts x (full, h2o@0.5)
+    # one prefill engine, then one per configuration (full, h2o): 3 loads for 6 tasks
+    assert max(int(r["engines_loaded"]) for r in rows) == 3

@@ -146,6 +146,7 @@ class Task:
 
 _ENGINES: dict = {}
 MAX_ENGINES = 3               # engines a worker keeps (each holds its cache and scratch)
+_LOADED = [0]                 # engines this worker has loaded (each task's row reports it)
 
 
 def _engine(model: str, n_ctx: int, batch_size: int = 512, **opts):
@@ -162,6 +163,7 @@ def _engine(model: str, n_ctx: int, batch_size: int = 512, **opts):
             _ENGINES.pop(next(iter(_ENGINES))).close()          # the least recently used
         eng = pyimp.load(model, n_ctx=n_ctx, n_threads=1, batch_size=batch_size, track=True,
                          **opts)
+        _LOADED[0] += 1
     _ENGINES[key] = eng                                         # now the most recent
     return eng
 
@@ -285,6 +287,7 @@ def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Tas
     dt = time.perf_counter() - t0
     row["decode_tok_s"] = n_dec / dt if dt > 0 else 0.0
     row["bytes_held"] = eng.cache.bytes_held()
+    row["engines_loaded"] = _LOADED[0]
     return row
 
 
@@ -540,4 +543,8 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # run this module's main under its import name: functions defined in __main__ reach the
+    # workers pickled by value, each map call's copy with a fresh engine cache (the workers'
+    # memory grew by an engine per task, ~100 MB/s, until the OOM killer took them)
+    from tools.eval_kv import main as _main
+    sys.exit(_main())
