@@ -260,6 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="streaming / h2o / snapkv: budgets shrink linearly with depth over the "
                     "layers that evict (global attention), the first R times the last's, "
                     "their mean --kv-budget (1: the same in every layer)")
+    ev.add_argument("--kv-obs-weight", type=_float_at_least(0.0, "--kv-obs-weight"),
+                    default=0.0, metavar="W",
+                    help="h2o: rank tokens by their accumulated attention plus W times the "
+                    "attention of the prompt's last --kv-obs-window rows (each normalized per "
+                    "layer); 0: accumulated attention only")
     ev.add_argument("--kv-merge", type=_float_in(0.0, 1.0, "--kv-merge"), default=0.0,
                     metavar="COS", help="merge cached tokens whose keys share a SimHash "
                     "signature and have cosine similarity >= COS into one slot (importance-"
@@ -451,6 +456,7 @@ def run(args: argparse.Namespace) -> int:
                                                 kv_obs_window=args.kv_obs_window,
                                                 kv_pool=args.kv_pool,
                                                 kv_depth_ratio=args.kv_depth_ratio,
+                                                kv_obs_weight=args.kv_obs_weight,
                                                 swa_full=args.swa_full, kv_merge=args.kv_merge,
                                                 kv_merge_bits=args.kv_merge_bits))
     except (GGUFError, DefaultModelError, ValueError, MemoryError, DeviceUnavailable) as e:

@@ -63,6 +63,7 @@ class EngineOptions:
     kv_obs_window: int = 32          # snapkv / pyramidkv observation window
     kv_pool: int = 5                 # snapkv / pyramidkv pooling kernel
     kv_depth_ratio: float = 1.0      # first / last evicting layer's budget (see kv_policy)
+    kv_obs_weight: float = 0.0       # h2o: weight of the prompt's last rows' attention
     swa_full: bool = False           # sliding-window layers keep every token (llama.cpp --swa-full)
     kv_merge: float = 0.0            # merge near-duplicate tokens at this cosine similarity (0: off)
     kv_merge_bits: int = 12          # SimHash bits per kv head proposing merge candidates
@@ -98,6 +99,9 @@ class EngineOptions:
                 raise ValueError(f"--select {self.sparse.select} runs on the CPU only (--device "
                                  f"cpu): the device path selects blocks by their anchors")
         self.merge.validate()
+        if self.merge.enabled and self.kv_obs_weight:
+            raise ValueError("--kv-merge and --kv-obs-weight do not combine (merging would move "
+                             "tokens without their observation-window scores)")
         if self.merge.enabled and self.device != "cpu":
             raise ValueError("--kv-merge runs on the CPU only (--device cpu)")
         if self.merge.enabled and self.v_layout == "channel" and self.type_v not in ("f16", "f32"):
@@ -111,7 +115,8 @@ class EngineOptions:
     @property
     def policy(self) -> PolicyOptions:
         return PolicyOptions(self.kv_policy, self.kv_budget, self.keep, self.kv_recent,
-                             self.kv_obs_window, self.kv_pool, self.kv_depth_ratio)
+                             self.kv_obs_window, self.kv_pool, self.kv_depth_ratio,
+                             self.kv_obs_weight)
 
     def sparse_options(self) -> SparseOptions:
         """The sparse state's options: the given ones, or importance tracking where the eviction
@@ -554,11 +559,21 @@ class Engine:
         start = len(self.tokens)
         end = start + arr.size
         ckpt = self.cache.checkpoint()
-        for s in range(0, arr.size, bs):
-            last = s + bs >= arr.size
+        spans = [(s, min(s + bs, arr.size)) for s in range(0, arr.size, bs)]
+        obs_at = -1
+        if self.policy is not None and self.policy.observes and arr.size > 1:
+            # the prompt's last obs_window rows run as chunks of their own (kv_policy: h2o's
+            # observation window accumulates apart from the rest)
+            obs_at = max(0, arr.size - self.options.kv_obs_window)
+            spans = ([(s, min(s + bs, obs_at)) for s in range(0, obs_at, bs)] +
+                     [(s, min(s + bs, arr.size)) for s in range(obs_at, arr.size, bs)])
+        for s, e in spans:
+            last = e >= arr.size
+            if s == obs_at:
+                self.policy.observe_start()
             # chunks before the last only fill the cache unless every row's logits are wanted
             try:
-                out = self.forward(arr[s:s + bs], all_logits=all_logits, prompt_end=end,
+                out = self.forward(arr[s:e], all_logits=all_logits, prompt_end=end,
                                    logits=all_logits or last)
             except ops.NonFiniteError as e:
                 if not self._truncate(start, ckpt):
@@ -569,7 +584,7 @@ class Engine:
             if out is not None:
                 outs.append(out)
             if progress is not None:
-                progress(min(s + bs, arr.size), arr.size)
+                progress(e, arr.size)
         dt = time.perf_counter() - t0
         if arr.size > 1:
             self.timings.prefill_tokens += int(arr.size)
@@ -597,6 +612,8 @@ class Engine:
         self.tokens = []
         if self.sparse is not None:
             self.sparse.reset()
+        if self.policy is not None:
+            self.policy.forget()
 
     def prime(self, tokens, progress=None) -> np.ndarray:
         """Make the cache hold exactly ``tokens`` and return the last token's logits, reusing
@@ -743,7 +760,7 @@ def load(path: str | os.PathLike | None = None, **options) -> Engine:
     Options are the fields of :class:`EngineOptions` (n_ctx, block_len, batch_size,
     n_threads, numerics, kv_type, cache_type_k, cache_type_v, v_layout, kv_rotate, device,
     kv_policy, kv_budget, keep, kv_recent, kv_obs_window, kv_pool, kv_depth_ratio,
-    swa_full, kv_merge, kv_merge_bits) and of
+    kv_obs_weight, swa_full, kv_merge, kv_merge_bits) and of
     :class:`SparseOptions` (sparse=True, anchor, anchor_num, retrieval, topk, init_blocks,
     local_blocks, importance_window, token_step, layer_step, dense_layers, decay, select,
     rank, lsh_tables, lsh_bits, lsh_min_hits, stride, recall_target, recall_max_blocks,

@@ -23,6 +23,15 @@ tokens, the first positions of the sequence, as llama.cpp's n_keep):
   ``(budget - W) / 20`` above the window on the last layer, ``2 (budget - W)`` minus that
   on the first; the mean over layers is ``budget``).
 
+``obs_weight`` λ > 0 (``--kv-obs-weight``) gives h2o SnapKV's observation window beside its
+accumulated attention: a prefill's last ``obs_window`` rows accumulate into a buffer of
+their own (:meth:`KVPolicy.observe_start`, which the engine calls before it runs those rows
+as a chunk of their own), and h2o ranks a layer's tokens by ``acc / sum(acc) + λ obs /
+sum(obs)``. Accumulated attention over thousands of rows drowns what the prompt's last
+rows ask for (a passkey question attends to the key; the filler before it never did); the
+window alone misses what the whole text keeps returning to. The window's buffer moves with
+compaction and is replaced at the next prefill's end; decode rows add to ``acc`` only.
+
 ``depth_ratio`` R > 1 (``--kv-depth-ratio``) gives streaming, h2o and snapkv a budget
 shrinking linearly with depth over the layers they actually evict from (the global-attention
 layers; every layer with ``swa_full``): the first of them gets ``2R / (1 + R)`` of
@@ -76,6 +85,7 @@ class PolicyOptions:
     obs_window: int = 32      # snapkv / pyramidkv observation window (SnapKV's 32)
     pool: int = 5             # snapkv / pyramidkv 1-D average pooling kernel (odd)
     depth_ratio: float = 1.0  # first / last evicting layer's budget (1: uniform)
+    obs_weight: float = 0.0   # h2o: weight of the observation window's attention (0: off)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -88,6 +98,14 @@ class PolicyOptions:
         if not 1.0 <= self.depth_ratio < float("inf"):
             raise ValueError(f"depth ratio must be >= 1 (1: the same budget in every layer), "
                              f"got {self.depth_ratio}")
+        if not 0.0 <= self.obs_weight < float("inf"):
+            raise ValueError(f"observation weight must be a finite number >= 0, got "
+                             f"{self.obs_weight}")
+        if self.obs_weight and self.obs_window < 1:
+            raise ValueError("the observation weight needs an observation window (obs_window >= 1)")
+        if self.obs_weight and self.policy != "h2o":
+            raise ValueError(f"the observation weight applies to h2o (snapkv and pyramidkv rank "
+                             f"by the window alone), not {self.policy}")
         if self.depth_ratio != 1.0 and self.policy == "pyramidkv":
             raise ValueError("pyramidkv has its own depth schedule: the depth ratio applies to "
                              "streaming, h2o and snapkv")
@@ -238,6 +256,33 @@ class KVPolicy:
                                  f"window ({self.recent[il]}) and the block length "
                                  f"({cache.block_len})")
         self.evicted = 0                 # tokens dropped by the policy (not the window trim)
+        self.obs = None                  # float16 like importance_: the window's attention
+        self._saved = None               # importance_ before the window's rows (while they run)
+
+    @property
+    def observes(self) -> bool:
+        """Does this policy want a prefill's last ``obs_window`` rows run as a chunk of their own,
+        after :meth:`observe_start`?"""
+        return self.opts.obs_weight > 0 and self.opts.obs_window > 0
+
+    def observe_start(self) -> None:
+        """The next rows are a prefill's observation window: set importance_ aside and let
+        them accumulate from zero (:meth:`after_forward` at the prefill's end keeps what they
+        added as the window's buffer and adds it back)."""
+        imp = self.sparse.importance_
+        self._saved = imp.astype(np.float32)
+        imp[:] = 0
+
+    def forget(self) -> None:
+        """The sequence was reset: no window buffer, nothing set aside."""
+        self.obs = None
+        self._saved = None
+
+    def _end_observation(self) -> None:
+        imp = self.sparse.importance_
+        self.obs = imp.copy()
+        imp[:] = (self._saved + imp.astype(np.float32)).astype(imp.dtype)
+        self._saved = None
 
     @staticmethod
     def max_slots(opts: PolicyOptions, cfg, n_ctx: int, batch: int, block_len: int) -> int:
@@ -253,6 +298,8 @@ class KVPolicy:
         """Drop what the policy and the sliding windows no longer keep (``n_ctx``: positions
         processed; ``prefill_done``: a prefill just completed)."""
         c, o, B = self.cache, self.opts, self.cache.block_len
+        if self._saved is not None and prefill_done:
+            self._end_observation()
         merge = self.merger is not None and self.merger.due(prefill_done)
         for il in range(c.n_layer):
             pos = c.positions(il)
@@ -296,11 +343,19 @@ class KVPolicy:
         """importance_ of each slot of layer il summed over query heads, float64 [slots]."""
         c = self.cache
         blocks, rows = c.slots(0, c.slot_count(il), layer=il)
-        return self.sparse.importance_[il, blocks, rows].astype(np.float64).sum(-1)
+        acc = self.sparse.importance_[il, blocks, rows].astype(np.float64).sum(-1)
+        if self.obs is None or not self.opts.obs_weight:
+            return acc
+        obs = self.obs[il, blocks, rows].astype(np.float64).sum(-1)
+        return (acc / max(acc.sum(), 1e-30) +
+                self.opts.obs_weight * obs / max(obs.sum(), 1e-30))
 
     def _compact(self, il: int, keep: np.ndarray) -> None:
         c, sp = self.cache, self.sparse
         old = c.table(il)[:-(-c.slot_count(il) // c.block_len)].copy()
-        c.compact(il, keep, extra=() if sp is None else (sp.importance_[il],))
+        extra = () if sp is None else (sp.importance_[il],)
+        if self.obs is not None:
+            extra += (self.obs[il],)
+        c.compact(il, keep, extra=extra)
         if sp is not None:
             sp.compacted(il, old)

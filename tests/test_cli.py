@@ -98,6 +98,7 @@ def test_help_compiles_nothing():
     (["--kv-depth-ratio", "0.5", "-p", "x"], "--kv-depth-ratio must be a finite number >= 1.0"),
     (["--kv-depth-ratio", "inf", "-p", "x"], "--kv-depth-ratio must be a finite number >= 1.0"),
     (["--kv-depth-ratio", "x", "-p", "x"], "--kv-depth-ratio must be a number"),
+    (["--kv-obs-weight", "-1", "-p", "x"], "--kv-obs-weight must be a finite number >= 0.0"),
 ])
 def test_flag_errors(capsys, argv, needle):
     with pytest.raises(SystemExit) as ei:
@@ -348,6 +349,14 @@ def test_kv_policy_flags(capsys, tiny):
     code, out, err = _run([tiny, "-c", "256", "-p", "ab", "--kv-policy", "pyramidkv",
                            "--kv-budget", "64", "--kv-depth-ratio", "2"], capsys)
     _one_line_error(code, err, "own depth schedule")
+    code, out, err = _run([tiny, "-c", "256", "-p", "ab", "--kv-policy", "snapkv",
+                           "--kv-budget", "64", "--kv-obs-weight", "1"], capsys)
+    _one_line_error(code, err, "applies to h2o")
+    code, out, err = _run([tiny, "-c", "256", "--block-len", "8", "-p", "abcdefgh" * 8, "-n", "4",
+                           "--temp", "0", "--json", "--kv-policy", "h2o", "--kv-budget", "40",
+                           "--kv-obs-weight", "1", "--kv-obs-window", "8"], capsys)
+    assert code == 0, err
+    assert json.loads(out)["timings"]["kv_evicted"] > 0
 
 
 def test_kv_policy_stats_line(capsys, tiny):

@@ -148,6 +148,10 @@ def test_depth_ratio_budgets(profiled, budget, ratio, policy):
     ({"policy": "h2o", "budget": 100, "depth_ratio": 0.5}, "depth ratio must be >= 1"),
     ({"policy": "h2o", "budget": 100, "depth_ratio": float("nan")}, "depth ratio must be >= 1"),
     ({"policy": "pyramidkv", "budget": 100, "depth_ratio": 2.0}, "own depth schedule"),
+    ({"policy": "h2o", "budget": 100, "obs_weight": -1.0}, "observation weight must be"),
+    ({"policy": "h2o", "budget": 100, "obs_weight": float("inf")}, "observation weight must be"),
+    ({"policy": "snapkv", "budget": 100, "obs_weight": 1.0}, "applies to h2o"),
+    ({"policy": "h2o", "budget": 100, "obs_weight": 1.0, "obs_window": 0}, "needs an observation"),
     ({"policy": "lru"}, "not one of"),
     ({"policy": "h2o"}, "needs a budget"),
     ({"policy": "streaming", "budget": 10, "keep": 4, "recent": 6}, "must exceed"),
@@ -453,6 +457,74 @@ def test_depth_ratio_in_the_engine(tmp_path):
     with pytest.raises(ValueError, match="layer 1's"):          # 40 * 2 / 10 = 8 tokens
         pyimp.load(llama_path(tmp_path), n_ctx=256, block_len=B, kv_policy="h2o",
                    kv_budget=budget, kv_depth_ratio=9.0)
+
+
+def _obs_engine(path, budget, weight, **kw):
+    return pyimp.load(path, n_ctx=256, block_len=8, batch_size=128, kv_policy="h2o",
+                      kv_budget=budget, kv_recent=8, keep=4, kv_obs_window=16,
+                      kv_obs_weight=weight, **kw)
+
+
+def test_observation_window_buffer_and_ranking(llama):
+    """--kv-obs-weight: the window's buffer is exactly the importance the prompt's last 16 rows
+    add (an engine that runs them after zeroing importance_ gets the same), importance_ still
+    holds every row's, and the tokens kept at the prefill's end are h2o's choice by
+    acc / sum(acc) + W obs / sum(obs)."""
+    ids = _ids(100)
+    # a budget over the prompt: nothing dropped, the buffers to compare against
+    ref = _obs_engine(llama, 200, 2.0)
+    ref.eval(ids)
+    head = pyimp.load(llama, n_ctx=256, block_len=8, batch_size=128, track=True)
+    head.eval(ids[:-16])
+    acc_head = head.sparse.importance_.astype(np.float32)
+    head.sparse.importance_[:] = 0
+    head.eval(ids[-16:])
+    obs = ref.policy.obs
+    assert obs is not None and obs.dtype == ref.sparse.importance_.dtype
+    n = len(ids)
+    for il in range(ref.cfg.n_layer):
+        b, r = ref.cache.slots(0, n, layer=il)
+        hb, hr = head.cache.slots(0, n, layer=il)
+        assert np.array_equal(obs[il, b, r], head.sparse.importance_[il, hb, hr])
+        # acc = fp16(head's + window's): one fp16 rounding of the sum
+        want = acc_head[il, hb, hr] + head.sparse.importance_[il, hb, hr].astype(np.float32)
+        got = ref.sparse.importance_[il, b, r].astype(np.float32)
+        assert np.allclose(got, want, rtol=2 ** -10, atol=0)
+    # budget 90 of 100: the head (84 rows) fits, the prefill's end drops whole blocks
+    eng = _obs_engine(llama, 90, 2.0)
+    eng.eval(ids)
+    assert eng.policy.evicted > 0
+    for il in range(eng.cfg.n_layer):
+        b, r = ref.cache.slots(0, n, layer=il)
+        acc = ref.sparse.importance_[il, b, r].astype(np.float64).sum(-1)
+        ob = obs[il, b, r].astype(np.float64).sum(-1)
+        score = acc / acc.sum() + 2.0 * ob / ob.sum()
+        pos = np.arange(n, dtype=np.int32)
+        m = target_size(n, 90, 8)
+        want = h2o_keep(pos, score, 4, 8, m, 8)
+        assert np.array_equal(eng.cache.positions(il), pos[want])
+        # the window's buffer moved with the kept tokens
+        kb, kr = eng.cache.slots(0, m, layer=il)
+        assert np.array_equal(eng.policy.obs[il, kb, kr], obs[il, b[want], r[want]])
+    eng.reset()
+    assert eng.policy.obs is None
+    with pytest.raises(ValueError, match="do not combine"):
+        _obs_engine(llama, 90, 1.0, kv_merge=0.9)
+
+
+def test_observation_split_keeps_full_attention(llama):
+    """With a budget over the context the observation window's chunk changes nothing but the
+    chunking: the logits match the full policy's to float32 reassociation (prefill chunks of
+    84 + 16 rows instead of 100 change the summation order; measured ~1e-6 of the largest)."""
+    ids = _ids(100)
+    _, full = _run(llama, ids, 4, track=True)
+    eng = _obs_engine(llama, 500, 1.0)
+    rows = [eng.eval(ids)[-1]]
+    for _ in range(4):
+        rows.append(eng.eval([int(np.argmax(rows[-1]))])[-1])
+    got = np.array(rows)
+    assert eng.policy.evicted == 0
+    assert np.abs(got - full).max() <= 1e-4 * np.abs(full).max()
 
 
 def llama_path(tmp_path):

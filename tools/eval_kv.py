@@ -30,7 +30,9 @@ A policy name may carry options: ``+mergeCOS`` merges near-duplicate tokens at t
 (``--kv-merge``, :mod:`pyimp.kv_merge`) before the policy evicts (``full+merge0.9`` merges
 only: one task, its memory is what the merge leaves); ``+depthR`` shrinks the budget with
 depth over the layers that evict (``--kv-depth-ratio``); ``+recentN`` sets h2o's and
-streaming's recent window (``--kv-recent``).
+streaming's recent window (``--kv-recent``); ``+obsW`` adds h2o's observation-window term
+(``--kv-obs-weight``): such a task loads the state saved before the prompt's last
+``--obs-window`` rows and runs them through its own engine.
 
 Policies evict here once the prompt is in and then as decode goes on; ``pyimp-run`` evicts
 streaming and h2o during a long prefill too, which this grid does not measure.
@@ -58,7 +60,7 @@ POLICIES = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
 IMPORTANCE_OF = {"full": "obs", "streaming": "obs", "h2o": "all", "snapkv": "obs",
                  "pyramidkv": "obs"}
 PASSKEY_ANSWER = 8            # tokens decoded for a passkey answer
-DEFAULT_POLICIES = POLICIES + ("h2o+depth3",)
+DEFAULT_POLICIES = POLICIES + ("h2o+depth3", "h2o+depth3+obs1")
 DEFAULT_KVS = ("f16", "q8_0/q4_0+rot")
 REFERENCE_KV = "f16"          # full attention over an f16 cache: the reference and the baseline
 
@@ -66,11 +68,12 @@ REFERENCE_KV = "f16"          # full attention over an f16 cache: the reference 
 def parse_policy(name: str) -> tuple[str, dict]:
     """``"h2o+depth3+merge0.9"`` -> ("h2o", {"kv_depth_ratio": 3.0, "kv_merge": 0.9}); the
     suffixes are ``+mergeCOS`` (--kv-merge, a cosine in (0, 1]), ``+depthR`` (--kv-depth-ratio,
-    R >= 1) and ``+recentN`` (--kv-recent, N >= 1). ValueError naming the part that is wrong."""
+    R >= 1), ``+recentN`` (--kv-recent, N >= 1) and ``+obsW`` (--kv-obs-weight, h2o, W > 0).
+    ValueError naming the part that is wrong."""
     base, *parts = name.split("+")
     if base not in POLICIES:
         raise ValueError(f"unknown policy {base!r} (one of {', '.join(POLICIES)}, optionally "
-                         f"+mergeCOS, +depthR, +recentN)")
+                         f"+mergeCOS, +depthR, +recentN, +obsW)")
     opts: dict = {}
     for part in parts:
         for prefix, key, conv, ok, what in (
@@ -79,7 +82,9 @@ def parse_policy(name: str) -> tuple[str, dict]:
                 ("depth", "kv_depth_ratio", float, lambda v: 1.0 <= v < float("inf"),
                  "the depth ratio must be a number >= 1"),
                 ("recent", "kv_recent", int, lambda v: v >= 1,
-                 "the recent window must be an integer >= 1")):
+                 "the recent window must be an integer >= 1"),
+                ("obs", "kv_obs_weight", float, lambda v: 0.0 < v < float("inf"),
+                 "the observation weight must be a number > 0")):
             if part.startswith(prefix):
                 try:
                     v = conv(part[len(prefix):])
@@ -92,7 +97,9 @@ def parse_policy(name: str) -> tuple[str, dict]:
                 break
         else:
             raise ValueError(f"policy {name!r}: unknown suffix +{part} (+mergeCOS, +depthR, "
-                             f"+recentN)")
+                             f"+recentN, +obsW)")
+    if "kv_obs_weight" in opts and base != "h2o":
+        raise ValueError(f"policy {name!r}: +obs applies to h2o")
     if base == "full" and set(opts) - {"kv_merge"}:
         raise ValueError(f"policy {name!r}: full evicts nothing; only +merge applies")
     if base == "pyramidkv" and "kv_depth_ratio" in opts:
@@ -199,7 +206,7 @@ def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: 
     if reuse and os.path.exists(meta):
         with open(meta) as f:
             old = json.load(f)
-        files = [state_path(workdir, prompt, kv, m) for m in ("all", "obs")]
+        files = [state_path(workdir, prompt, kv, m) for m in ("all", "obs", "head")]
         if kv == REFERENCE_KV and prompt.kind == "text":
             files.append(ref_path(workdir, prompt))
         if old.get("key") == key and all(os.path.exists(x) for x in files):
@@ -220,7 +227,7 @@ def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: 
     eng.sparse.importance_[:] = 0                 # only the observation window's mass
     eng.eval(last)
     eng.save_state(state_path(workdir, prompt, kv, "obs"))
-    os.remove(split)
+    os.replace(split, state_path(workdir, prompt, kv, "head"))
     t_prefill = time.perf_counter() - t0
     c = eng.cache
     held = [c.slot_count(il) for il in range(eng.cfg.n_layer)]
@@ -264,8 +271,13 @@ def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Tas
                                                "kv_obs_window": obs_window, **popts}
     eng = _engine(model, n_ctx, batch_size=n_ctx, **opts, **kv_options(task.kv))
     eng.reset()
-    eng.load_state(state_path(workdir, p, task.kv, IMPORTANCE_OF[base]))
-    eng.evict()
+    if popts.get("kv_obs_weight"):
+        # the prompt's last rows run through the policy engine: its observation window
+        eng.load_state(state_path(workdir, p, task.kv, "head"))
+        eng.eval(list(p.prefix[-obs_window:]))
+    else:
+        eng.load_state(state_path(workdir, p, task.kv, IMPORTANCE_OF[base]))
+        eng.evict()
     after_evict = eng.cache.bytes_held()
     row = {"prompt": p.name, "kind": p.kind, "policy": task.policy, "kv": task.kv,
            "fraction": task.fraction, "budget": task.budget, "bytes_after_prefill": after_evict,
