@@ -576,6 +576,8 @@ class Engine:
                 out = self.forward(arr[s:e], all_logits=all_logits, prompt_end=end,
                                    logits=all_logits or last)
             except ops.NonFiniteError as e:
+                if obs_at >= 0:
+                    self.policy.cancel_observation()
                 if not self._truncate(start, ckpt):
                     raise ops.NonFiniteError(f"{e} (the KV cache was emptied: tokens before this "
                                              f"call had been dropped by the eviction policy or "

@@ -273,6 +273,13 @@ class KVPolicy:
         self._saved = imp.astype(np.float32)
         imp[:] = 0
 
+    def cancel_observation(self) -> None:
+        """A forward of the window failed: importance_ gets back what was set aside."""
+        if self._saved is not None:
+            imp = self.sparse.importance_
+            imp[:] = (self._saved + imp.astype(np.float32)).astype(imp.dtype)
+            self._saved = None
+
     def forget(self) -> None:
         """The sequence was reset: no window buffer, nothing set aside."""
         self.obs = None

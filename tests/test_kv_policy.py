@@ -512,6 +512,36 @@ def test_observation_window_buffer_and_ranking(llama):
         _obs_engine(llama, 90, 1.0, kv_merge=0.9)
 
 
+def test_a_failed_window_chunk_gives_importance_back(llama):
+    """The window's rows fail (an f16 overflow in their chunk): the call is undone and the
+    importance set aside comes back (the head chunk's rows may have added theirs, as without
+    the window: a failed call does not roll importance back), nothing stays set aside."""
+    from pyimp import ops
+    eng = pyimp.load(llama, n_ctx=256, block_len=8, batch_size=64, kv_policy="h2o", kv_budget=200,
+                     kv_recent=8, keep=4, kv_obs_window=8, kv_obs_weight=1.0)
+    eng.eval(_ids(20))
+    before = eng.sparse.importance_.copy()
+    lin = eng.weights.layers[1].attn_v
+    calls = []
+
+    def v_then_overflow(h, num):                 # the head chunk passes, the window's overflows
+        calls.append(h.shape[0])
+        out = lin(h, num)
+        return out if len(calls) == 1 else np.full_like(out, 1e5)
+
+    eng.weights.layers[1].attn_v = v_then_overflow
+    with pytest.raises(ops.NonFiniteError, match="does not fit the f16 KV cache"):
+        eng.eval(_ids(12, 1))
+    assert calls == [4, 8]                        # 12 rows: 4, then the window's 8
+    assert len(eng.tokens) == 20 and eng.policy._saved is None
+    n = 20
+    for il in range(eng.cfg.n_layer):
+        b, r = eng.cache.slots(0, n, layer=il)
+        got = eng.sparse.importance_[il, b, r].astype(np.float32)
+        # never below what it held (one fp16 rounding of the sum); left zeroed it would be
+        assert np.all(got >= before[il, b, r].astype(np.float32) * (1 - 2 ** -10))
+
+
 def test_observation_split_keeps_full_attention(llama):
     """With a budget over the context the observation window's chunk changes nothing but the
     chunking: the logits match the full policy's to float32 reassociation (prefill chunks of
