@@ -542,6 +542,22 @@ def test_a_failed_window_chunk_gives_importance_back(llama):
         assert np.all(got >= before[il, b, r].astype(np.float32) * (1 - 2 ** -10))
 
 
+@pytest.mark.parametrize("kv", ["f16", "q8_0"])
+def test_depth_and_observation_with_sparse_attention(llama, kv):
+    """h2o with depth budgets and the observation window under block-sparse decode: with every
+    block selected the sparse run equals the dense one (float32 summation order: the paged
+    sparse kernel visits blocks in selection order); budgets held."""
+    ids = _ids(120)
+    kw = dict(kv_policy="h2o", kv_budget=48, kv_recent=8, keep=4, kv_obs_window=16,
+              kv_obs_weight=1.0, kv_depth_ratio=2.0, kv_type=kv, track=True)
+    _, dense = _run(llama, ids, 12, **kw)
+    eng, sparse = _run(llama, ids, 12, sparse=True, topk=64, local_blocks=1, **kw)
+    np.testing.assert_allclose(sparse, dense, rtol=0, atol=1e-4 * np.abs(dense).max())
+    assert eng.policy.evicted > 0 and list(eng.policy.budgets) == [64, 32]
+    for il in range(eng.cfg.n_layer):
+        assert eng.cache.slot_count(il) < eng.policy.budgets[il] + 8
+
+
 def test_observation_split_keeps_full_attention(llama):
     """With a budget over the context the observation window's chunk changes nothing but the
     chunking: the logits match the full policy's to float32 reassociation (prefill chunks of

@@ -60,7 +60,7 @@ POLICIES = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
 IMPORTANCE_OF = {"full": "obs", "streaming": "obs", "h2o": "all", "snapkv": "obs",
                  "pyramidkv": "obs"}
 PASSKEY_ANSWER = 8            # tokens decoded for a passkey answer
-DEFAULT_POLICIES = POLICIES + ("h2o+depth3", "h2o+depth3+obs1")
+DEFAULT_POLICIES = POLICIES + ("h2o+depth3", "h2o+depth3+obs1+recent256")
 DEFAULT_KVS = ("f16", "q8_0/q4_0+rot")
 REFERENCE_KV = "f16"          # full attention over an f16 cache: the reference and the baseline
 
@@ -324,16 +324,17 @@ def budget_for(fraction: float, held: list, floor: int) -> int:
 
 
 def make_prompts(model: str, ctx: int, n_windows: int, steps: int, n_passkeys: int,
-                 depths: list, seed: int = 0) -> list:
+                 depths: list, seed: int = 0, first_window: int = 0) -> list:
     import pyimp
     from tools.eval_sparse import passkey_prompt, pydoc_text
     eng = pyimp.load(model, n_ctx=ctx + PASSKEY_ANSWER + 8)
     ids = eng.tokenize(pydoc_text(), add_bos=False)
     bos = eng.cfg.bos_id
     prompts = []
-    if len(ids) < n_windows * (ctx - 1):
-        raise SystemExit(f"the text has {len(ids)} tokens, {n_windows * (ctx - 1)} needed")
-    for w in range(n_windows):
+    need = (first_window + n_windows) * (ctx - 1)
+    if len(ids) < need:
+        raise SystemExit(f"the text has {len(ids)} tokens, {need} needed")
+    for w in range(first_window, first_window + n_windows):
         win = [bos] + ids[w * (ctx - 1):(w + 1) * (ctx - 1)]
         prompts.append(Prompt(f"text{w}", "text", tuple(win[:-steps]), tuple(win[-steps:])))
     rng = np.random.default_rng(seed)
@@ -470,7 +471,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ctx", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--windows", type=int, default=2, help="text windows (KL, top-1)")
     ap.add_argument("--steps", type=int, default=32, help="teacher-forced steps per window")
+    ap.add_argument("--first-window", type=int, default=0,
+                    help="index of the first text window (later ones hold text out of a run)")
     ap.add_argument("--passkeys", type=int, default=6, help="passkey prompts")
+    ap.add_argument("--seed", type=int, default=0, help="passkey keys")
     ap.add_argument("--depths", default="0.1,0.5,0.9", help="passkey depths, cycled")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
                     help="policies, each optionally with +mergeCOS, +depthR, +recentN")
@@ -522,7 +526,11 @@ def main(argv=None) -> int:
     workdir = os.path.abspath(args.workdir or os.path.join(args.out, "work"))
     os.makedirs(workdir, exist_ok=True)
     t0 = time.perf_counter()
-    prompts = make_prompts(model, args.ctx, args.windows, args.steps, args.passkeys, depths)
+    if args.first_window < 0 or args.windows < 0 or args.passkeys < 0:
+        print("eval_kv: --first-window, --windows and --passkeys must be >= 0", file=sys.stderr)
+        return 2
+    prompts = make_prompts(model, args.ctx, args.windows, args.steps, args.passkeys, depths,
+                           args.seed, args.first_window)
     cluster = None
     if args.scheduler:
         client = Client(args.scheduler)
