@@ -147,3 +147,20 @@ def test_command_line_run_reuses_engines(model, tmp_path):
     assert len(rows) == 4                                   # 2 prompts x (full, h2o@0.5)
     # one prefill engine, then one per configuration (full, h2o): 3 loads for 6 tasks
     assert max(int(r["engines_loaded"]) for r in rows) == 3
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "pyramidkv", "h2o+recent256",
+                                    "h2o+depth3+obs1+recent256", "snapkv+depth5",
+                                    "streaming+depth2+recent40"])
+def test_budget_floor_is_a_budget_the_policy_accepts(policy):
+    """The grid's smallest budget passes the engine's check in every layer (a small fraction
+    once asked h2o+recent256 for 138 tokens and stopped the whole grid)."""
+    from pyimp.kv_policy import PolicyOptions
+    base, opts = ev.parse_policy(policy)
+    floor = ev.budget_floor(policy, 32)
+    o = PolicyOptions(base, budget=floor, keep=4, recent=opts.get("kv_recent", 0), obs_window=32,
+                      depth_ratio=opts.get("kv_depth_ratio", 1.0))
+    o.validate()
+    profiled = [il % 6 == 5 for il in range(18)]            # gemma3: every sixth layer global
+    b = o.layer_budgets(18, profiled)
+    assert all(int(x) > 4 + max(o.window_for(int(x)), 32) for x in b)

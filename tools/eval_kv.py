@@ -308,6 +308,22 @@ def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Tas
 # --------------------------------------------------------------------------
 
 
+def budget_floor(policy: str, obs_window: int, keep: int = 4, block_len: int = 32) -> int:
+    """The smallest per-layer budget ``policy`` accepts: every layer's budget (the depth
+    ratio's smallest included) must exceed the sinks plus the larger of the recent window
+    (snapkv / pyramidkv: the observation window) and a block."""
+    base, opts = parse_policy(policy)
+    if base in ("snapkv", "pyramidkv"):
+        window = obs_window
+    else:
+        window = opts.get("kv_recent", 0)      # 0: half of each layer's budget
+    need = keep + max(window, block_len) + 2
+    if not opts.get("kv_recent") and base not in ("snapkv", "pyramidkv"):
+        need = max(need, 2 * (keep + 1))
+    r = opts.get("kv_depth_ratio", 1.0)
+    return int(np.ceil(need * (1 + r) / 2)) if r != 1.0 else need
+
+
 def budget_for(fraction: float, held: list, floor: int) -> int:
     """The per-layer token budget N with sum_l min(N, held_l) closest to fraction * sum(held)
     (at least ``floor``)."""
@@ -378,8 +394,7 @@ def run_grid(client, model: str, ctx: int, prompts: list, policies: list, fracti
         # configuration-major: a worker's consecutive tasks share an engine
         for pol in policies:
             base = parse_policy(pol)[0]
-            floor = (4 + max(obs_window, 32) + 2 if base in ("snapkv", "pyramidkv")
-                     else 4 + 32 + 2)
+            floor = budget_floor(pol, obs_window)
             for f in ([1.0] if base == "full" else fractions):
                 budget = 0 if base == "full" else budget_for(min(f / q, 1.0), held, floor)
                 tasks.extend(Task(p, pol, kv, f, budget) for p in prompts)
