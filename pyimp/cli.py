@@ -58,25 +58,15 @@ def _non_empty(s: str) -> str:
 
 
 def _float_in(lo: float, hi: float, name: str):
+    """An argparse type: a float in [lo, hi] (hi = inf: any finite number >= lo)."""
     def conv(s: str) -> float:
         try:
             v = float(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
-        if not (lo <= v <= hi):
-            raise argparse.ArgumentTypeError(f"{name} must be in [{lo}, {hi}], got {s}")
-        return v
-    return conv
-
-
-def _float_at_least(lo: float, name: str):
-    def conv(s: str) -> float:
-        try:
-            v = float(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
-        if not lo <= v < float("inf"):
-            raise argparse.ArgumentTypeError(f"{name} must be a finite number >= {lo}, got {s}")
+        if not (lo <= v <= hi) or v == float("inf"):       # NaN fails the comparison too
+            what = f"a finite number >= {lo}" if hi == float("inf") else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {s}")
         return v
     return conv
 
@@ -255,12 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
                     help="snapkv / pyramidkv observation window (last prompt rows)")
     ev.add_argument("--kv-pool", type=_int_at_least(1, "--kv-pool"), default=5,
                     help="snapkv / pyramidkv pooling kernel (odd)")
-    ev.add_argument("--kv-depth-ratio", type=_float_at_least(1.0, "--kv-depth-ratio"),
+    ev.add_argument("--kv-depth-ratio", type=_float_in(1.0, float("inf"), "--kv-depth-ratio"),
                     default=1.0, metavar="R",
                     help="streaming / h2o / snapkv: budgets shrink linearly with depth over the "
                     "layers that evict (global attention), the first R times the last's, "
                     "their mean --kv-budget (1: the same in every layer)")
-    ev.add_argument("--kv-obs-weight", type=_float_at_least(0.0, "--kv-obs-weight"),
+    ev.add_argument("--kv-obs-weight", type=_float_in(0.0, float("inf"), "--kv-obs-weight"),
                     default=0.0, metavar="W",
                     help="h2o: rank tokens by their accumulated attention plus W times the "
                     "attention of the prompt's last --kv-obs-window rows (each normalized per "
