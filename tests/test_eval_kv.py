@@ -164,3 +164,16 @@ def test_budget_floor_is_a_budget_the_policy_accepts(policy):
     profiled = [il % 6 == 5 for il in range(18)]            # gemma3: every sixth layer global
     b = o.layer_budgets(18, profiled)
     assert all(int(x) > 4 + max(o.window_for(int(x)), 32) for x in b)
+
+
+def test_fractions_below_a_policy_floor_are_skipped(model, tmp_path):
+    """A fraction whose budget would fall under the policy's smallest one is skipped with a
+    line, not reported under that fraction at the floor's memory."""
+    prompts = ev.make_prompts(model, CTX, 1, 6, 0, [0.5])
+    said = []
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=1,
+                            dashboard_address=None) as client:
+        _, rows = ev.run_grid(client, model, CTX, prompts, ["h2o+recent200"], [0.05, 0.9], 32,
+                              str(tmp_path), log=said.append)
+    assert [r["fraction"] for r in rows] == [0.9]
+    assert any(s.startswith("skipped h2o+recent200 at 0.05") for s in said)

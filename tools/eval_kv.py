@@ -397,6 +397,11 @@ def run_grid(client, model: str, ctx: int, prompts: list, policies: list, fracti
             floor = budget_floor(pol, obs_window)
             for f in ([1.0] if base == "full" else fractions):
                 budget = 0 if base == "full" else budget_for(min(f / q, 1.0), held, floor)
+                if base != "full" and budget == floor and \
+                        np.minimum(floor, held).sum() > 1.05 * min(f / q, 1.0) * np.sum(held):
+                    log(f"skipped {label(pol, kv)} at {f}: its smallest budget ({floor} tokens "
+                        f"a layer) holds more than that")
+                    continue
                 tasks.extend(Task(p, pol, kv, f, budget) for p in prompts)
     futs = client.map(policy_task, [model] * len(tasks), [n_ctx] * len(tasks),
                       [obs_window] * len(tasks), [workdir] * len(tasks), tasks, pure=False)
