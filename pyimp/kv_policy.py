@@ -263,7 +263,7 @@ class KVPolicy:
     def observes(self) -> bool:
         """Does this policy want a prefill's last ``obs_window`` rows run as a chunk of their own,
         after :meth:`observe_start`?"""
-        return self.opts.obs_weight > 0 and self.opts.obs_window > 0
+        return self.opts.obs_weight > 0          # validate() ensured obs_window >= 1
 
     def observe_start(self) -> None:
         """The next rows are a prefill's observation window: set importance_ aside and let
@@ -274,7 +274,8 @@ class KVPolicy:
         imp[:] = 0
 
     def cancel_observation(self) -> None:
-        """A forward of the window failed: importance_ gets back what was set aside."""
+        """importance_ gets back what was set aside (also when a forward of the window
+        failed)."""
         if self._saved is not None:
             imp = self.sparse.importance_
             imp[:] = (self._saved + imp.astype(np.float32)).astype(imp.dtype)
@@ -286,10 +287,9 @@ class KVPolicy:
         self._saved = None
 
     def _end_observation(self) -> None:
-        imp = self.sparse.importance_
-        self.obs = imp.copy()
-        imp[:] = (self._saved + imp.astype(np.float32)).astype(imp.dtype)
-        self._saved = None
+        """The window's rows are in: keep what they added, give the rest back."""
+        self.obs = self.sparse.importance_.copy()
+        self.cancel_observation()
 
     @staticmethod
     def max_slots(opts: PolicyOptions, cfg, n_ctx: int, batch: int, block_len: int) -> int:

@@ -6,7 +6,8 @@
 The grid is policy x KV cache type x memory fraction x prompt. Prompts are windows of real text (Python's
 pydoc topics, ``--ctx`` tokens) and passkey prompts (a five-digit key at a depth of filler,
 ``--depths``). Each prompt is prefilled once per KV cache type with full attention (stage 1,
-one Dask task per prompt and type): the state is saved twice (:meth:`pyimp.Engine.save_state`), with ``importance_``
+one Dask task per prompt and type): the state is saved three times (before the last
+``--obs-window`` rows, for +obs policies, and twice after) (:meth:`pyimp.Engine.save_state`), with ``importance_``
 summed over every prompt row (what h2o ranks by) and over the last ``--obs-window`` rows only
 (snapkv / pyramidkv). Stage 2 runs one task per (prompt, policy, fraction): load the state,
 apply the policy as at the end of a prefill (:meth:`pyimp.Engine.evict`), then
@@ -194,8 +195,9 @@ def _stage1_key(model: str, n_ctx: int, obs_window: int, prompt: Prompt, kv: str
 
 def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: Prompt,
                  kv: str = REFERENCE_KV, reuse: bool = False) -> dict:
-    """Stage 1: full-attention prefill of one prompt with one KV cache type; two states
-    (importance over every row / over the last obs_window rows), the baseline's held slots and
+    """Stage 1: full-attention prefill of one prompt with one KV cache type; three states
+    (before the last obs_window rows; importance over every row / over the last obs_window
+    rows), the baseline's held slots and
     bytes (and what an f16 cache holding the same blocks takes); with the reference type, the
     reference logits or answer too. ``reuse``: return the result a previous run left in
     ``workdir`` for the same model, geometry, prompt and type (its files still there)."""
@@ -497,7 +499,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="passkey keys")
     ap.add_argument("--depths", default="0.1,0.5,0.9", help="passkey depths, cycled")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                    help="policies, each optionally with +mergeCOS, +depthR, +recentN")
+                    help="policies, each optionally with +mergeCOS, +depthR, +recentN, +obsW")
     ap.add_argument("--kv-types", default=",".join(DEFAULT_KVS),
                     help="KV caches: f16, q8_0 (K and V), q8_0/q4_0 (K / V), +rot for the "
                     "Hadamard rotation; memory is counted against the f16 baseline")
