@@ -6,10 +6,10 @@
 The grid is policy x KV cache type x memory fraction x prompt. Prompts are windows of real text (Python's
 pydoc topics, ``--ctx`` tokens) and passkey prompts (a five-digit key at a depth of filler,
 ``--depths``). Each prompt is prefilled once per KV cache type with full attention (stage 1,
-one Dask task per prompt and type): the state is saved three times (before the last
-``--obs-window`` rows, for +obs policies, and twice after) (:meth:`pyimp.Engine.save_state`), with ``importance_``
-summed over every prompt row (what h2o ranks by) and over the last ``--obs-window`` rows only
-(snapkv / pyramidkv). Stage 2 runs one task per (prompt, policy, fraction): load the state,
+one Dask task per prompt and type): the state is saved (:meth:`pyimp.Engine.save_state`)
+before the last ``--obs-window`` rows (for +obs policies) and twice after, with
+``importance_`` summed over every prompt row (what h2o ranks by) and over the last
+``--obs-window`` rows only (snapkv / pyramidkv). Stage 2 runs one task per (prompt, policy, fraction): load the state,
 apply the policy as at the end of a prefill (:meth:`pyimp.Engine.evict`), then
 
 - text windows: feed the window's last ``--steps`` tokens one by one (teacher forcing) and
