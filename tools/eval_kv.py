@@ -540,6 +540,9 @@ def main(argv=None) -> int:
         print("eval_kv: --steps and --obs-window must be >= 1 and --ctx must exceed their sum",
               file=sys.stderr)
         return 2
+    if args.first_window < 0 or args.windows < 0 or args.passkeys < 0:
+        print("eval_kv: --first-window, --windows and --passkeys must be >= 0", file=sys.stderr)
+        return 2
     from dask.distributed import Client, LocalCluster
 
     from pyimp.default_model import default_model_path
@@ -548,9 +551,6 @@ def main(argv=None) -> int:
     workdir = os.path.abspath(args.workdir or os.path.join(args.out, "work"))
     os.makedirs(workdir, exist_ok=True)
     t0 = time.perf_counter()
-    if args.first_window < 0 or args.windows < 0 or args.passkeys < 0:
-        print("eval_kv: --first-window, --windows and --passkeys must be >= 0", file=sys.stderr)
-        return 2
     prompts = make_prompts(model, args.ctx, args.windows, args.steps, args.passkeys, depths,
                            args.seed, args.first_window)
     cluster = None
