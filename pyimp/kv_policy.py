@@ -135,6 +135,33 @@ class PolicyOptions:
             return 0
         return self.recent or budget // 2
 
+    def short_layer(self, budgets: np.ndarray, block_len: int) -> int:
+        """A layer whose budget does not exceed the sinks plus the larger of its recent window
+        and a block (the most short of them), or -1 when every budget is large enough."""
+        if not self.evicts:
+            return -1
+        need = np.array([self.keep + max(self.window_for(int(b)), block_len) for b in budgets])
+        il = int(np.argmin(np.asarray(budgets) - need))
+        return il if budgets[il] <= need[il] else -1
+
+    def min_budget(self, block_len: int) -> int:
+        """The smallest ``budget`` these options accept in every layer (the depth profiles'
+        last layer included; their end points do not depend on the layer count)."""
+        import dataclasses
+
+        def accepted(b: int) -> bool:
+            o = dataclasses.replace(self, budget=b)
+            try:
+                o.validate()
+            except ValueError:
+                return False
+            return o.short_layer(o.layer_budgets(2), block_len) < 0
+
+        b = self.keep + 1
+        while not accepted(b):
+            b += 1
+        return b
+
     def layer_budgets(self, n_layer: int, profiled=None) -> np.ndarray:
         """Tokens each layer keeps, int64 [n_layer]: pyramidkv shrinks them with depth over
         every layer; ``depth_ratio`` over the layers where ``profiled`` (bool [n_layer], the
@@ -248,13 +275,12 @@ class KVPolicy:
         if opts.policy in ("h2o", "snapkv", "pyramidkv") and sparse is None:
             raise ValueError(f"kv policy {opts.policy} scores tokens by importance_: the engine "
                              f"needs its sparse state (tracking)")
-        if opts.evicts:
-            il = int(np.argmin(self.budgets - np.maximum(self.recent, cache.block_len)))
-            if self.budgets[il] <= opts.keep + max(self.recent[il], cache.block_len):
-                raise ValueError(f"kv budget {int(self.budgets[il])} (layer {il}'s) must exceed "
-                                 f"the sink tokens ({opts.keep}) plus the larger of the recent "
-                                 f"window ({self.recent[il]}) and the block length "
-                                 f"({cache.block_len})")
+        il = opts.short_layer(self.budgets, cache.block_len)
+        if il >= 0:
+            raise ValueError(f"kv budget {int(self.budgets[il])} (layer {il}'s) must exceed "
+                             f"the sink tokens ({opts.keep}) plus the larger of the recent "
+                             f"window ({self.recent[il]}) and the block length "
+                             f"({cache.block_len})")
         self.evicted = 0                 # tokens dropped by the policy (not the window trim)
         self.obs = None                  # float16 like importance_: the window's attention
         self._saved = None               # importance_ before the window's rows (while they run)

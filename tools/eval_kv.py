@@ -311,19 +311,14 @@ def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Tas
 
 
 def budget_floor(policy: str, obs_window: int, keep: int = 4, block_len: int = 32) -> int:
-    """The smallest per-layer budget ``policy`` accepts: every layer's budget (the depth
-    ratio's smallest included) must exceed the sinks plus the larger of the recent window
-    (snapkv / pyramidkv: the observation window) and a block."""
+    """The smallest per-layer budget ``policy`` accepts (:meth:`PolicyOptions.min_budget`:
+    every layer's budget must exceed the sinks plus the larger of its recent window and a
+    block), plus two tokens of margin."""
+    from pyimp.kv_policy import PolicyOptions
     base, opts = parse_policy(policy)
-    if base in ("snapkv", "pyramidkv"):
-        window = obs_window
-    else:
-        window = opts.get("kv_recent", 0)      # 0: half of each layer's budget
-    need = keep + max(window, block_len) + 2
-    if not opts.get("kv_recent") and base not in ("snapkv", "pyramidkv"):
-        need = max(need, 2 * (keep + 1))
-    r = opts.get("kv_depth_ratio", 1.0)
-    return int(np.ceil(need * (1 + r) / 2)) if r != 1.0 else need
+    o = PolicyOptions(base, budget=1, keep=keep, recent=opts.get("kv_recent", 0),
+                      obs_window=obs_window, depth_ratio=opts.get("kv_depth_ratio", 1.0))
+    return o.min_budget(block_len) + 2
 
 
 def budget_for(fraction: float, held: list, floor: int) -> int:
