@@ -629,19 +629,31 @@ def _dequantize_blocks(raw, out, f16, head, pair, bsz, has_min):
 
 
 @jit.njit(inline="always")
+def _chunk(c, n, nchunk):
+    """[lo, hi) of chunk c when n items are cut into nchunk contiguous chunks."""
+    ci = np.intp(c)                      # prange's index may be unsigned: uint + int is float
+    return ci * n // nchunk, (ci + 1) * n // nchunk
+
+
+@jit.njit(inline="always")
 def _matvec_blocks(raw, x, out, f16, bsz, vec):
     """fp32 numerics: each weight the exact dequantized value, 32 lane accumulators. ``vec``
     is the type's block step (``_fma_q4_0`` ...: one block's 32 lanes as two vector FMAs,
     one rounding per term; ``_mac_q8_0``: Q8_0's product and sum, which LLVM vectorizes as
-    written)."""
+    written). Work items are _ROW_CHUNKS contiguous row ranges sharing one accumulator
+    allocation: per row, an allocation cost as much as the 20 blocks of a 640-wide row."""
     rows = raw.shape[0]
     nb = x.shape[0] // 32
-    for r in prange(rows):
-        w = raw[r]
-        acc = np.zeros(32, np.float32)
-        for b in range(nb):
-            vec(w, b * bsz, f16, x, b * 32, acc)
-        out[r] = _lanes_sum32(acc)
+    nchunk = min(rows, _ROW_CHUNKS)
+    for c in prange(nchunk):
+        lo, hi = _chunk(c, rows, nchunk)
+        acc = np.empty(32, np.float32)
+        for r in range(lo, hi):
+            w = raw[r]
+            acc[:] = 0.0
+            for b in range(nb):
+                vec(w, b * bsz, f16, x, b * 32, acc)
+            out[r] = _lanes_sum32(acc)
 
 
 @jit.njit(inline="always")
@@ -655,26 +667,32 @@ def _far_pair(p, half, rows):
 
 @jit.njit(inline="always")
 def _matvec_blocks_far_pairs(raw, x, out, f16, bsz, vec):
-    """_matvec_blocks with rows r and r + ceil(rows / 2) per work item, each prefetched
+    """_matvec_blocks with rows r and r + ceil(rows / 2) per step, each prefetched
     PREFETCH_BYTES bytes ahead: the same operations per row (the same bits), two memory streams
     far apart that the hardware prefetchers alone do not keep fed. For the types whose block
-    step is light enough to wait on memory (FAR_PAIR_MATVEC)."""
+    step is light enough to wait on memory (FAR_PAIR_MATVEC). Work items are _ROW_CHUNKS
+    ranges of steps sharing one accumulator allocation."""
     rows = raw.shape[0]
     nb = x.shape[0] // 32
     half = (rows + 1) // 2
-    for p in prange(half):
-        r0, r1 = _far_pair(p, half, rows)
-        w0 = raw[r0]
-        w1 = raw[r1]
-        acc0 = np.zeros(32, np.float32)
-        acc1 = np.zeros(32, np.float32)
-        for b in range(nb):
-            _prefetch(w0, b * bsz + PREFETCH_BYTES)
-            _prefetch(w1, b * bsz + PREFETCH_BYTES)
-            vec(w0, b * bsz, f16, x, b * 32, acc0)
-            vec(w1, b * bsz, f16, x, b * 32, acc1)
-        out[r0] = _lanes_sum32(acc0)
-        out[r1] = _lanes_sum32(acc1)
+    nchunk = min(half, _ROW_CHUNKS)
+    for c in prange(nchunk):
+        lo, hi = _chunk(c, half, nchunk)
+        acc0 = np.empty(32, np.float32)
+        acc1 = np.empty(32, np.float32)
+        for p in range(lo, hi):
+            r0, r1 = _far_pair(p, half, rows)
+            w0 = raw[r0]
+            w1 = raw[r1]
+            acc0[:] = 0.0
+            acc1[:] = 0.0
+            for b in range(nb):
+                _prefetch(w0, b * bsz + PREFETCH_BYTES)
+                _prefetch(w1, b * bsz + PREFETCH_BYTES)
+                vec(w0, b * bsz, f16, x, b * 32, acc0)
+                vec(w1, b * bsz, f16, x, b * 32, acc1)
+            out[r0] = _lanes_sum32(acc0)
+            out[r1] = _lanes_sum32(acc1)
 
 
 @jit.njit(inline="always")

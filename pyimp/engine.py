@@ -695,6 +695,11 @@ class Engine:
         if helper is not None:
             helper.wait()          # its kernels are in the cache now (or it failed: compiled below)
         self.forward(np.array([bos], dtype=np.int64))
+        if self._gpu is None:
+            # each decode matvec chooses serial or parallel by timing its first calls
+            # (quants.ThreadChoice): those calls are made here, not in the first tokens a user times
+            for _ in range(max(0, min(2 * quants.ThreadChoice.TRIALS, self.n_ctx - 3))):
+                self.forward(np.array([bos], dtype=np.int64))
         if self.sparse is not None:
             with self._threads():
                 self.sparse.warmup()

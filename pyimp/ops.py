@@ -172,6 +172,28 @@ def _theta_scale(base: float, n_dims: int) -> np.float32:
     return F32(np.float64(F32(base)) ** np.float64(expo))
 
 
+@jit.njit
+def _rope_theta(t, ts, theta):
+    """theta[r, i] = t[r] * ts**i by repeated float32 multiplication (ggml's recurrence), one
+    compiled call: a decode step's single position took 128 NumPy operations per table."""
+    T, half = theta.shape
+    for r in range(T):
+        v = t[r]
+        for i in range(half):
+            theta[r, i] = v
+            v = v * ts
+
+
+def rope_theta_ref(positions: np.ndarray, ts: np.float32, half: int) -> np.ndarray:
+    """NumPy reference of :func:`_rope_theta`: float32[T, half]."""
+    theta = np.empty((len(positions), half), dtype=F32)
+    t = np.asarray(positions).astype(F32)
+    for i in range(half):
+        theta[:, i] = t
+        t = t * F32(ts)
+    return theta
+
+
 def rope_cache(positions: np.ndarray, n_dims: int, base: float, freq_scale: float,
                freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin: float32[T, n_dims // 2] for integer ``positions`` int[T].
@@ -185,10 +207,7 @@ def rope_cache(positions: np.ndarray, n_dims: int, base: float, freq_scale: floa
     half = n_dims // 2
     ts = _theta_scale(float(base), n_dims)
     theta = np.empty((len(positions), half), dtype=F32)
-    t = positions.astype(F32)
-    for i in range(half):
-        theta[:, i] = t
-        t = t * ts
+    _rope_theta(np.asarray(positions).astype(F32), ts, theta)
     if freq_factors is not None:
         theta = theta / freq_factors.astype(F32)[:half]
     theta = theta * F32(freq_scale)

@@ -65,6 +65,19 @@ def test_rope_is_the_numpy_reference_bit_for_bit(T, H, half, extra, neox, pos0, 
     np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@settings(deadline=None, max_examples=30)
+@given(positions=st.lists(st.integers(0, 2**20), min_size=1, max_size=5),
+       half=st.sampled_from([1, 16, 64, 128]), base=st.sampled_from([10000.0, 1e6, 500000.0]))
+def test_rope_angles_are_the_numpy_recurrence_bit_for_bit(positions, half, base):
+    """The compiled angle recurrence (p * ts**i by repeated float32 products) gives the NumPy
+    reference's bits, also at positions where float32 products round."""
+    ts = ops._theta_scale(base, 2 * half)
+    got = np.empty((len(positions), half), np.float32)
+    ops._rope_theta(np.asarray(positions).astype(np.float32), ts, got)
+    want = ops.rope_theta_ref(np.asarray(positions), ts, half)
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_gelu_tanh_is_the_formula_bit_for_bit():
     """ops.gelu_tanh (in-place passes) computes exactly the one-expression formula."""
     F = np.float32
