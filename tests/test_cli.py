@@ -158,6 +158,26 @@ def test_entry_point_sets_the_thread_pool_spin(monkeypatch):
     assert os.environ["GOMP_SPINCOUNT"] == "100" and "OMP_WAIT_POLICY" not in os.environ
 
 
+def test_entry_point_sets_the_blas_thread_timeout(monkeypatch):
+    """pyimp's programs let OpenBLAS's workers sleep right after a call (they would hold a
+    core through the next decode step); a timeout the user set is kept."""
+    from pyimp.runtime import BLAS_THREAD_TIMEOUT
+    for var in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT"):
+        monkeypatch.delenv(var, raising=False)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert os.environ["OPENBLAS_THREAD_TIMEOUT"] == BLAS_THREAD_TIMEOUT
+    monkeypatch.setenv("OPENBLAS_THREAD_TIMEOUT", "20")
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert os.environ["OPENBLAS_THREAD_TIMEOUT"] == "20"
+    monkeypatch.delenv("OPENBLAS_THREAD_TIMEOUT")
+    monkeypatch.setenv("GOTO_THREAD_TIMEOUT", "20")     # OpenBLAS's other name for it
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert "OPENBLAS_THREAD_TIMEOUT" not in os.environ
+
+
 def test_help_shows_defaults_and_version(capsys):
     with pytest.raises(SystemExit) as ei:
         main(["--help"])
