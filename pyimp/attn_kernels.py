@@ -84,6 +84,38 @@ def half_bits_to_f32(typingctx, h):
 
 
 @intrinsic
+def fma16(typingctx, o, oo, a, ao, b, bo):
+    """o[oo:oo+16] = fma(a[ao:ao+16], b[bo:bo+16], o[oo:oo+16]) as one <16 x float> operation
+    (1-D arrays, no bounds check; o and a float32, b float32 or uint16 fp16 bits, converted
+    exactly): LLVM leaves a 16-trip loop over arrays it cannot prove apart scalar."""
+    sig = types.void(o, oo, a, ao, b, bo)
+    half_b = b.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        vf = llvm_ir.VectorType(llvm_ir.FloatType(), 16)
+        fn = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(vf, [vf, vf, vf]),
+                                            "llvm.fma.v16f32")
+
+        def ptr(k, vty):
+            aryty = signature.args[2 * k]
+            ary = context.make_array(aryty)(context, builder, args[2 * k])
+            p = cgutils.get_item_pointer(context, builder, aryty, ary, [args[2 * k + 1]],
+                                         wraparound=False)
+            return builder.bitcast(p, vty.as_pointer())
+        po = ptr(0, vf)
+        if half_b:
+            hv = builder.load(ptr(2, llvm_ir.VectorType(llvm_ir.IntType(16), 16)), align=2)
+            bv = builder.fpext(builder.bitcast(hv, llvm_ir.VectorType(llvm_ir.HalfType(), 16)), vf)
+        else:
+            bv = builder.load(ptr(2, vf), align=4)
+        r = builder.call(fn, [builder.load(ptr(1, vf), align=4), bv, builder.load(po, align=4)])
+        builder.store(r, po, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
 def f32_to_half_bits(typingctx, f):
     """float32 -> fp16 bit pattern (uint16), rounded to nearest even as NumPy's astype(float16)
     (IR fptrunc to half: vcvtps2ph on x86 with F16C)."""
@@ -257,6 +289,37 @@ def _prefetch_row_ov(c, kvh, pb):
     return impl
 
 
+def f16_store(c):
+    """True when c is an fp16 store (uint16 bits) whose block rows can be read in place;
+    jitted code only."""
+
+
+@overload(f16_store)
+def _f16_store_ov(c):
+    ok = isinstance(c, types.Array) and c.dtype == types.uint16
+
+    def impl(c):
+        return ok
+    return impl
+
+
+def f16_row(c, kvh, pb):
+    """The stored uint16 row of physical block pb (kv head kvh) of an fp16 store; an empty
+    row for other stores (never read: :func:`f16_store` is False). Jitted code only."""
+
+
+@overload(f16_row)
+def _f16_row_ov(c, kvh, pb):
+    if isinstance(c, types.Array) and c.dtype == types.uint16:
+        def impl(c, kvh, pb):
+            return c[kvh, pb]
+        return impl
+
+    def impl(c, kvh, pb):
+        return np.zeros(0, np.uint16)
+    return impl
+
+
 # --------------------------------------------------------------------------
 # 2. attend, 3. merge
 # --------------------------------------------------------------------------
@@ -315,6 +378,95 @@ def attend_block(qh, kb, vb, t0, t1, D, B, sc, s, o, m, l, j, vtok, br):
 def _axpy(a, x, y, n):
     for d in range(n):
         y[d] += a * x[d]
+
+
+# Channel-major values (vb[d*B + t], the f16/f32 cache's layout) folded into LANES partial sums
+# per channel: o16[d, k] += sum over c of p[c*LANES + k] * v[d, c*LANES + k], a vector FMA per
+# channel and LANES tokens. attend_block's o[d] += dot(p, v[d, :]) reduces LANES lanes to one
+# number per channel and block (a horizontal sum each time, about two thirds of a decode step's
+# attention work); here the lanes are summed once per channel at the end (:func:`lanes_out`).
+LANES = 16
+
+
+@jit.njit(fastmath=FM)
+def dot_f16(a, h, ho, n):
+    """sum of a[d] * (fp16 value of h[ho + d]) for d < n (h uint16 bits, converted exactly)."""
+    acc = np.float32(0.0)
+    hh = h[ho:ho + n]
+    for d in range(n):
+        acc += a[d] * half_bits_to_f32(hh[d])
+    return acc
+
+
+def key_dot(qh, kb, t, D):
+    """q . key t of kb: float32 scratch (token-major) or a stored f16 block row (uint16 bits,
+    converted exactly); jitted code only."""
+
+
+@overload(key_dot)
+def _key_dot_ov(qh, kb, t, D):
+    if kb.dtype == types.uint16:
+        def impl(qh, kb, t, D):
+            return dot_f16(qh, kb, t * D, D)
+        return impl
+
+    def impl(qh, kb, t, D):
+        return dot(qh, kb[t * D:(t + 1) * D], D)
+    return impl
+
+
+@jit.njit(fastmath=FM)
+def attend_block_lanes(qh, kb, vb, t0, t1, D, B, sc, s, o16, m, l, j, br):
+    """:func:`attend_block` for channel-major vb with B a multiple of LANES, into the lane
+    partials o16 float32 [D * LANES] (channel d's at d * LANES) of partial j. kb and vb are the
+    float32 scratch of :func:`load_keys` / :func:`load_values`, or a whole f16 block's stored
+    rows (uint16, read in place). The scores, the running max and sum are attend_block's; s[t]
+    keeps exp(score - m[j]) for t in [t0, t1) and 0 elsewhere. vb entries outside [t0, t1)
+    must be finite (they are multiplied by 0)."""
+    bm = np.float32(-np.inf)
+    hasb = br.size > 0
+    for t in range(t0, t1):
+        x = key_dot(qh, kb, t, D) * sc
+        if hasb:
+            x += br[t]
+        s[t] = x
+        if x > bm:
+            bm = x
+    if bm > m[j]:
+        alpha = np.float32(0.0)
+        if m[j] > -np.inf:
+            alpha = np.exp(m[j] - bm)
+        l[j] *= alpha
+        for i in range(D * LANES):
+            o16[i] *= alpha
+        m[j] = bm
+    mj = m[j]
+    ls = np.float32(0.0)
+    for t in range(B):
+        if t0 <= t < t1:
+            e = np.exp(s[t] - mj)
+            s[t] = e
+            ls += e
+        else:
+            s[t] = 0.0
+    l[j] += ls
+    for d in range(D):
+        for c in range(0, B, LANES):
+            fma16(o16, d * LANES, s, c, vb, d * B + c)
+
+
+@jit.njit(fastmath=FM)
+def lanes_out(o16, o):
+    """o[d] = the sum of the LANES partials o16[d * LANES:(d + 1) * LANES], in a fixed
+    pairwise order."""
+    D = o.shape[0]
+    for d in range(D):
+        r = o16[d * LANES:(d + 1) * LANES]
+        a0 = (r[0] + r[8]) + (r[4] + r[12])
+        a1 = (r[1] + r[9]) + (r[5] + r[13])
+        a2 = (r[2] + r[10]) + (r[6] + r[14])
+        a3 = (r[3] + r[11]) + (r[7] + r[15])
+        o[d] = (a0 + a2) + (a1 + a3)
 
 
 @jit.njit(fastmath=FM)
@@ -377,6 +529,7 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
     l_part = np.zeros((Hq, nsplit), np.float32)
     o_part = np.zeros((Hq, nsplit, D), np.float32)
     bmax = np.empty((Hq, Kw), np.float32)
+    lanes = not vtok and B % LANES == 0      # channel-major values: lane partials
     for w in prange(Hq // nh * nsplit):
         h0, sp = (w // nsplit) * nh, w % nsplit
         kvh = h0 // G
@@ -385,11 +538,12 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
         k_beg = sp * per
         k_end = min(cnt[si], k_beg + per)
         kb = np.empty(B * D, np.float32)
-        vb = np.empty(D * B, np.float32)
+        vb = np.zeros(D * B, np.float32)        # entries no block loaded are multiplied by 0
         s = np.empty((nh, B), np.float32)
         m = np.full(nh, -np.inf, np.float32)
         l = np.zeros(nh, np.float32)
         o = np.zeros((nh, D), np.float32)
+        o16 = np.zeros((nh if lanes else 0, D * LANES), np.float32)
         for k in range(k_beg, k_end):
             if k + 1 < k_end:  # physical blocks need not be adjacent: prefetch the next one
                 prefetch_row(kc, kvh, bt[sel[si, k + 1]])
@@ -397,15 +551,34 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
             base = sel[si, k] * B
             t0 = max(lo - base, 0)
             t1 = max(min(n_ctx - base, B), t0)  # a fully masked block is an empty range
+            br = bias[bt[sel[si, k]]] if hasb else nob
+            if lanes and t0 == 0 and t1 == B and f16_store(kc) and f16_store(vc):
+                kr = f16_row(kc, kvh, bt[sel[si, k]])      # every slot written: read in place
+                vr = f16_row(vc, kvh, bt[sel[si, k]])
+                for g in range(nh):
+                    attend_block_lanes(q[h0 + g], kr, vr, 0, B, D, B, sc, s[g], o16[g], m, l,
+                                       g, br)
+                    if store:
+                        bmax[h0 + g, k] = m[g]
+                        for t in range(B):
+                            probs[h0 + g, k, t] = s[g, t]
+                continue
             load_keys(kc, kvh, bt[sel[si, k]], t0, t1, D, kb, lut)
             load_values(vc, kvh, bt[sel[si, k]], t0, t1, D, B, vb, lut)
-            br = bias[bt[sel[si, k]]] if hasb else nob
             for g in range(nh):
-                attend_block(q[h0 + g], kb, vb, t0, t1, D, B, sc, s[g], o[g], m, l, g, vtok, br)
+                if lanes:
+                    attend_block_lanes(q[h0 + g], kb, vb, t0, t1, D, B, sc, s[g], o16[g], m, l,
+                                       g, br)
+                else:
+                    attend_block(q[h0 + g], kb, vb, t0, t1, D, B, sc, s[g], o[g], m, l, g, vtok,
+                                 br)
                 if store:
                     bmax[h0 + g, k] = m[g]
                     for t in range(t0, t1):
                         probs[h0 + g, k, t] = s[g, t]
+        if lanes:
+            for g in range(nh):
+                lanes_out(o16[g], o[g])
         for g in range(nh):
             m_part[h0 + g, sp] = m[g]
             l_part[h0 + g, sp] = l[g]
