@@ -116,6 +116,17 @@ def fma16(typingctx, o, oo, a, ao, b, bo):
 
 
 @intrinsic
+def i32_bits_f32(typingctx, i):
+    """The float32 whose bit pattern is the int32 i."""
+    sig = types.float32(types.int32)
+
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], llvm_ir.FloatType())
+
+    return sig, codegen
+
+
+@intrinsic
 def f32_to_half_bits(typingctx, f):
     """float32 -> fp16 bit pattern (uint16), rounded to nearest even as NumPy's astype(float16)
     (IR fptrunc to half: vcvtps2ph on x86 with F16C)."""
@@ -398,6 +409,40 @@ def dot_f16(a, h, ho, n):
     return acc
 
 
+# exp of a softmax exponent x = score - running max <= 0, in arithmetic LLVM vectorizes
+# (np.exp is a libm call per element: a fifth of a decode step's attention). Cody-Waite
+# reduction x = k ln2 + r, |r| <= ln2 / 2, then Cephes' degree-7 expf polynomial: within
+# 2 ulp of the exact value (tests/test_attention.py checks it against float64 over the whole
+# range); results below 2**-126 (x < -87.33) are 0, -inf gives 0 and NaN gives NaN.
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_EXP_MIN = np.float32(-87.33654)
+_EXP_P = (np.float32(1.9875691500e-4), np.float32(1.3981999507e-3), np.float32(8.3334519073e-3),
+          np.float32(4.1665795894e-2), np.float32(1.6666665459e-1), np.float32(5.0000001201e-1))
+
+
+@jit.njit(inline="always")
+def exp_nonpos(x):
+    """exp(x) for float32 x <= 0 (see above); jitted code only."""
+    xc = max(x, _EXP_MIN)
+    k = np.floor(xc * _LOG2E + np.float32(0.5))
+    r = xc - k * _LN2_HI
+    r = r - k * _LN2_LO
+    z = r * r
+    p = _EXP_P[0]
+    p = p * r + _EXP_P[1]
+    p = p * r + _EXP_P[2]
+    p = p * r + _EXP_P[3]
+    p = p * r + _EXP_P[4]
+    p = p * r + _EXP_P[5]
+    p = p * z + r + np.float32(1.0)
+    e = p * i32_bits_f32((np.int32(k) + np.int32(127)) << np.int32(23))
+    if x != x:
+        return x
+    return e if x > _EXP_MIN else np.float32(0.0)
+
+
 def key_dot(qh, kb, t, D):
     """q . key t of kb: float32 scratch (token-major) or a stored f16 block row (uint16 bits,
     converted exactly); jitted code only."""
@@ -443,12 +488,9 @@ def attend_block_lanes(qh, kb, vb, t0, t1, D, B, sc, s, o16, m, l, j, br):
     mj = m[j]
     ls = np.float32(0.0)
     for t in range(B):
-        if t0 <= t < t1:
-            e = np.exp(s[t] - mj)
-            s[t] = e
-            ls += e
-        else:
-            s[t] = 0.0
+        e = exp_nonpos(s[t] - mj) if t0 <= t < t1 else np.float32(0.0)
+        s[t] = e
+        ls += e
     l[j] += ls
     for d in range(D):
         for c in range(0, B, LANES):
