@@ -273,23 +273,27 @@ def importance_update_blocks_ref(importance, block_table, sel, cnt, probs, n_ctx
 
 def importance_update_blocks(importance: np.ndarray, block_table: np.ndarray, sel: np.ndarray,
                              cnt: np.ndarray, probs: np.ndarray, n_ctx: int,
-                             backend: str = "numba") -> None:
+                             backend: str = "numba", checked: bool = False) -> None:
     """Add the mass of a block-sparse step (no decay), in place.
 
     importance: float16 [NB][B][Hq]; sel: int32 [nsets, K] logical block ids
     (query head h uses set ``h // (Hq // nsets)``), cnt: int32 [nsets];
     probs: float32 [Hq, K, B], probability of token t of the k-th selected
     block; positions >= n_ctx are ignored. Blocks within a set must be distinct.
+    ``checked``: the caller has validated these arrays already (a decode kernel's own
+    arguments, :func:`pyimp.sparse.sparse_attention.decode_over_blocks`): the checks, whose
+    reductions cost more than the update, are skipped.
     """
-    checks.array("importance", importance, np.float16, 3, layout="[NB][B][Hq]")
-    checks.writable("importance", importance)
-    NB, B, Hq = importance.shape
-    checks.array("block_table", block_table, np.int32, 1, layout="[NB_logical]")
-    checks.count("n_ctx", n_ctx, 1, block_table.shape[0] * B)
-    n_lb = -(-int(n_ctx) // B)
-    checks.block_table(block_table, n_lb, NB)
-    checks.selection(sel, cnt, Hq, 1, n_lb)
-    checks.array("probs", probs, np.float32, shape=(Hq, sel.shape[1], B), layout="[Hq, K, B]")
+    if not checked:
+        checks.array("importance", importance, np.float16, 3, layout="[NB][B][Hq]")
+        checks.writable("importance", importance)
+        NB, B, Hq = importance.shape
+        checks.array("block_table", block_table, np.int32, 1, layout="[NB_logical]")
+        checks.count("n_ctx", n_ctx, 1, block_table.shape[0] * B)
+        n_lb = -(-int(n_ctx) // B)
+        checks.block_table(block_table, n_lb, NB)
+        checks.selection(sel, cnt, Hq, 1, n_lb)
+        checks.array("probs", probs, np.float32, shape=(Hq, sel.shape[1], B), layout="[Hq, K, B]")
     if backend == "numpy":
         importance_update_blocks_ref(importance, block_table, sel, cnt, probs, n_ctx)
         return

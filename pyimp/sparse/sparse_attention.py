@@ -179,9 +179,11 @@ def decode_over_blocks(q, k_cache, v_cache, block_table, n_ctx, scale, window, s
 
 
 def add_block_mass(importance, block_table, sel, cnt, probs, n_ctx, decay, backend="numba"):
-    """importance <- decay * importance + the per-block probs [Hq, K, B] of a decode step."""
+    """importance <- decay * importance + the per-block probs [Hq, K, B] of a decode step
+    (arguments as a decode kernel took them: checked by its caller)."""
     if decay == 1.0:
-        importance_update_blocks(importance, block_table, sel, cnt, probs, n_ctx, backend)
+        importance_update_blocks(importance, block_table, sel, cnt, probs, n_ctx, backend,
+                                 checked=True)
     else:
         importance_update(importance, block_table, scatter_probs(probs, sel, cnt, n_ctx), 0,
                           decay, backend)
