@@ -104,6 +104,7 @@ from numba.extending import intrinsic
 from . import jit, quants_legacy
 from .ggml_types import TypeKernels
 from .quants_legacy import (_I32, I8_DOT, PREFETCH_BYTES, _ROW_CHUNKS, _far_pair, _fma32, _hsum8, _i8,
+                            _stack_f32,
                             _I8T as _I8, _lanes_sum32, _prefetch, _quant_kernels, _u16, _v, ir_lane_sums,
                             ir_ptr, ir_splat)
 
@@ -466,8 +467,8 @@ def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vec4):
     for c in prange(nchunk):
         sc = np.empty(16, np.int32)
         mn = np.zeros(16, np.int32)
-        acc = np.empty(32, np.float32)
-        accm = np.empty(nsub, np.float32)    # min terms, one lane per sub-block position
+        acc = _stack_f32(32)                  # in registers across the blocks (_stack_f32)
+        accm = _stack_f32(16)[:nsub]          # min terms, one lane per sub-block position
         for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
             acc[:] = 0
             accm[:] = 0

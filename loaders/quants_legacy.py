@@ -599,17 +599,21 @@ def _matvec_elems(h, x, out, f16, elem):
     """fp32 numerics, 32 lane accumulators: h [rows, n], x float32[n] -> out float32[rows]."""
     rows, n = h.shape
     n32 = n // 32 * 32
-    for r in prange(rows):
-        hr = h[r]
-        acc = np.zeros(32, np.float32)
-        for j0 in range(0, n32, 32):
-            hb = hr[j0:j0 + 32]
-            xb = x[j0:j0 + 32]
-            for k in range(32):
-                acc[k] += elem(hb, k, f16) * xb[k]
-        for j in range(n32, n):
-            acc[j - n32] += elem(hr, j, f16) * x[j]
-        out[r] = _lanes_sum32(acc)
+    nchunk = min(rows, _ROW_CHUNKS)
+    for c in prange(nchunk):
+        lo, hi = _chunk(c, rows, nchunk)
+        acc = _stack_f32(32)
+        for r in range(lo, hi):
+            hr = h[r]
+            acc[:] = 0.0
+            for j0 in range(0, n32, 32):
+                hb = hr[j0:j0 + 32]
+                xb = x[j0:j0 + 32]
+                for k in range(32):
+                    acc[k] += elem(hb, k, f16) * xb[k]
+            for j in range(n32, n):
+                acc[j - n32] += elem(hr, j, f16) * x[j]
+            out[r] = _lanes_sum32(acc)
 
 
 @jit.njit(inline="always")
@@ -626,6 +630,31 @@ def _dequantize_blocks(raw, out, f16, head, pair, bsz, has_min):
                 lo, hi = pair(w, o, aux, j)
                 out[r, b * 32 + j] = _weight(d, m, lo, has_min)
                 out[r, b * 32 + 16 + j] = _weight(d, m, hi, has_min)
+
+
+@intrinsic
+def _stack_f32(typingctx, n):
+    """A float32[n] scratch array (n a literal) in the calling function's stack frame instead
+    of the heap: LLVM then keeps a matvec's lane accumulators in registers across its blocks
+    (through heap memory each block's FMA waits on the previous block's store). Valid while
+    the calling function runs; one buffer per call site, reused when it is reached again."""
+    if not isinstance(n, types.IntegerLiteral):
+        return None
+    N = n.literal_value
+    arrty = types.Array(types.float32, 1, "C")
+    sig = arrty(n)
+
+    def codegen(context, builder, signature, args):
+        f32 = ir.FloatType()
+        buf = cgutils.alloca_once(builder, ir.ArrayType(f32, N))
+        data = builder.bitcast(buf, f32.as_pointer())
+        ary = context.make_array(arrty)(context, builder)
+        itemsize = context.get_constant(types.intp, 4)
+        context.populate_array(ary, data=data, shape=[context.get_constant(types.intp, N)],
+                               strides=[itemsize], itemsize=itemsize, meminfo=None)
+        return ary._getvalue()
+
+    return sig, codegen
 
 
 @jit.njit(inline="always")
@@ -647,7 +676,7 @@ def _matvec_blocks(raw, x, out, f16, bsz, vec):
     nchunk = min(rows, _ROW_CHUNKS)
     for c in prange(nchunk):
         lo, hi = _chunk(c, rows, nchunk)
-        acc = np.empty(32, np.float32)
+        acc = _stack_f32(32)
         for r in range(lo, hi):
             w = raw[r]
             acc[:] = 0.0
@@ -678,8 +707,8 @@ def _matvec_blocks_far_pairs(raw, x, out, f16, bsz, vec):
     nchunk = min(half, _ROW_CHUNKS)
     for c in prange(nchunk):
         lo, hi = _chunk(c, half, nchunk)
-        acc0 = np.empty(32, np.float32)
-        acc1 = np.empty(32, np.float32)
+        acc0 = _stack_f32(32)
+        acc1 = _stack_f32(32)
         for p in range(lo, hi):
             r0, r1 = _far_pair(p, half, rows)
             w0 = raw[r0]
