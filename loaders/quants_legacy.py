@@ -1005,8 +1005,10 @@ def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_
         w0 = raw[r0]
         w1 = raw[r1]
         if m == 1:
-            acc = np.zeros(16, np.float32)
-            summs = np.zeros(2, np.float32)
+            acc = _stack_f32(16)                # registers across the blocks (_stack_f32)
+            acc[:] = 0.0
+            summs = _stack_f32(2)
+            summs[:] = 0.0
             # a decode step's matvec: quants unpacked in registers, the accumulators at constant
             # addresses (LLVM keeps both fma chains in registers; through the loop over i they
             # would go through memory, a store-to-load forwarding per block on each chain)
@@ -1042,8 +1044,8 @@ def _prefill_tile_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has
     nb = ad.shape[1]
     rr = (p0, min(p0 + half, rows - 1), p1, min(p1 + half, rows - 1))
     ws = (raw[rr[0]], raw[rr[1]], raw[rr[2]], raw[rr[3]])
-    a16 = np.zeros(128, np.float32)
-    s16 = np.zeros(16, np.float32)
+    a16 = _stack_f32(128)                       # registers across the blocks (_stack_f32)
+    s16 = _stack_f32(16)
     for g in range(0, m, 4):
         rows4 = (g, min(g + 1, m - 1), min(g + 2, m - 1), min(g + 3, m - 1))
         a16[:] = 0
