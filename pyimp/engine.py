@@ -198,7 +198,7 @@ class Engine:
         self._tokenizer = None
         self._vocab = None
         self.tokens: list[int] = []          # what the cache holds, in order
-        self._attn_threads: dict = {}        # (layer, bit length of bytes read) -> ThreadChoice
+        self._attn_threads: dict = {}        # (sparse, bit length of bytes read) -> ThreadChoice
         self._tap = _no_tap                  # the forward's tap (a recorder while trace() runs)
         self.timings = Timings(load_s=time.perf_counter() - t0)
 
@@ -409,9 +409,12 @@ class Engine:
                 n = s0 + 1
                 window = attention.slot_window(positions, n, window)
                 n_read = min(n, window or n)                              # keys and values read
-                # serial or parallel as measured per layer and doubling of the bytes read
+                # serial or parallel as measured per doubling of the bytes read: layers that read
+                # as much share one choice (the 15 sliding-window layers of Gemma 3 one, not 15:
+                # each choice times its first calls both ways, slow ones included)
                 choice = self._attn_threads.setdefault(
-                    (il, int(self.cache.layer_token_bytes() * n_read).bit_length()), quants.ThreadChoice())
+                    (sp is not None and sp.is_sparse_step(il, n),
+                     int(self.cache.layer_token_bytes() * n_read).bit_length()), quants.ThreadChoice())
                 if sp is not None:
                     choice.run(sp.decode_attention, il, q[0], n, kq_scale, window, att[0])
                 else:      # the arguments are the engine's own: attention_decode less its checks
