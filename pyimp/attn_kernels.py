@@ -34,10 +34,11 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from loaders import jit, quantize
+from loaders import jit, quantize, quants_legacy
 from loaders.quantize import decode_qblocks
+from loaders.quants_legacy import _bits_f32
 
-jit.kernel_module(__file__, quantize)
+jit.kernel_module(__file__, quantize, quants_legacy)
 
 # Fast-math flags without nnan/ninf: reassociation lets LLVM vectorize the dot
 # products; -inf masks and NaN checks keep their IEEE meaning.
@@ -111,17 +112,6 @@ def fma16(typingctx, o, oo, a, ao, b, bo):
         r = builder.call(fn, [builder.load(ptr(1, vf), align=4), bv, builder.load(po, align=4)])
         builder.store(r, po, align=4)
         return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def i32_bits_f32(typingctx, i):
-    """The float32 whose bit pattern is the int32 i."""
-    sig = types.float32(types.int32)
-
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], llvm_ir.FloatType())
 
     return sig, codegen
 
@@ -345,6 +335,30 @@ def dot(a, b, n):
 
 
 @jit.njit(fastmath=FM)
+def block_scores(qh, kb, t0, t1, D, sc, s, m, l, j, br):
+    """Scores of tokens [t0, t1) of a loaded block (kb as :func:`key_dot` reads it) into s[t],
+    the running max m[j] raised to the block's and the running sum l[j] rescaled; returns
+    the factor the partial output must be scaled by (1.0 when the max did not rise)."""
+    bm = np.float32(-np.inf)
+    hasb = br.size > 0
+    for t in range(t0, t1):
+        x = key_dot(qh, kb, t, D) * sc
+        if hasb:
+            x += br[t]
+        s[t] = x
+        if x > bm:
+            bm = x
+    alpha = np.float32(1.0)
+    if bm > m[j]:
+        alpha = np.float32(0.0)
+        if m[j] > -np.inf:
+            alpha = np.exp(m[j] - bm)
+        l[j] *= alpha
+        m[j] = bm
+    return alpha
+
+
+@jit.njit(fastmath=FM)
 def attend_block(qh, kb, vb, t0, t1, D, B, sc, s, o, m, l, j, vtok, br):
     """Fold tokens [t0, t1) of a loaded block into partial j (m[j], l[j], o [D]) of query qh;
     ``vtok``: vb is token-major (see :func:`load_values`); ``br``: the block's per-slot score
@@ -352,23 +366,10 @@ def attend_block(qh, kb, vb, t0, t1, D, B, sc, s, o, m, l, j, vtok, br):
 
     Leaves ``exp(score - m[j])`` of token t in s[t] (s: float32 [B] scratch).
     """
-    bm = np.float32(-np.inf)
-    hasb = br.size > 0
-    for t in range(t0, t1):
-        x = dot(qh, kb[t * D:(t + 1) * D], D) * sc
-        if hasb:
-            x += br[t]
-        s[t] = x
-        if x > bm:
-            bm = x
-    if bm > m[j]:
-        alpha = np.float32(0.0)
-        if m[j] > -np.inf:
-            alpha = np.exp(m[j] - bm)
-        l[j] *= alpha
+    alpha = block_scores(qh, kb, t0, t1, D, sc, s, m, l, j, br)
+    if alpha != 1.0:
         for d in range(D):
             o[d] *= alpha
-        m[j] = bm
     mj = m[j]
     ls = np.float32(0.0)
     for t in range(t0, t1):
@@ -437,7 +438,7 @@ def exp_nonpos(x):
     p = p * r + _EXP_P[4]
     p = p * r + _EXP_P[5]
     p = p * z + r + np.float32(1.0)
-    e = p * i32_bits_f32((np.int32(k) + np.int32(127)) << np.int32(23))
+    e = p * _bits_f32(np.uint32((np.int32(k) + np.int32(127)) << np.int32(23)))
     if x != x:
         return x
     return e if x > _EXP_MIN else np.float32(0.0)
@@ -468,23 +469,10 @@ def attend_block_lanes(qh, kb, vb, t0, t1, D, B, sc, s, o16, m, l, j, br):
     rows (uint16, read in place). The scores, the running max and sum are attend_block's; s[t]
     keeps exp(score - m[j]) for t in [t0, t1) and 0 elsewhere. vb entries outside [t0, t1)
     must be finite (they are multiplied by 0)."""
-    bm = np.float32(-np.inf)
-    hasb = br.size > 0
-    for t in range(t0, t1):
-        x = key_dot(qh, kb, t, D) * sc
-        if hasb:
-            x += br[t]
-        s[t] = x
-        if x > bm:
-            bm = x
-    if bm > m[j]:
-        alpha = np.float32(0.0)
-        if m[j] > -np.inf:
-            alpha = np.exp(m[j] - bm)
-        l[j] *= alpha
+    alpha = block_scores(qh, kb, t0, t1, D, sc, s, m, l, j, br)
+    if alpha != 1.0:
         for i in range(D * LANES):
             o16[i] *= alpha
-        m[j] = bm
     mj = m[j]
     ls = np.float32(0.0)
     for t in range(B):
