@@ -669,8 +669,9 @@ def _matvec_blocks(raw, x, out, f16, bsz, vec):
     """fp32 numerics: each weight the exact dequantized value, 32 lane accumulators. ``vec``
     is the type's block step (``_fma_q4_0`` ...: one block's 32 lanes as two vector FMAs,
     one rounding per term; ``_mac_q8_0``: Q8_0's product and sum, which LLVM vectorizes as
-    written). Work items are _ROW_CHUNKS contiguous row ranges sharing one accumulator
-    allocation: per row, an allocation cost as much as the 20 blocks of a 640-wide row."""
+    written). Work items are _ROW_CHUNKS contiguous row ranges; the accumulators are a
+    _stack_f32 buffer, held in registers (a heap array per row cost as much as the 20 blocks
+    of a 640-wide row, and made every block's FMA wait on the previous block's store)."""
     rows = raw.shape[0]
     nb = x.shape[0] // 32
     nchunk = min(rows, _ROW_CHUNKS)
@@ -700,7 +701,7 @@ def _matvec_blocks_far_pairs(raw, x, out, f16, bsz, vec):
     PREFETCH_BYTES bytes ahead: the same operations per row (the same bits), two memory streams
     far apart that the hardware prefetchers alone do not keep fed. For the types whose block
     step is light enough to wait on memory (FAR_PAIR_MATVEC). Work items are _ROW_CHUNKS
-    ranges of steps sharing one accumulator allocation."""
+    ranges of steps, accumulators in registers as in _matvec_blocks."""
     rows = raw.shape[0]
     nb = x.shape[0] // 32
     half = (rows + 1) // 2
