@@ -56,14 +56,47 @@ _TYPED_OK = {
 }
 
 
+def _thread_count_fns():
+    """(get, set) of the calling thread's Numba thread count. numba.get_num_threads and
+    set_num_threads check the threading layer and their argument on every call: 2-3 us each
+    on a slow core, and a decode step's ~130 serial kernel calls each made four of them
+    (1-1.5 ms a token). After the layer is up, the raw functions they wrap do the same for a
+    value known to be valid (at most NUMBA_NUM_THREADS, as a count read back from Numba is);
+    where this Numba does not expose them, the public functions. Made at the first kernel
+    call, not at import: starting the threading layer reads its environment once (see
+    pyimp.runtime), which a program sets before that."""
+    from numba.np.ufunc import parallel as par
+    numba.get_num_threads()                                    # starts the threading layer
+    get, set_ = getattr(par, "_get_num_threads", None), getattr(par, "_set_num_threads", None)
+    if get is None or set_ is None:                            # pragma: no cover - other Numba
+        return numba.get_num_threads, numba.set_num_threads
+    return get, set_
+
+
+_THREAD_FNS: tuple | None = None
+
+
+def _thread_fns() -> tuple:
+    global _THREAD_FNS
+    if _THREAD_FNS is None:
+        _THREAD_FNS = _thread_count_fns()
+    return _THREAD_FNS
+
+
+def thread_count() -> int:
+    """numba.get_num_threads() for the calling thread, without its per-call checks."""
+    return (_THREAD_FNS or _thread_fns())[0]()
+
+
 @contextlib.contextmanager
 def _single_thread():
-    prev = numba.get_num_threads()
-    numba.set_num_threads(1)
+    get, set_ = _THREAD_FNS or _thread_fns()
+    prev = get()
+    set_(1)
     try:
         yield
     finally:
-        numba.set_num_threads(prev)
+        set_(prev)
 
 
 class ThreadChoice:
@@ -82,15 +115,19 @@ class ThreadChoice:
         self.parallel: bool | None = None
 
     def run(self, fn, *args) -> None:
-        n = numba.get_num_threads()
+        get, set_ = _THREAD_FNS or _thread_fns()
+        n = get()
         if n != self._n:
             self._n, self._times, self.parallel = n, ([], []), None
         if n == 1 or self.parallel:
             fn(*args)
             return
-        if self.parallel is False:
-            with _single_thread():
+        if self.parallel is False:         # _single_thread inlined: this runs ~130 times a token
+            set_(1)
+            try:
                 fn(*args)
+            finally:
+                set_(n)
             return
         serial, par = self._times
         trial_par = len(par) < len(serial)

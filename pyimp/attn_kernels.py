@@ -27,14 +27,13 @@ kernel runs its outer loop with ``prange`` or serially (no thread-pool wake-up).
 from __future__ import annotations
 
 import llvmlite.binding as llvm_binding
-import numba
 import numpy as np
 from llvmlite import ir as llvm_ir
 from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from loaders import jit, quantize, quants_legacy
+from loaders import jit, quantize, quants, quants_legacy
 from loaders.quantize import decode_qblocks
 from loaders.quants_legacy import _bits_f32
 
@@ -155,7 +154,7 @@ def _load_f32_ov(src, start, n, dst, lut):
 def default_splits(n_blocks: int, n_units: int, min_blocks: int) -> int:
     """Splits of each work unit's blocks so that units*splits covers the threads ~4x over,
     with at least ``min_blocks`` blocks per split."""
-    target = 4 * numba.get_num_threads()
+    target = 4 * quants.thread_count()
     return max(1, min(-(-target // max(n_units, 1)), n_blocks // min_blocks))
 
 

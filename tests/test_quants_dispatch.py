@@ -258,3 +258,20 @@ def test_thread_choice_keeps_the_measured_faster_mode(faster):
         assert choice.parallel is None and seen[-1] == 1
     finally:
         numba.set_num_threads(prev)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
+def test_fast_thread_count_agrees_with_numba():
+    """quants.thread_count and the serial mode read and set the same per-thread count as
+    numba.get_num_threads / set_num_threads (they skip only the public functions' checks)."""
+    prev = numba.get_num_threads()
+    try:
+        for n in (1, 2):
+            numba.set_num_threads(n)
+            assert Q.thread_count() == numba.get_num_threads() == n
+        seen = []
+        with Q._single_thread():
+            seen.append((Q.thread_count(), numba.get_num_threads()))
+        assert seen == [(1, 1)] and numba.get_num_threads() == 2
+    finally:
+        numba.set_num_threads(prev)
