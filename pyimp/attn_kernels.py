@@ -35,7 +35,7 @@ from numba.extending import intrinsic, overload
 
 from loaders import jit, quantize, quants, quants_legacy
 from loaders.quantize import decode_qblocks
-from loaders.quants_legacy import _bits_f32
+from loaders.quants_legacy import _bits_f32, _stack_f32
 
 jit.kernel_module(__file__, quantize, quants_legacy)
 
@@ -320,6 +320,23 @@ def _f16_row_ov(c, kvh, pb):
     return impl
 
 
+def f16_rows(c, kvh):
+    """The stored uint16 block rows [NB][B*D] of kv head kvh of an fp16 store; an empty 2-D
+    array for other stores (never read). Jitted code only."""
+
+
+@overload(f16_rows)
+def _f16_rows_ov(c, kvh):
+    if isinstance(c, types.Array) and c.dtype == types.uint16:
+        def impl(c, kvh):
+            return c[kvh]
+        return impl
+
+    def impl(c, kvh):
+        return np.zeros((0, 0), np.uint16)
+    return impl
+
+
 # --------------------------------------------------------------------------
 # 2. attend, 3. merge
 # --------------------------------------------------------------------------
@@ -498,6 +515,176 @@ def lanes_out(o16, o):
         o[d] = (a0 + a2) + (a1 + a3)
 
 
+# Grouped decode over fp16 stores: the query heads of a work unit share one kv head, so a
+# block's stored values are converted once for all of them. Two passes per split: every
+# block's scores (and the split's max) first, then the values weighted by exp(score - max)
+# with channel-outer loops whose accumulators (two 8-lane vectors per head) stay in registers
+# across a group of blocks. attend_block_lanes instead kept 16 lanes per channel and head in
+# memory (64 KB for four heads of 256 channels, past L1) and converted each block's values
+# once per head: on AVX2 cores (no 16-wide registers) 4-5 us per 32-token block of Gemma 3.
+GROUP_HEADS = (1, 2, 4, 8)     # heads per work unit the grouped path takes (literal unrolls)
+PV_GROUP = 16                  # blocks whose weights stay in L1 while every channel reads them
+
+
+@intrinsic
+def pv16(typingctx, acc, p, po, ps, v, vo, nh):
+    """For g < nh (a literal): acc[16g:16g+8] = fma(p[po+g*ps:+8], v[vo:vo+8], acc[16g:16g+8])
+    and acc[16g+8:16g+16] likewise with the next 8 entries of p and v (1-D arrays, no bounds
+    check; acc and p float32, v float32 or uint16 fp16 bits, converted exactly once)."""
+    if not isinstance(nh, types.IntegerLiteral):
+        return None
+    NH = nh.literal_value
+    sig = types.void(acc, p, po, ps, v, vo, nh)
+    half_v = v.dtype == types.uint16
+
+    def codegen(context, builder, signature, args):
+        vf = llvm_ir.VectorType(llvm_ir.FloatType(), 8)
+        i64 = llvm_ir.IntType(64)
+        fma = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(vf, [vf, vf, vf]),
+                                             "llvm.fma.v8f32")
+
+        def ptr(k, idx, vty):
+            aryty = signature.args[k]
+            ary = context.make_array(aryty)(context, builder, args[k])
+            q = cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False)
+            return builder.bitcast(q, vty.as_pointer())
+
+        def as64(x):
+            return builder.sext(x, i64) if x.type.width < 64 else x
+        po_, ps_, vo_ = as64(args[2]), as64(args[3]), as64(args[5])
+        vv = []
+        for c in range(2):
+            at = builder.add(vo_, llvm_ir.Constant(i64, 8 * c))
+            if half_v:
+                hv = builder.load(ptr(4, at, llvm_ir.VectorType(llvm_ir.IntType(16), 8)), align=2)
+                vv.append(builder.fpext(builder.bitcast(hv, llvm_ir.VectorType(llvm_ir.HalfType(), 8)), vf))
+            else:
+                vv.append(builder.load(ptr(4, at, vf), align=4))
+        for g in range(NH):
+            row = builder.add(po_, builder.mul(ps_, llvm_ir.Constant(i64, g)))
+            for c in range(2):
+                pv = builder.load(ptr(1, builder.add(row, llvm_ir.Constant(i64, 8 * c)), vf), align=4)
+                ap = ptr(0, llvm_ir.Constant(i64, 16 * g + 8 * c), vf)
+                builder.store(builder.call(fma, [pv, vv[c], builder.load(ap, align=4)]), ap, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@jit.njit(inline="always")
+def _pv_channels(ow, P, PS, vrows, pbs, vpart, parts, kk0, kk1, D, B, nh):
+    """ow[d*16*nh + 16g + lane] += the lane-folded sum over blocks kk0..kk1 of P[g*PS + kk*B +
+    t] * v_kk[d*B + t] (ow's entries start from 0 when kk0 == 0: not read), v_kk the fp16 row
+    vrows[pbs[kk]] or, where parts[kk] >= 0 (a partial block), vpart[parts[kk]] (its tokens,
+    zeros elsewhere)."""
+    acc = _stack_f32(128)                  # registers across the blocks (_stack_f32)
+    W = 16 * nh
+    for d in range(D):
+        for i in range(W):
+            acc[i] = ow[d * W + i] if kk0 > 0 else np.float32(0.0)
+        for kk in range(kk0, kk1):
+            j = parts[kk]
+            for c in range(0, B, 16):
+                if j < 0:
+                    pv16(acc, P, kk * B + c, PS, vrows[pbs[kk]], d * B + c, nh)
+                else:
+                    pv16(acc, P, kk * B + c, PS, vpart[j], d * B + c, nh)
+        for i in range(W):
+            ow[d * W + i] = acc[i]
+
+
+@jit.njit(fastmath=FM)
+def attend_split_grouped(q, h0, nh, kc, vc, kvh, bt, sel, si, k_beg, k_end, lo, n_ctx, D, B, sc,
+                         bias, hasb, lut, m, l, o, bm, store, probs):
+    """The nh query heads h0.. (sharing kv head kvh) over blocks sel[si, k_beg:k_end] of fp16
+    stores (B a multiple of 16), in two passes (see GROUP_HEADS): m[g], l[g] and o[g, :] receive
+    the split's max, sum of exp(score - max) and output sum; with ``store``, bm[g] = m[g] and
+    probs[h0 + g, k, t] = exp(score - m[g]) (0 outside the masks). nh in GROUP_HEADS."""
+    nk = k_end - k_beg
+    PS = nk * B
+    S = np.empty(nh * PS, np.float32)
+    pbs = np.empty(nk, np.int64)
+    parts = np.full(nk, -1, np.int64)
+    npart = 0
+    for kk in range(nk):
+        base = sel[si, k_beg + kk] * B
+        pbs[kk] = bt[sel[si, k_beg + kk]]
+        if max(lo - base, 0) > 0 or min(n_ctx - base, B) < B:
+            parts[kk] = npart
+            npart += 1
+    vpart = np.zeros((npart, D * B), np.uint16)    # partial blocks' values, +0.0 elsewhere
+    kb = np.empty(B * D, np.float32)
+    vrows = f16_rows(vc, kvh)
+    for kk in range(nk):
+        if kk + 1 < nk:
+            prefetch_row(kc, kvh, pbs[kk + 1])
+            prefetch_row(vc, kvh, pbs[kk + 1])
+        base = sel[si, k_beg + kk] * B
+        t0 = max(lo - base, 0)
+        t1 = max(min(n_ctx - base, B), t0)
+        pb = pbs[kk]
+        kr = f16_row(kc, kvh, pb)
+        j = parts[kk]
+        if j >= 0:
+            load_keys(kc, kvh, pb, t0, t1, D, kb, lut)
+            vr = vrows[pb]
+            vp = vpart[j]
+            for d in range(D):
+                vp[d * B + t0:d * B + t1] = vr[d * B + t0:d * B + t1]
+        for g in range(nh):
+            qh = q[h0 + g]
+            sg = S[g * PS + kk * B:g * PS + (kk + 1) * B]
+            for t in range(B):
+                if t < t0 or t >= t1:
+                    sg[t] = -np.inf
+                    continue
+                x = (dot(qh, kb[t * D:(t + 1) * D], D) if j >= 0 else dot_f16(qh, kr, t * D, D)) * sc
+                if hasb:
+                    x += bias[pb, t]
+                sg[t] = x
+    for g in range(nh):
+        sg = S[g * PS:(g + 1) * PS]
+        mg = np.float32(-np.inf)
+        for i in range(PS):
+            if sg[i] > mg:
+                mg = sg[i]
+        lg = np.float32(0.0)
+        if mg > -np.inf:
+            for i in range(PS):
+                e = exp_nonpos(sg[i] - mg)
+                sg[i] = e
+                lg += e
+        else:
+            sg[:] = 0.0
+        m[g] = mg
+        l[g] = lg
+        bm[g] = mg
+    W = 16 * nh
+    ow = np.empty(D * W, np.float32)        # written by the first group's pass
+    for kk0 in range(0, nk, PV_GROUP):
+        kk1 = min(kk0 + PV_GROUP, nk)
+        if nh == 1:
+            _pv_channels(ow, S, PS, vrows, pbs, vpart, parts, kk0, kk1, D, B, 1)
+        elif nh == 2:
+            _pv_channels(ow, S, PS, vrows, pbs, vpart, parts, kk0, kk1, D, B, 2)
+        elif nh == 4:
+            _pv_channels(ow, S, PS, vrows, pbs, vpart, parts, kk0, kk1, D, B, 4)
+        else:
+            _pv_channels(ow, S, PS, vrows, pbs, vpart, parts, kk0, kk1, D, B, 8)
+    for g in range(nh):
+        for d in range(D):
+            r = ow[d * W + 16 * g:d * W + 16 * g + 16]
+            a0 = (r[0] + r[8]) + (r[4] + r[12])
+            a1 = (r[1] + r[9]) + (r[5] + r[13])
+            a2 = (r[2] + r[10]) + (r[6] + r[14])
+            a3 = (r[3] + r[11]) + (r[7] + r[15])
+            o[g, d] = (a0 + a2) + (a1 + a3)
+        if store:
+            for kk in range(nk):
+                for t in range(B):
+                    probs[h0 + g, k_beg + kk, t] = S[g * PS + kk * B + t]
+
+
 @jit.njit(fastmath=FM)
 def merge_splits(m_part, l_part, o_part, out, lse, M, L):
     """Merge per-split partials [Hq, nsplit] into out [Hq, D] (normalized), lse [Hq] and the
@@ -559,6 +746,8 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
     o_part = np.zeros((Hq, nsplit, D), np.float32)
     bmax = np.empty((Hq, Kw), np.float32)
     lanes = not vtok and B % LANES == 0      # channel-major values: lane partials
+    grouped = f16_store(kc) and f16_store(vc) and B % 16 == 0 and (nh == 1 or nh == 2 or nh == 4
+                                                                   or nh == 8)
     for w in prange(Hq // nh * nsplit):
         h0, sp = (w // nsplit) * nh, w % nsplit
         kvh = h0 // G
@@ -566,6 +755,27 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
         per = (cnt[si] + nsplit - 1) // nsplit
         k_beg = sp * per
         k_end = min(cnt[si], k_beg + per)
+        if grouped:
+            mg = np.empty(nh, np.float32)
+            lg = np.empty(nh, np.float32)
+            og = np.empty((nh, D), np.float32)
+            bg = np.empty(nh, np.float32)
+            if k_end > k_beg:
+                attend_split_grouped(q, h0, nh, kc, vc, kvh, bt, sel, si, k_beg, k_end, lo, n_ctx,
+                                     D, B, sc, bias, hasb, lut, mg, lg, og, bg, store, probs)
+            else:
+                mg[:] = -np.inf
+                lg[:] = 0.0
+                og[:] = 0.0
+            for g in range(nh):
+                m_part[h0 + g, sp] = mg[g]
+                l_part[h0 + g, sp] = lg[g]
+                for d in range(D):
+                    o_part[h0 + g, sp, d] = og[g, d]
+                if store:
+                    for k in range(k_beg, k_end):
+                        bmax[h0 + g, k] = bg[g]
+            continue
         kb = np.empty(B * D, np.float32)
         vb = np.zeros(D * B, np.float32)        # entries no block loaded are multiplied by 0
         s = np.empty((nh, B), np.float32)
