@@ -728,6 +728,8 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
     probs [Hq, K, B] receives P of token t of the k-th block of h's set (0 outside the masks).
     ``bias``: float32 [NB][B] added to the score of the token in each physical slot (merged
     slots' log-multiplicity, :mod:`pyimp.kv_merge`), or shape (0, B): none.
+    fp16 stores with B a multiple of 16 and a unit of 1, 2, 4 or 8 heads take
+    :func:`attend_split_grouped`; other stores fold blocks one by one (online softmax).
     """
     Hq, D = q.shape
     Hkv, _, BD = kv_dims(kc)

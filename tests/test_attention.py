@@ -63,8 +63,8 @@ def flat_attention64(q, Kf, Vf, qpos, scale, window):
 @st.composite
 def cache_case(draw, max_n=70):
     Hkv = draw(st.integers(1, 3))
-    G = draw(st.integers(1, 4))
-    B = draw(st.sampled_from([1, 2, 4, 8, 16, 32]))   # 16, 32: lane partials (decode_blocks)
+    G = draw(st.sampled_from([1, 2, 3, 4, 8]))       # 1, 2, 4, 8: grouped decode (fp16, B % 16 == 0)
+    B = draw(st.sampled_from([1, 2, 4, 8, 16, 32]))   # 16, 32: lane partials or grouped decode
     D = draw(st.sampled_from([1, 3, 8, 16, 64]))
     n = draw(st.integers(1, max_n))
     spare = draw(st.integers(0, 3))

@@ -11,8 +11,8 @@ from pyimp.sparse.sparse_attention import (block_partial, merge_partials,
 @st.composite
 def sparse_case(draw):
     Hkv = draw(st.integers(1, 3))
-    G = draw(st.integers(1, 4))
-    B = draw(st.sampled_from([1, 2, 4, 8, 16]))
+    G = draw(st.sampled_from([1, 2, 3, 4, 8]))       # 1, 2, 4, 8: grouped decode (fp16, B % 16 == 0)
+    B = draw(st.sampled_from([1, 2, 4, 8, 16, 32]))
     D = draw(st.sampled_from([1, 4, 16, 64]))
     n_ctx = draw(st.integers(1, 12 * B))
     dtype = draw(st.sampled_from([np.float16, np.float32]))
