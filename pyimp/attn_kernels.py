@@ -516,161 +516,237 @@ def lanes_out(o16, o):
 
 
 # Grouped decode over fp16 stores: the query heads of a work unit share one kv head, so a
-# block's stored values are converted once for all of them. Two passes per split: every
-# block's scores (and the split's max) first, then the values weighted by exp(score - max)
-# with channel-outer loops whose accumulators (two 8-lane vectors per head) stay in registers
-# across a group of blocks. attend_block_lanes instead kept 16 lanes per channel and head in
-# memory (64 KB for four heads of 256 channels, past L1) and converted each block's values
-# once per head: on AVX2 cores (no 16-wide registers) 4-5 us per 32-token block of Gemma 3.
+# block's stored keys and values are converted once for all of them. Two passes per group of
+# PV_GROUP blocks: the group's scores (the running max raised, the partials rescaled), then
+# its values weighted by exp(score - max) with channel-outer loops whose accumulators (two
+# 8-lane vectors per head) stay in registers across the group (pv_channel).
+# attend_block_lanes instead keeps 16 lanes per channel and head in memory (64 KB for four
+# heads of 256 channels, past L1) and converts each block's values once per head: on AVX2
+# cores (no 16-wide registers) 4-5 us per 32-token block of Gemma 3; grouped, about 2.
 GROUP_HEADS = (1, 2, 4, 8)     # heads per work unit the grouped path takes (literal unrolls)
-PV_GROUP = 16                  # blocks whose weights stay in L1 while every channel reads them
+PV_GROUP = 8     # blocks read together: their values (8 x 16 KB for Gemma 3) stay in L2 between
+                 # the passes (16k-slot decode, AMD EPYC znver3, cache cold: 4 blocks 2.4-2.6 ms,
+                 # 8 1.8-2.7, 16 2.5-2.9, 32 5-6)
 
 
 @intrinsic
-def pv16(typingctx, acc, p, po, ps, v, vo, nh):
-    """For g < nh (a literal): acc[16g:16g+8] = fma(p[po+g*ps:+8], v[vo:vo+8], acc[16g:16g+8])
-    and acc[16g+8:16g+16] likewise with the next 8 entries of p and v (1-D arrays, no bounds
-    check; acc and p float32, v float32 or uint16 fp16 bits, converted exactly once)."""
+def row_address(typingctx, row):
+    """The address of row[0] (a 1-D array) as an int64, for :func:`pv_channel`; the caller keeps
+    the array alive while the address is used."""
+    sig = types.int64(row)
+
+    def codegen(context, builder, signature, args):
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        return builder.ptrtoint(ary.data, llvm_ir.IntType(64))
+
+    return sig, codegen
+
+
+@intrinsic
+def pv_channel(typingctx, ow, owo, p, ps, addr, nblk, vo, nb, nh):
+    """ow[owo + 16g + lane] += sum over blocks k < nblk and 16-token chunks c < nb / 16 of
+    p[g*ps + k*nb + 16c + lane'] * v_k[vo + 16c + lane'] (lane' = lane folded as two 8-lane fma
+    chains per head: lanes 0-7 take chunk entries 0-7, lanes 8-15 entries 8-15), for g < nh (a
+    literal); v_k the fp16 values (uint16 bits) at address addr[k] (:func:`row_address`). The
+    accumulators are SSA values across the whole loop (registers), not memory."""
     if not isinstance(nh, types.IntegerLiteral):
         return None
     NH = nh.literal_value
-    sig = types.void(acc, p, po, ps, v, vo, nh)
-    half_v = v.dtype == types.uint16
+    sig = types.void(ow, owo, p, ps, addr, nblk, vo, nb, nh)
 
     def codegen(context, builder, signature, args):
-        vf = llvm_ir.VectorType(llvm_ir.FloatType(), 8)
         i64 = llvm_ir.IntType(64)
+        vf = llvm_ir.VectorType(llvm_ir.FloatType(), 8)
+        vh = llvm_ir.VectorType(llvm_ir.IntType(16), 8)
         fma = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(vf, [vf, vf, vf]),
                                              "llvm.fma.v8f32")
-
-        def ptr(k, idx, vty):
-            aryty = signature.args[k]
-            ary = context.make_array(aryty)(context, builder, args[k])
-            q = cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False)
-            return builder.bitcast(q, vty.as_pointer())
+        owty, _, pty, _, aty, _, _, _, _ = signature.args
+        ow_a = context.make_array(owty)(context, builder, args[0])
+        p_a = context.make_array(pty)(context, builder, args[2])
+        ad_a = context.make_array(aty)(context, builder, args[4])
 
         def as64(x):
             return builder.sext(x, i64) if x.type.width < 64 else x
-        po_, ps_, vo_ = as64(args[2]), as64(args[3]), as64(args[5])
-        vv = []
-        for c in range(2):
-            at = builder.add(vo_, llvm_ir.Constant(i64, 8 * c))
-            if half_v:
-                hv = builder.load(ptr(4, at, llvm_ir.VectorType(llvm_ir.IntType(16), 8)), align=2)
-                vv.append(builder.fpext(builder.bitcast(hv, llvm_ir.VectorType(llvm_ir.HalfType(), 8)), vf))
-            else:
-                vv.append(builder.load(ptr(4, at, vf), align=4))
+        owo_, ps_, nblk_, vo_, nb_ = (as64(args[1]), as64(args[3]), as64(args[5]), as64(args[6]),
+                                      as64(args[7]))
+        fptr = llvm_ir.FloatType().as_pointer()
+        ow_p = builder.bitcast(ow_a.data, fptr)
+        p_p = builder.bitcast(p_a.data, fptr)
+        ad_p = builder.bitcast(ad_a.data, i64.as_pointer())
+        accs = []
         for g in range(NH):
-            row = builder.add(po_, builder.mul(ps_, llvm_ir.Constant(i64, g)))
-            for c in range(2):
-                pv = builder.load(ptr(1, builder.add(row, llvm_ir.Constant(i64, 8 * c)), vf), align=4)
-                ap = ptr(0, llvm_ir.Constant(i64, 16 * g + 8 * c), vf)
-                builder.store(builder.call(fma, [pv, vv[c], builder.load(ap, align=4)]), ap, align=4)
+            for h in range(2):
+                slot = cgutils.alloca_once(builder, vf)
+                src = builder.gep(ow_p, [builder.add(owo_, llvm_ir.Constant(i64, 16 * g + 8 * h))])
+                builder.store(builder.load(builder.bitcast(src, vf.as_pointer()), align=4), slot)
+                accs.append(slot)
+        nchunk = builder.udiv(nb_, llvm_ir.Constant(i64, 16))
+        with cgutils.for_range(builder, nblk_, intp=i64) as outer:
+            k = outer.index
+            base = builder.inttoptr(builder.load(builder.gep(ad_p, [k])), llvm_ir.IntType(16).as_pointer())
+            vrow = builder.gep(base, [vo_])
+            prow = builder.gep(p_p, [builder.mul(k, nb_)])
+            with cgutils.for_range(builder, nchunk, intp=i64) as inner:
+                c16 = builder.mul(inner.index, llvm_ir.Constant(i64, 16))
+                vv = []
+                for h in range(2):
+                    at = builder.gep(vrow, [builder.add(c16, llvm_ir.Constant(i64, 8 * h))])
+                    hv = builder.load(builder.bitcast(at, vh.as_pointer()), align=2)
+                    vv.append(builder.fpext(builder.bitcast(hv, llvm_ir.VectorType(llvm_ir.HalfType(), 8)), vf))
+                for g in range(NH):
+                    pg = builder.gep(prow, [builder.add(builder.mul(ps_, llvm_ir.Constant(i64, g)), c16)])
+                    for h in range(2):
+                        ph = builder.gep(pg, [llvm_ir.Constant(i64, 8 * h)])
+                        pvv = builder.load(builder.bitcast(ph, vf.as_pointer()), align=4)
+                        slot = accs[2 * g + h]
+                        builder.store(builder.call(fma, [pvv, vv[h], builder.load(slot)]), slot)
+        for g in range(NH):
+            for h in range(2):
+                dst = builder.gep(ow_p, [builder.add(owo_, llvm_ir.Constant(i64, 16 * g + 8 * h))])
+                builder.store(builder.load(accs[2 * g + h]), builder.bitcast(dst, vf.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen
 
 
 @jit.njit(inline="always")
-def _pv_channels(ow, P, PS, vrows, pbs, vpart, parts, kk0, kk1, D, B, nh):
-    """ow[d*16*nh + 16g + lane] += the lane-folded sum over blocks kk0..kk1 of P[g*PS + kk*B +
-    t] * v_kk[d*B + t] (ow's entries start from 0 when kk0 == 0: not read), v_kk the fp16 row
-    vrows[pbs[kk]] or, where parts[kk] >= 0 (a partial block), vpart[parts[kk]] (its tokens,
-    zeros elsewhere)."""
-    acc = _stack_f32(128)                  # registers across the blocks (_stack_f32)
+def _pv_channels(ow, P, PS, addr, nblk, D, B, nh):
+    """ow[d*16*nh + 16g + lane] += :func:`pv_channel`'s sums over the nblk blocks whose fp16
+    value rows are at addr, for every channel d."""
     W = 16 * nh
     for d in range(D):
-        for i in range(W):
-            acc[i] = ow[d * W + i] if kk0 > 0 else np.float32(0.0)
-        for kk in range(kk0, kk1):
-            j = parts[kk]
-            for c in range(0, B, 16):
-                if j < 0:
-                    pv16(acc, P, kk * B + c, PS, vrows[pbs[kk]], d * B + c, nh)
-                else:
-                    pv16(acc, P, kk * B + c, PS, vpart[j], d * B + c, nh)
-        for i in range(W):
-            ow[d * W + i] = acc[i]
+        pv_channel(ow, d * W, P, PS, addr, nblk, d * B, B, nh)
+
+
+@jit.njit(fastmath=FM, inline="always")
+def _qk_heads(q, h0, kr, ko, D, nh, sg, so, ss, sc):
+    """sg[so + g*ss] = sc * (q[h0 + g] . fp16 key kr[ko:ko + D]) for g < nh (a literal in the
+    callers): each key element converted once for the nh heads, nh reductions in one loop."""
+    acc = _stack_f32(8)
+    for g in range(nh):
+        acc[g] = 0.0
+    for d in range(D):
+        kf = half_bits_to_f32(kr[ko + d])
+        for g in range(nh):
+            acc[g] += q[h0 + g, d] * kf
+    for g in range(nh):
+        sg[so + g * ss] = acc[g] * sc
 
 
 @jit.njit(fastmath=FM)
 def attend_split_grouped(q, h0, nh, kc, vc, kvh, bt, sel, si, k_beg, k_end, lo, n_ctx, D, B, sc,
                          bias, hasb, lut, m, l, o, bm, store, probs):
     """The nh query heads h0.. (sharing kv head kvh) over blocks sel[si, k_beg:k_end] of fp16
-    stores (B a multiple of 16), in two passes (see GROUP_HEADS): m[g], l[g] and o[g, :] receive
-    the split's max, sum of exp(score - max) and output sum; with ``store``, bm[g] = m[g] and
-    probs[h0 + g, k, t] = exp(score - m[g]) (0 outside the masks). nh in GROUP_HEADS."""
+    stores (B a multiple of 16), PV_GROUP blocks at a time (see GROUP_HEADS): a group's scores,
+    then its values weighted by exp(score - running max), the running sum and the output sums
+    rescaled when the max rises (a group's keys and values are read together, from memory once).
+    m[g], l[g] and o[g, :] receive the split's max, sum of exp(score - max) and output sum;
+    with ``store``, bm[k - k_beg] = the running max m_k of block k's group and
+    probs[h0 + g, k, t] = exp(score - m_k) (0 outside the masks). nh in GROUP_HEADS."""
     nk = k_end - k_beg
-    PS = nk * B
+    GB = min(nk, PV_GROUP)
+    PS = GB * B
+    W = 16 * nh
     S = np.empty(nh * PS, np.float32)
-    pbs = np.empty(nk, np.int64)
-    parts = np.full(nk, -1, np.int64)
-    npart = 0
-    for kk in range(nk):
-        base = sel[si, k_beg + kk] * B
-        pbs[kk] = bt[sel[si, k_beg + kk]]
-        if max(lo - base, 0) > 0 or min(n_ctx - base, B) < B:
-            parts[kk] = npart
-            npart += 1
-    vpart = np.zeros((npart, D * B), np.uint16)    # partial blocks' values, +0.0 elsewhere
+    pbs = np.empty(GB, np.int64)
+    parts = np.full(GB, -1, np.int64)
+    addr = np.empty(GB, np.int64)
+    # partial blocks' values, +0.0 elsewhere: at most two per split (the first visible block and
+    # the newest), in rows 0 and 1; row 2 stays zero for blocks the masks hide entirely
+    vpart = np.zeros((3, D * B), np.uint16)
     kb = np.empty(B * D, np.float32)
     vrows = f16_rows(vc, kvh)
-    for kk in range(nk):
-        if kk + 1 < nk:
-            prefetch_row(kc, kvh, pbs[kk + 1])
-            prefetch_row(vc, kvh, pbs[kk + 1])
-        base = sel[si, k_beg + kk] * B
-        t0 = max(lo - base, 0)
-        t1 = max(min(n_ctx - base, B), t0)
-        pb = pbs[kk]
-        kr = f16_row(kc, kvh, pb)
-        j = parts[kk]
-        if j >= 0:
-            load_keys(kc, kvh, pb, t0, t1, D, kb, lut)
-            vr = vrows[pb]
-            vp = vpart[j]
-            for d in range(D):
-                vp[d * B + t0:d * B + t1] = vr[d * B + t0:d * B + t1]
-        for g in range(nh):
-            qh = q[h0 + g]
-            sg = S[g * PS + kk * B:g * PS + (kk + 1) * B]
-            for t in range(B):
-                if t < t0 or t >= t1:
-                    sg[t] = -np.inf
-                    continue
-                x = (dot(qh, kb[t * D:(t + 1) * D], D) if j >= 0 else dot_f16(qh, kr, t * D, D)) * sc
-                if hasb:
-                    x += bias[pb, t]
-                sg[t] = x
+    ow = np.zeros(D * W, np.float32)
     for g in range(nh):
-        sg = S[g * PS:(g + 1) * PS]
-        mg = np.float32(-np.inf)
-        for i in range(PS):
-            if sg[i] > mg:
-                mg = sg[i]
-        lg = np.float32(0.0)
-        if mg > -np.inf:
-            for i in range(PS):
-                e = exp_nonpos(sg[i] - mg)
-                sg[i] = e
-                lg += e
-        else:
-            sg[:] = 0.0
-        m[g] = mg
-        l[g] = lg
-        bm[g] = mg
-    W = 16 * nh
-    ow = np.empty(D * W, np.float32)        # written by the first group's pass
-    for kk0 in range(0, nk, PV_GROUP):
-        kk1 = min(kk0 + PV_GROUP, nk)
+        m[g] = -np.inf
+        l[g] = 0.0
+    for k0 in range(k_beg, k_end, GB):
+        k1 = min(k0 + GB, k_end)
+        npart = 0
+        for kk in range(k1 - k0):                 # the group's scores
+            base = sel[si, k0 + kk] * B
+            pb = bt[sel[si, k0 + kk]]
+            pbs[kk] = pb
+            if kk + 1 < k1 - k0:
+                prefetch_row(kc, kvh, bt[sel[si, k0 + kk + 1]])
+            prefetch_row(vc, kvh, pb)
+            t0 = max(lo - base, 0)
+            t1 = max(min(n_ctx - base, B), t0)
+            kr = f16_row(kc, kvh, pb)
+            j = -1
+            if t1 <= t0:
+                j = 2
+            elif t0 > 0 or t1 < B:                # first visible or newest block: copied
+                j = npart % 2
+                npart += 1
+                load_keys(kc, kvh, pb, t0, t1, D, kb, lut)
+                vr = vrows[pb]
+                vp = vpart[j]
+                vp[:] = 0
+                for d in range(D):
+                    vp[d * B + t0:d * B + t1] = vr[d * B + t0:d * B + t1]
+            parts[kk] = j
+            if j < 0:                             # a whole stored block: keys read in place
+                for t in range(B):
+                    if nh == 1:
+                        _qk_heads(q, h0, kr, t * D, D, 1, S, kk * B + t, PS, sc)
+                    elif nh == 2:
+                        _qk_heads(q, h0, kr, t * D, D, 2, S, kk * B + t, PS, sc)
+                    elif nh == 4:
+                        _qk_heads(q, h0, kr, t * D, D, 4, S, kk * B + t, PS, sc)
+                    else:
+                        _qk_heads(q, h0, kr, t * D, D, 8, S, kk * B + t, PS, sc)
+            for g in range(nh):
+                qh = q[h0 + g]
+                sg = S[g * PS + kk * B:g * PS + (kk + 1) * B]
+                for t in range(B):
+                    if t < t0 or t >= t1:
+                        sg[t] = -np.inf
+                        continue
+                    x = dot(qh, kb[t * D:(t + 1) * D], D) * sc if j >= 0 else sg[t]
+                    if hasb:
+                        x += bias[pb, t]
+                    sg[t] = x
+        n_s = (k1 - k0) * B
+        for g in range(nh):                       # running max and sum, weights
+            sg = S[g * PS:g * PS + n_s]
+            gm = np.float32(-np.inf)
+            for i in range(n_s):
+                if sg[i] > gm:
+                    gm = sg[i]
+            if gm > m[g]:
+                alpha = np.float32(0.0) if m[g] == -np.inf else np.exp(m[g] - gm)
+                if m[g] > -np.inf:
+                    l[g] *= alpha
+                    for d in range(D):
+                        for i in range(16):
+                            ow[d * W + 16 * g + i] *= alpha
+                m[g] = gm
+            mg = m[g]
+            lg = np.float32(0.0)
+            if mg > -np.inf:
+                for i in range(n_s):
+                    e = exp_nonpos(sg[i] - mg)
+                    sg[i] = e
+                    lg += e
+            else:
+                sg[:] = 0.0
+            l[g] += lg
+            if store:
+                for kk in range(k1 - k0):
+                    bm[g, k0 + kk - k_beg] = mg
+                    for t in range(B):
+                        probs[h0 + g, k0 + kk, t] = sg[kk * B + t]
+        for kk in range(k1 - k0):                 # the group's values
+            addr[kk] = row_address(vrows[pbs[kk]] if parts[kk] < 0 else vpart[parts[kk]])
         if nh == 1:
-            _pv_channels(ow, S, PS, vrows, pbs, vpart, parts, kk0, kk1, D, B, 1)
+            _pv_channels(ow, S, PS, addr, k1 - k0, D, B, 1)
         elif nh == 2:
-            _pv_channels(ow, S, PS, vrows, pbs, vpart, parts, kk0, kk1, D, B, 2)
+            _pv_channels(ow, S, PS, addr, k1 - k0, D, B, 2)
         elif nh == 4:
-            _pv_channels(ow, S, PS, vrows, pbs, vpart, parts, kk0, kk1, D, B, 4)
+            _pv_channels(ow, S, PS, addr, k1 - k0, D, B, 4)
         else:
-            _pv_channels(ow, S, PS, vrows, pbs, vpart, parts, kk0, kk1, D, B, 8)
+            _pv_channels(ow, S, PS, addr, k1 - k0, D, B, 8)
     for g in range(nh):
         for d in range(D):
             r = ow[d * W + 16 * g:d * W + 16 * g + 16]
@@ -679,10 +755,6 @@ def attend_split_grouped(q, h0, nh, kc, vc, kvh, bt, sel, si, k_beg, k_end, lo, 
             a2 = (r[2] + r[10]) + (r[6] + r[14])
             a3 = (r[3] + r[11]) + (r[7] + r[15])
             o[g, d] = (a0 + a2) + (a1 + a3)
-        if store:
-            for kk in range(nk):
-                for t in range(B):
-                    probs[h0 + g, k_beg + kk, t] = S[g * PS + kk * B + t]
 
 
 @jit.njit(fastmath=FM)
@@ -761,7 +833,7 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
             mg = np.empty(nh, np.float32)
             lg = np.empty(nh, np.float32)
             og = np.empty((nh, D), np.float32)
-            bg = np.empty(nh, np.float32)
+            bg = np.empty((nh, max(k_end - k_beg, 1)), np.float32)
             if k_end > k_beg:
                 attend_split_grouped(q, h0, nh, kc, vc, kvh, bt, sel, si, k_beg, k_end, lo, n_ctx,
                                      D, B, sc, bias, hasb, lut, mg, lg, og, bg, store, probs)
@@ -776,7 +848,7 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
                     o_part[h0 + g, sp, d] = og[g, d]
                 if store:
                     for k in range(k_beg, k_end):
-                        bmax[h0 + g, k] = bg[g]
+                        bmax[h0 + g, k] = bg[g, k - k_beg]
             continue
         kb = np.empty(B * D, np.float32)
         vb = np.zeros(D * B, np.float32)        # entries no block loaded are multiplied by 0
