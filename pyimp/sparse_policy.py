@@ -298,6 +298,7 @@ class SparseState:
         self._est: dict = {}   # layer -> this step's estimated recall per set (recall target)
         self._keys: dict = {}  # lead layer -> LayerKeys (lowrank / lsh selection modes)
         self._prefill = None   # (prompt end, next position) of the prefill in progress
+        self._every = (None, None)   # ((n_ctx, window), every_block's lists) of the latest dense layer
         self._chunk_is_prefill = False
         # when every block would be selected (F <= init + topk + local) a sparse layer runs the
         # dense kernel (the same result, faster); False runs the block-sparse kernels over every
@@ -552,7 +553,10 @@ class SparseState:
         # the cache's own arrays and a selection made here: the kernels run without the public
         # entry points' argument checks (their reductions cost ~1 ms a token at 16k)
         if not sparse:
-            sel, cnt = every_block(n_ctx, c.block_len, window)
+            key = (n_ctx, window)                 # the step's dense layers share their block lists
+            if self._every[0] != key:
+                self._every = (key, every_block(n_ctx, c.block_len, window))
+            sel, cnt = self._every[1]
             decode_over_blocks(q, kc, vc, bt, n_ctx, scale, window, sel, cnt, out, imp, o.decay,
                                min_blocks=8, bias=c.bias(il))      # as attention_decode
             self._mark(il, n_ctx, None, None)

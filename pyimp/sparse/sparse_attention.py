@@ -20,6 +20,8 @@ Importance receives this step's probabilities on attended tokens only.
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from pyimp import attn_kernels as K
@@ -150,8 +152,10 @@ def every_block(n_ctx: int, block_len: int, window: int = 0) -> tuple[np.ndarray
     return sel, np.array([sel.shape[1]], np.int32)
 
 
+@functools.lru_cache(maxsize=8)
 def no_bias(block_len: int) -> np.ndarray:
-    """The kernels' ``bias`` argument when no slot carries a score bias: float32 [0][B]."""
+    """The kernels' ``bias`` argument when no slot carries a score bias: float32 [0][B] (one
+    shared empty array per block length)."""
     return np.zeros((0, block_len), np.float32)
 
 
