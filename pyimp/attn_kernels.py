@@ -641,7 +641,7 @@ def attend_split_grouped(q, h0, nh, kc, vc, kvh, bt, sel, si, k_beg, k_end, lo, 
     then its values weighted by exp(score - running max), the running sum and the output sums
     rescaled when the max rises (a group's keys and values are read together, from memory once).
     m[g], l[g] and o[g, :] receive the split's max, sum of exp(score - max) and output sum;
-    with ``store``, bm[k - k_beg] = the running max m_k of block k's group and
+    with ``store``, bm[g, k - k_beg] = the running max m_k of block k's group and
     probs[h0 + g, k, t] = exp(score - m_k) (0 outside the masks). nh in GROUP_HEADS."""
     nk = k_end - k_beg
     GB = min(nk, PV_GROUP)
