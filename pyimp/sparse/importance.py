@@ -225,7 +225,7 @@ def importance_update(importance: np.ndarray, block_table: np.ndarray, new: np.n
 
 
 @jit.njit
-def _update_set_block(imp, bt, sel, cnt, probs, n_ctx, lut, si, k, tmp, bits):
+def _update_set_block(imp, bt, sel, cnt, probs, n_ctx, si, k):
     """Add probs[h, k] of the heads h of set si into their columns of its k-th selected block."""
     B, Hq = imp.shape[1], imp.shape[2]
     hps = Hq // sel.shape[0]
@@ -243,23 +243,18 @@ def _update_set_block(imp, bt, sel, cnt, probs, n_ctx, lut, si, k, tmp, bits):
 
 
 @jit.njit(parallel=True)
-def _importance_update_blocks_kernel(imp, bt, sel, cnt, probs, n_ctx, lut, parallel):
+def _importance_update_blocks_kernel(imp, bt, sel, cnt, probs, n_ctx, parallel):
     """Work item = (set, selected block): the heads of a set and the blocks of a set are
     distinct, so every entry has one writer."""
     nsets, Kw = sel.shape
-    hps = imp.shape[2] // nsets
     if parallel:
         for w in prange(nsets * Kw):
             if w % Kw < cnt[w // Kw]:
-                tmp = np.empty(hps, np.float32)
-                _update_set_block(imp, bt, sel, cnt, probs, n_ctx, lut, w // Kw, w % Kw, tmp,
-                                  tmp.view(np.uint32))
+                _update_set_block(imp, bt, sel, cnt, probs, n_ctx, w // Kw, w % Kw)
     else:
-        tmp = np.empty(hps, np.float32)
         for si in range(nsets):
             for k in range(cnt[si]):
-                _update_set_block(imp, bt, sel, cnt, probs, n_ctx, lut, si, k, tmp,
-                                  tmp.view(np.uint32))
+                _update_set_block(imp, bt, sel, cnt, probs, n_ctx, si, k)
 
 
 def importance_update_blocks_ref(importance, block_table, sel, cnt, probs, n_ctx) -> None:
@@ -304,7 +299,7 @@ def importance_update_blocks(importance: np.ndarray, block_table: np.ndarray, se
         return
     parallel = probs.shape[0] * int(cnt.max(initial=0)) * probs.shape[2] >= PARALLEL_MIN_WORK
     _importance_update_blocks_kernel(importance.view(np.uint16), block_table, sel, cnt, probs,
-                                     int(n_ctx), fp16_lut(), parallel)
+                                     int(n_ctx), parallel)
 
 
 def decay_importance(importance: np.ndarray, block_table: np.ndarray, n_ctx: int, decay: float,
