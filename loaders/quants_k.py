@@ -387,35 +387,77 @@ def _quad_q6_k(q, j, b, stored):
 # ------------------------------------------------------------------ vector IR
 
 
-@intrinsic
-def _mac_q4k(typingctx, q, p0, p1, xb, xo, a0, a1, a2, a3, acc):
-    """Q4_K's fp32 matvec step over four 32-element sub-blocks, as vector IR (LLVM leaves the
-    fully unrolled scalar loop unvectorized): for lanes b = 0..31,
+def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, acc):
+    """IR of Q4_K's fp32 matvec step over four 32-element sub-blocks (LLVM leaves the fully
+    unrolled scalar loop unvectorized): for lanes b = 0..31,
     ``acc[b] += a0*(q0*x0) + a1*(q1*x1) + a2*(q2*x2) + a3*(q3*x3)`` (left to right) with q0, q1
-    the low and high nibbles of byte q[p0 + b], q2, q3 those of q[p1 + b] and xk =
-    xb[xo + 32k + b]: the scalar driver's operations lane for lane, so the same bits."""
-    sig = types.void(q, p0, p1, xb, xo, a0, a1, a2, a3, acc)
+    the low and high nibbles of byte q[p0 + b], q2, q3 those of q[p1 + b], xk =
+    xb[xo + 32k + b] and a0..a3 the float IR values ``scales``: the scalar driver's operations
+    lane for lane, so the same bits."""
+    i32 = ir.IntType(32)
+    v32 = ir.VectorType(i32, 32)
+    vb = ir.VectorType(ir.IntType(8), 32)
+    vf = ir.VectorType(ir.FloatType(), 32)
+    quants = []
+    for p in (p0, p1):
+        z = builder.zext(builder.load(ir_ptr(context, builder, qty, q, p, vb), align=1), v32)
+        quants.append(builder.and_(z, ir.Constant(v32, [15] * 32)))
+        quants.append(builder.lshr(z, ir.Constant(v32, [4] * 32)))
+    xp = ir_ptr(context, builder, xty, xb, xo, vf)
+    tot = None
+    for k in range(4):
+        xk = builder.load(builder.gep(xp, [ir.Constant(i32, k)]) if k else xp, align=4)
+        t = builder.fmul(ir_splat(builder, scales[k], vf),
+                         builder.fmul(builder.uitofp(quants[k], vf), xk))
+        tot = t if tot is None else builder.fadd(tot, t)
+    ap = ir_ptr(context, builder, aty, acc, ir.Constant(ir.IntType(64), 0), vf)
+    builder.store(builder.fadd(builder.load(ap, align=4), tot), ap, align=4)
+
+
+@intrinsic
+def _block_q4k(typingctx, q, d, dmin, xb, xs, xso, acc, accm):
+    """One whole Q4_K block of the fp32 matvec as vector IR, the scalar driver's operations
+    lane for lane (so the same bits): the eight 6-bit scales and mins decoded from bytes 4-15
+    as <8 x i32> vectors (the scalar head took as long as the block's 256 products), the min
+    terms ``accm[t] += (dmin * mn[t]) * xs[xso + t]`` as one 8-lane step, and the scales
+    ``d * sc[t]`` fed to :func:`_emit_mac_q4k`'s step for the two halves of the block."""
+    sig = types.void(q, d, dmin, xb, xs, xso, acc, accm)
 
     def codegen(context, builder, signature, args):
-        qty, _, _, xty, _, _, _, _, _, aty = signature.args
-        i32 = ir.IntType(32)
-        v32 = ir.VectorType(i32, 32)
-        vb = ir.VectorType(ir.IntType(8), 32)
-        vf = ir.VectorType(ir.FloatType(), 32)
-        quants = []
-        for p in (args[1], args[2]):
-            z = builder.zext(builder.load(ir_ptr(context, builder, qty, args[0], p, vb), align=1), v32)
-            quants.append(builder.and_(z, ir.Constant(v32, [15] * 32)))
-            quants.append(builder.lshr(z, ir.Constant(v32, [4] * 32)))
-        xp = ir_ptr(context, builder, xty, args[3], args[4], vf)
-        tot = None
-        for k in range(4):
-            xk = builder.load(builder.gep(xp, [ir.Constant(i32, k)]) if k else xp, align=4)
-            t = builder.fmul(ir_splat(builder, args[5 + k], vf),
-                             builder.fmul(builder.uitofp(quants[k], vf), xk))
-            tot = t if tot is None else builder.fadd(tot, t)
-        ap = ir_ptr(context, builder, aty, args[9], ir.Constant(ir.IntType(64), 0), vf)
-        builder.store(builder.fadd(builder.load(ap, align=4), tot), ap, align=4)
+        qty, _, _, xty, xsty, _, aty, mty = signature.args
+        q_, d_, dmin_, xb_, xs_, xso_, acc_, accm_ = args
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        v8 = ir.VectorType(i32, 8)
+        vf8 = ir.VectorType(ir.FloatType(), 8)
+        vb16 = ir.VectorType(ir.IntType(8), 16)
+        head = builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(i64, 0), vb16), align=1)
+
+        def pick(idx):          # bytes idx of the block's first 16, zero-extended to i32
+            sh = builder.shuffle_vector(head, ir.Constant(vb16, ir.Undefined), ir.Constant(v8, idx))
+            return builder.zext(sh, v8)
+
+        def c8(vals):
+            return ir.Constant(v8, vals)
+
+        def high2(b):           # (b >> 6) << 4 in lanes 4-7, 0 in lanes 0-3
+            return builder.and_(builder.shl(builder.lshr(b, c8([6] * 8)), c8([4] * 8)),
+                                c8([0] * 4 + [48] * 4))
+        # sc[g] = q[4+g] & 63, sc[4+g] = (q[12+g] & 15) | ((q[4+g] >> 6) << 4); mn likewise
+        # from q[8+g] and the high nibbles of q[12+g]
+        sc = builder.or_(builder.and_(pick([4, 5, 6, 7, 12, 13, 14, 15]), c8([63] * 4 + [15] * 4)),
+                         high2(pick([4, 5, 6, 7, 4, 5, 6, 7])))
+        mn = builder.or_(builder.and_(builder.lshr(pick([8, 9, 10, 11, 12, 13, 14, 15]),
+                                                   c8([0] * 4 + [4] * 4)), c8([63] * 8)),
+                         high2(pick([8, 9, 10, 11, 8, 9, 10, 11])))
+        scales = builder.fmul(ir_splat(builder, d_, vf8), builder.sitofp(sc, vf8))
+        mins = builder.fmul(ir_splat(builder, dmin_, vf8), builder.sitofp(mn, vf8))
+        xsv = builder.load(ir_ptr(context, builder, xsty, xs_, xso_, vf8), align=4)
+        mp = ir_ptr(context, builder, mty, accm_, ir.Constant(i64, 0), vf8)
+        builder.store(builder.fadd(builder.load(mp, align=4), builder.fmul(mins, xsv)), mp, align=4)
+        for j in range(2):
+            a = [builder.extract_element(scales, ir.Constant(i32, 4 * j + k)) for k in range(4)]
+            _emit_mac_q4k(context, builder, qty, q_, ir.Constant(i64, 16 + 64 * j),
+                          ir.Constant(i64, 48 + 64 * j), xty, xb_, ir.Constant(i64, 128 * j), a, aty, acc_)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -456,8 +498,8 @@ def _dequantize_k(raw, out, f16, head, quad, bsz, sub):
 @jit.njit(inline="always")
 def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vec4):
     """fp32 numerics: per sub-block d * scale formed once, the min term once per sub-block
-    through the sums of x, 32 lane accumulators summed once per row. ``vec4`` (Q4_K): the
-    inner loop as :func:`_mac_q4k`'s vector IR."""
+    through the sums of x, 32 lane accumulators summed once per row. ``vec4`` (Q4_K): each
+    block as :func:`_block_q4k`'s vector IR (head, min terms and products)."""
     rows = raw.shape[0]
     nb = x.shape[0] // QK_K
     st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
@@ -475,6 +517,9 @@ def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vec4):
             for i in range(nb):
                 q = raw[r, i * bsz:(i + 1) * bsz]
                 xb = x[i * QK_K:(i + 1) * QK_K]
+                if vec4:
+                    _block_q4k(q, f16[_u16(q, 0)], f16[_u16(q, 2)], xb, xs, nsub * i, acc, accm)
+                    continue
                 d, dmin = head(q, f16, sc, mn)
                 if has_min:
                     for t in range(nsub):
@@ -484,9 +529,6 @@ def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vec4):
                         s = 4 * j * st + h
                         a0, a1, a2, a3 = (d * np.float32(sc[s]), d * np.float32(sc[s + st]),
                                           d * np.float32(sc[s + 2 * st]), d * np.float32(sc[s + 3 * st]))
-                        if vec4:
-                            _mac_q4k(q, 16 + 64 * j, 48 + 64 * j, xb, 128 * j, a0, a1, a2, a3, acc)
-                            continue
                         for b in range(sub * h, sub * h + sub):
                             q0, q1, q2, q3 = quad(q, j, b, False)
                             acc[b] += (a0 * (q0 * xb[128 * j + b]) + a1 * (q1 * xb[128 * j + 32 + b])

@@ -374,8 +374,9 @@ def test_kernel_table():
 @given(rows=st.integers(1, 4), nb=st.integers(1, 4), x_exp=st.integers(-20, 20),
        seed=st.integers(0, 2**32 - 1))
 def test_matvec_q4_k_vector_step_is_the_scalar_loop_bit_for_bit(rows, nb, x_exp, seed):
-    """Q4_K's fp32 matvec runs its inner loop as vector IR (quants_k._mac_q4k); the scalar
-    loop it replaces, compiled from the same driver, gives the same bits."""
+    """Q4_K's fp32 matvec runs each block as vector IR (quants_k._block_q4k: scales, mins
+    and products); the scalar head and loop it replaces, compiled from the same driver, give
+    the same bits."""
     from numba import njit
     rng = np.random.default_rng(seed)
     raw = random_blocks(QT.Q4_K, rows, nb, rng)
