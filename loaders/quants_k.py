@@ -387,31 +387,75 @@ def _quad_q6_k(q, j, b, stored):
 # ------------------------------------------------------------------ vector IR
 
 
-def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, acc):
-    """IR of Q4_K's fp32 matvec step over four 32-element sub-blocks (LLVM leaves the fully
-    unrolled scalar loop unvectorized): for lanes b = 0..31,
-    ``acc[b] += a0*(q0*x0) + a1*(q1*x1) + a2*(q2*x2) + a3*(q3*x3)`` (left to right) with q0, q1
-    the low and high nibbles of byte q[p0 + b], q2, q3 those of q[p1 + b], xk =
-    xb[xo + 32k + b] and a0..a3 the float IR values ``scales``: the scalar driver's operations
-    lane for lane, so the same bits."""
+def _emit_mac4(context, builder, xty, xb, xo, quants, scales, aty, acc):
+    """IR of one fp32 matvec step of the K types over four 32-element sub-blocks (LLVM leaves
+    the fully unrolled scalar loop unvectorized): for lanes b = 0..31,
+    ``acc[b] += a0*(q0*x0) + a1*(q1*x1) + a2*(q2*x2) + a3*(q3*x3)`` (left to right) with qk,
+    ak lane b of the <32 x float> IR values ``quants[k]``, ``scales[k]`` and xk =
+    xb[xo + 32k + b]: the scalar driver's operations lane for lane, so the same bits."""
     i32 = ir.IntType(32)
-    v32 = ir.VectorType(i32, 32)
+    vf = ir.VectorType(ir.FloatType(), 32)
+    xp = ir_ptr(context, builder, xty, xb, xo, vf)
+    tot = None
+    for k in range(4):
+        xk = builder.load(builder.gep(xp, [ir.Constant(i32, k)]) if k else xp, align=4)
+        t = builder.fmul(scales[k], builder.fmul(quants[k], xk))
+        tot = t if tot is None else builder.fadd(tot, t)
+    ap = ir_ptr(context, builder, aty, acc, ir.Constant(ir.IntType(64), 0), vf)
+    builder.store(builder.fadd(builder.load(ap, align=4), tot), ap, align=4)
+
+
+def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, acc):
+    """:func:`_emit_mac4` for Q4_K: q0, q1 the low and high nibbles of bytes q[p0:p0 + 32],
+    q2, q3 those of q[p1:p1 + 32]; ``scales`` four float IR values (one per sub-block)."""
+    v32 = ir.VectorType(ir.IntType(32), 32)
     vb = ir.VectorType(ir.IntType(8), 32)
     vf = ir.VectorType(ir.FloatType(), 32)
     quants = []
     for p in (p0, p1):
         z = builder.zext(builder.load(ir_ptr(context, builder, qty, q, p, vb), align=1), v32)
-        quants.append(builder.and_(z, ir.Constant(v32, [15] * 32)))
-        quants.append(builder.lshr(z, ir.Constant(v32, [4] * 32)))
-    xp = ir_ptr(context, builder, xty, xb, xo, vf)
-    tot = None
-    for k in range(4):
-        xk = builder.load(builder.gep(xp, [ir.Constant(i32, k)]) if k else xp, align=4)
-        t = builder.fmul(ir_splat(builder, scales[k], vf),
-                         builder.fmul(builder.uitofp(quants[k], vf), xk))
-        tot = t if tot is None else builder.fadd(tot, t)
-    ap = ir_ptr(context, builder, aty, acc, ir.Constant(ir.IntType(64), 0), vf)
-    builder.store(builder.fadd(builder.load(ap, align=4), tot), ap, align=4)
+        quants.append(builder.uitofp(builder.and_(z, ir.Constant(v32, [15] * 32)), vf))
+        quants.append(builder.uitofp(builder.lshr(z, ir.Constant(v32, [4] * 32)), vf))
+    _emit_mac4(context, builder, xty, xb, xo, quants, [ir_splat(builder, a, vf) for a in scales], aty, acc)
+
+
+@intrinsic
+def _block_q6k(typingctx, q, d, xb, acc):
+    """One whole Q6_K block of the fp32 matvec as vector IR, the scalar driver's operations
+    lane for lane (so the same bits): the sixteen int8 scales times d as one <16 x float>,
+    and per half j of the block the 6-bit quants of elements 128j + 32k + b (k = 0..3, b =
+    0..31) from ql bytes 64j + b, 64j + 32 + b and qh byte 128 + 32j + b, minus 32, into
+    :func:`_emit_mac4` with lanes b < 16 scaled by sc[8j + 2k], the others by sc[8j + 2k + 1]."""
+    sig = types.void(q, d, xb, acc)
+
+    def codegen(context, builder, signature, args):
+        qty, _, xty, aty = signature.args
+        q_, d_, xb_, acc_ = args
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        vb, vb16 = ir.VectorType(i8, 32), ir.VectorType(i8, 16)
+        vf, vf16 = ir.VectorType(ir.FloatType(), 32), ir.VectorType(ir.FloatType(), 16)
+
+        def load(off, vty):
+            return builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(i64, off), vty), align=1)
+
+        def c(v):
+            return ir.Constant(vb, [v] * 32)
+        scv = builder.fmul(ir_splat(builder, d_, vf16), builder.sitofp(load(192, vb16), vf16))
+        for j in range(2):
+            v0, v1, hb = load(64 * j, vb), load(64 * j + 32, vb), load(128 + 32 * j, vb)
+            six = (builder.or_(builder.and_(v0, c(15)), builder.shl(builder.and_(hb, c(3)), c(4))),
+                   builder.or_(builder.and_(v1, c(15)), builder.shl(builder.and_(hb, c(12)), c(2))),
+                   builder.or_(builder.lshr(v0, c(4)), builder.and_(hb, c(48))),
+                   builder.or_(builder.lshr(v1, c(4)), builder.lshr(builder.and_(hb, c(192)), c(2))))
+            quants = [builder.sitofp(builder.sub(u, c(32)), vf) for u in six]
+            scales = [builder.shuffle_vector(scv, ir.Constant(vf16, ir.Undefined),
+                                             ir.Constant(ir.VectorType(i32, 32),
+                                                         [8 * j + 2 * k] * 16 + [8 * j + 2 * k + 1] * 16))
+                      for k in range(4)]
+            _emit_mac4(context, builder, xty, xb_, ir.Constant(i64, 128 * j), quants, scales, aty, acc_)
+        return context.get_dummy_value()
+
+    return sig, codegen
 
 
 @intrinsic
@@ -496,10 +540,11 @@ def _dequantize_k(raw, out, f16, head, quad, bsz, sub):
 
 
 @jit.njit(inline="always")
-def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vec4):
+def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vec):
     """fp32 numerics: per sub-block d * scale formed once, the min term once per sub-block
-    through the sums of x, 32 lane accumulators summed once per row. ``vec4`` (Q4_K): each
-    block as :func:`_block_q4k`'s vector IR (head, min terms and products)."""
+    through the sums of x, 32 lane accumulators summed once per row. ``vec``: each block as
+    the type's vector IR, 4 (Q4_K) :func:`_block_q4k`, 6 (Q6_K) :func:`_block_q6k`; 0 the
+    scalar loop (the other types, and the reference the vector IR is tested against)."""
     rows = raw.shape[0]
     nb = x.shape[0] // QK_K
     st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
@@ -517,8 +562,11 @@ def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vec4):
             for i in range(nb):
                 q = raw[r, i * bsz:(i + 1) * bsz]
                 xb = x[i * QK_K:(i + 1) * QK_K]
-                if vec4:
+                if vec == 4:
                     _block_q4k(q, f16[_u16(q, 0)], f16[_u16(q, 2)], xb, xs, nsub * i, acc, accm)
+                    continue
+                if vec == 6:
+                    _block_q6k(q, f16[_u16(q, 208)], xb, acc)
                     continue
                 d, dmin = head(q, f16, sc, mn)
                 if has_min:
@@ -808,12 +856,16 @@ _TYPES = {
 }
 
 
+# the K types whose fp32 matvec runs each block as vector IR (_matvec_k's ``vec``)
+_VECTOR_IR = {QT.Q4_K: 4, QT.Q6_K: 6}
+
+
 def _k_kernels(qtype: QT, head: str, quad: str, bsz: int, sub: int, nmin: int, off: int) -> TypeKernels:
     """A K type's kernels; ggml activations are Q8_K blocks."""
     dec = f"{head}, {quad}, {bsz}, {sub}"
     return _quant_kernels(globals(), qtype, QT.Q8_K, _ggml_act,
                           f"_dequantize_k(raw, out, f16, {dec})",
-                          f"_matvec_k(raw, x, out, f16, {dec}, {nmin > 0}, {qtype == QT.Q4_K})",
+                          f"_matvec_k(raw, x, out, f16, {dec}, {nmin > 0}, {_VECTOR_IR.get(qtype, 0)})",
                           "yd, yf, ybs", f"_matmul_ggml_k(raw, yd, yf, ybs, out, f16, {dec}, {nmin}, np.float32({off}))")
 
 

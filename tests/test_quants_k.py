@@ -370,25 +370,38 @@ def test_kernel_table():
         assert kern.matmul_ggml.__name__ == f"matmul_ggml_{qtype.name.lower()}"
 
 
-@settings(max_examples=25, deadline=None)
-@given(rows=st.integers(1, 4), nb=st.integers(1, 4), x_exp=st.integers(-20, 20),
-       seed=st.integers(0, 2**32 - 1))
-def test_matvec_q4_k_vector_step_is_the_scalar_loop_bit_for_bit(rows, nb, x_exp, seed):
-    """Q4_K's fp32 matvec runs each block as vector IR (quants_k._block_q4k: scales, mins
-    and products); the scalar head and loop it replaces, compiled from the same driver, give
-    the same bits."""
+def _scalar_matvec(qtype: QT):
+    """The fp32 matvec of a vector-IR K type compiled from the same driver with its scalar head
+    and loop (``vec`` 0), compiled once per type."""
     from numba import njit
-    rng = np.random.default_rng(seed)
-    raw = random_blocks(QT.Q4_K, rows, nb, rng)
-    x = (rng.standard_normal(nb * 256) * 2.0 ** x_exp).astype(np.float32)
+    head, quad, bsz, sub, nmin, _ = K._TYPES[qtype]
+    head, quad, has_min = getattr(K, head), getattr(K, quad), nmin > 0
 
     @njit
     def scalar(raw, x, out, f16):
-        K._matvec_k(raw, x, out, f16, K._head_q4_k, K._quad_q4_k, 144, 32, True, False)
+        K._matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, 0)
+    return scalar
+
+
+_SCALAR_MATVEC: dict = {}
+
+
+@pytest.mark.parametrize("qtype", sorted(K._VECTOR_IR, key=int), ids=lambda q: q.name)
+@settings(max_examples=25, deadline=None)
+@given(rows=st.integers(1, 4), nb=st.integers(1, 4), x_exp=st.integers(-20, 20),
+       seed=st.integers(0, 2**32 - 1))
+def test_matvec_vector_ir_block_is_the_scalar_loop_bit_for_bit(qtype, rows, nb, x_exp, seed):
+    """Q4_K's and Q6_K's fp32 matvecs run each block as vector IR (quants_k._block_q4k,
+    _block_q6k: scales, mins and products); the scalar head and loop they replace, compiled
+    from the same driver, give the same bits."""
+    rng = np.random.default_rng(seed)
+    raw = random_blocks(qtype, rows, nb, rng)
+    x = (rng.standard_normal(nb * 256) * 2.0 ** x_exp).astype(np.float32)
+    scalar = _SCALAR_MATVEC.setdefault(qtype, _scalar_matvec(qtype))
     want = np.empty(rows, np.float32)
     scalar(raw, x, want, K.quants_legacy.F16_TO_F32)
     got = np.empty(rows, np.float32)
-    K.KERNELS[QT.Q4_K].matvec(raw, x, got)
+    K.KERNELS[qtype].matvec(raw, x, got)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
