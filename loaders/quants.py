@@ -105,13 +105,23 @@ class ThreadChoice:
     timing it on this machine, as it is loaded now: its first ``2 * TRIALS`` calls alternate
     between the two and the faster (best time of each) is kept while the thread count stays
     the same. A fixed size threshold cannot make that choice: it depends on the core, on
-    whether the thread pool's workers are awake (see pyimp.runtime) and on what else runs."""
+    whether the thread pool's workers are awake (see pyimp.runtime) and on what else runs.
+
+    A choice is checked again after ``RECHECK`` calls, then after twice as many each time:
+    one more timed call in each mode, and the best times decide anew. Best times only fall,
+    so a choice made while one mode was slowed (the other CPU busy for a moment, a stolen
+    vCPU) does not stick for the rest of the run; the checks cost two timed calls per
+    doubling of the call count."""
 
     TRIALS = 3
+    RECHECK = 64
 
     def __init__(self):
         self._n = 0
         self._times: tuple[list, list] = ([], [])      # serial, parallel
+        self._want = self.TRIALS                        # timed calls per mode before deciding
+        self._calls = 0                                 # calls since the last decision
+        self._next = self.RECHECK                       # calls before the next check
         self.parallel: bool | None = None
 
     def run(self, fn, *args) -> None:
@@ -119,16 +129,24 @@ class ThreadChoice:
         n = get()
         if n != self._n:
             self._n, self._times, self.parallel = n, ([], []), None
-        if n == 1 or self.parallel:
+            self._want, self._calls, self._next = self.TRIALS, 0, self.RECHECK
+        if n == 1:
             fn(*args)
             return
-        if self.parallel is False:         # _single_thread inlined: this runs ~130 times a token
-            set_(1)
-            try:
-                fn(*args)
-            finally:
-                set_(n)
-            return
+        if self.parallel is not None:
+            self._calls += 1
+            if self._calls < self._next:
+                if self.parallel:
+                    fn(*args)
+                    return
+                set_(1)                    # _single_thread inlined: this runs ~130 times a token
+                try:
+                    fn(*args)
+                finally:
+                    set_(n)
+                return
+            self.parallel, self._want = None, self._want + 1      # one more timed call each
+            self._calls, self._next = 0, 2 * self._next
         serial, par = self._times
         trial_par = len(par) < len(serial)
         t0 = time.perf_counter()
@@ -138,7 +156,7 @@ class ThreadChoice:
             with _single_thread():
                 fn(*args)
         (par if trial_par else serial).append(time.perf_counter() - t0)
-        if len(par) == self.TRIALS:
+        if len(par) == self._want:
             self.parallel = min(par) < min(serial)
 
 

@@ -261,6 +261,45 @@ def test_thread_choice_keeps_the_measured_faster_mode(faster):
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
+def test_thread_choice_is_checked_again_and_undoes_a_choice_made_while_slowed():
+    """A choice made while the parallel mode was slowed (a call takes 10 ms serial, 20 ms
+    parallel while the other CPU is busy, no time once it is free) is checked again after
+    RECHECK calls, then after twice as many: one timed call in each mode, and the best times
+    decide anew, so parallel wins once it is fast. Each call runs exactly once."""
+    class Quick(Q.ThreadChoice):
+        RECHECK = 4
+    seen, slow = [], {"parallel": True}
+
+    def call(out):
+        n = numba.get_num_threads()
+        seen.append(n)
+        time.sleep(0.01 if n == 1 else 0.02 if slow["parallel"] else 0.0)
+        out[0] += 1
+
+    choice, out = Quick(), np.zeros(1)
+    prev = numba.get_num_threads()
+    numba.set_num_threads(2)
+    try:
+        trials = 2 * Quick.TRIALS
+        for _ in range(trials):
+            choice.run(call, out)
+        assert choice.parallel is False
+        slow["parallel"] = False           # the other CPU is free again
+        for _ in range(Quick.RECHECK - 1):
+            choice.run(call, out)
+        assert seen[trials:] == [1] * (Quick.RECHECK - 1) and choice.parallel is False
+        choice.run(call, out)              # the check: one serial and one parallel timed call
+        choice.run(call, out)
+        assert sorted(seen[-2:]) == [1, 2] and choice.parallel is True
+        for _ in range(2 * Quick.RECHECK - 1):   # the next check comes twice as late
+            choice.run(call, out)
+        assert seen[-(2 * Quick.RECHECK - 1):] == [2] * (2 * Quick.RECHECK - 1)
+        assert choice.parallel is True and out[0] == len(seen)
+    finally:
+        numba.set_num_threads(prev)
+
+
+@pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
 def test_fast_thread_count_agrees_with_numba():
     """quants.thread_count and the serial mode read and set the same per-thread count as
     numba.get_num_threads / set_num_threads (they skip only the public functions' checks)."""
