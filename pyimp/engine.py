@@ -455,7 +455,7 @@ class Engine:
             u = lw.ffn_up(h, num)
             tap("ffn_gate", il, g)
             tap("ffn_up", il, u)
-            gu = self._act(g) * u
+            gu = self._act_mul(g, u)
             tap("ffn_geglu" if A.ffn_act == "gelu_tanh" else "ffn_swiglu", il, gu)
             f = lw.ffn_down(gu, num)
             tap("ffn_out", il, f)
@@ -531,6 +531,12 @@ class Engine:
         if self.weights.arch.ffn_act == "silu":
             return ops.silu(g)
         return ops.gelu_tanh_ggml(g) if self.options.numerics == "ggml" else ops.gelu_tanh(g)
+
+    def _act_mul(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """act(g) * u, the gated FFN's product (fp32 GeGLU as one fused call, same bits)."""
+        if self.weights.arch.ffn_act == "gelu_tanh" and self.options.numerics != "ggml":
+            return ops.gelu_tanh_mul(g, u)
+        return self._act(g) * u
 
     # ----------------------------------------------------------------- API
     def _check_tokens(self, tokens) -> np.ndarray:

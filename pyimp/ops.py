@@ -99,6 +99,37 @@ def gelu_tanh(x: np.ndarray) -> np.ndarray:
     return b
 
 
+@jit.njit
+def _gelu_tanh_arg(x, a):
+    """a = (x * sqrt(2/pi)) * ((x * 0.044715) * x + 1), float32 in gelu_tanh's order."""
+    for i in range(x.size):
+        v = x[i]
+        a[i] = (v * _SQRT_2_OVER_PI) * ((v * _GELU_COEF_A) * v + F32(1.0))
+
+
+@jit.njit
+def _gelu_tanh_finish_mul(x, t, u, out):
+    """out = ((x * 0.5) * (t + 1)) * u, float32 (t: the tanh of :func:`_gelu_tanh_arg`)."""
+    for i in range(x.size):
+        out[i] = ((x[i] * F32(0.5)) * (t[i] + F32(1.0))) * u[i]
+
+
+def gelu_tanh_mul(x: np.ndarray, u: np.ndarray) -> np.ndarray:
+    """``gelu_tanh(x) * u`` (the GeGLU product), the same float32 operations in the same order
+    and so the same bits, in three calls (two compiled loops around NumPy's tanh) instead of a
+    NumPy operation per term: a decode step's [1, n_ff] product cost ~30 us in ten calls."""
+    xf = np.ascontiguousarray(x, dtype=F32).reshape(-1)
+    uf = np.ascontiguousarray(u, dtype=F32).reshape(-1)
+    if uf.shape != xf.shape:
+        raise ValueError(f"gelu_tanh_mul: shapes {x.shape} and {u.shape} differ")
+    a = np.empty_like(xf)
+    _gelu_tanh_arg(xf, a)
+    np.tanh(a, out=a)
+    out = np.empty_like(xf)
+    _gelu_tanh_finish_mul(xf, a, uf, out)
+    return out.reshape(x.shape)
+
+
 def _libm_tanhf():
     """glibc's tanhf through ctypes, or None where no C math library is found."""
     import ctypes

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,3 +90,21 @@ def test_gelu_tanh_is_the_formula_bit_for_bit():
         got = ops.gelu_tanh(x.reshape(2, -1)).reshape(-1)
     assert got.dtype == np.float32
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))   # NaN of -inf included
+
+
+def test_gelu_tanh_mul_is_gelu_tanh_times_u_bit_for_bit():
+    """ops.gelu_tanh_mul (two compiled loops around NumPy's tanh) gives the bits of
+    ``gelu_tanh(x) * u``, special values and a 2-D shape included."""
+    F = np.float32
+    rng = np.random.default_rng(4)
+    x = np.concatenate([rng.standard_normal(4086).astype(F) * F(4), np.array(
+        [0.0, -0.0, 1e-30, -1e-30, 10.0, -10.0, 3e4, -3e4, np.inf, -np.inf], F)])
+    u = rng.standard_normal(x.size).astype(F)
+    u[:3] = [np.inf, 0.0, np.nan]
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = ops.gelu_tanh(x) * u
+        got = ops.gelu_tanh_mul(x.reshape(2, -1), u.reshape(2, -1))
+    assert got.shape == (2, x.size // 2) and got.dtype == np.float32
+    assert np.array_equal(got.reshape(-1).view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="shapes"):
+        ops.gelu_tanh_mul(x, u[:-1])
