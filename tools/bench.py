@@ -59,6 +59,22 @@ def _fill_cache(eng, ctx: int) -> None:
         eng.sparse.after_prefill(ctx)
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident set in MB: VmHWM from /proc/self/status, which counts its
+    own address space only. getrusage's ru_maxrss is no use in a worker: Linux carries the
+    high-water mark of the process that forked it across exec, so every worker of this bench
+    reported at least the parent's peak (its tokenizer, or the synthetic TinyLlama it wrote).
+    ru_maxrss only where /proc is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def _profiled(eng):
     """Time a pyimp engine's decode by part: each weight matvec (the output head apart, layer
     matrices by type) and the decode attention; returns the dict of seconds it fills."""
@@ -144,7 +160,7 @@ def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numer
         decode = time.perf_counter() - t
     return {"engine": engine, "ctx": ctx, "load_s": load, "compile_s": compile_s,
             "prefill_tok_s": ctx / prefill, "decode_tok_s": n_decode / decode,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, **extra}
+            "peak_rss_mb": peak_rss_mb(), **extra}
 
 
 def _spawn(engine, model, ctx, n_decode, threads, numerics, sparse_budget=0.0, synthetic_cache=False,

@@ -1,0 +1,24 @@
+"""tools.bench's own measurements (the speed figures themselves live in the benchmark)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="needs /proc (Linux)")
+def test_worker_peak_rss_is_its_own_not_the_parents():
+    """A bench worker's peak RSS counts its own address space: with this process holding
+    400 MB, a child started from it reports far less (getrusage's ru_maxrss would report at
+    least the parent's 400 MB: Linux keeps the high-water mark across fork and exec)."""
+    big = np.ones(400 << 20, np.uint8)           # touched: resident in this process
+    code = "from tools.bench import peak_rss_mb; print(peak_rss_mb())"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                       check=True)
+    child = float(r.stdout.split()[-1])
+    assert big[-1] == 1
+    # a Python that imports NumPy is ~30-60 MB resident; 200 MB is half the parent's array
+    assert 1 < child < 200, child
