@@ -210,8 +210,8 @@ def cpu_model() -> str:
 
 
 def read_bandwidth() -> float:
-    """tools.bench_kernels.read_bandwidth in a subprocess: its 1 GB array must not raise the
-    peak RSS that the engines' subprocesses inherit from this one."""
+    """tools.bench_kernels.read_bandwidth in a subprocess, so that its 1 GB array does not stay
+    in this process (which starts every worker)."""
     code = "from tools.bench_kernels import read_bandwidth; print(read_bandwidth())"
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
