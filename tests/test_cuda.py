@@ -24,11 +24,17 @@ def _numba_cuda():
     return cuda
 
 
+# a guard against a hung simulator, not a speed check: the simulator runs every CUDA thread
+# as a Python thread, and on a slow 2-vCPU VM the folder took over 900 s (the whole clean-clone
+# suite 39 min there, against 24 min on the same kind of VM another day)
+SIMULATOR_TIMEOUT_S = 1800
+
+
 def _simulate(targets):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            *targets], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=900)
+                          timeout=SIMULATOR_TIMEOUT_S)
 
 
 def test_simulator_suite():
