@@ -789,7 +789,6 @@ def merge_splits(m_part, l_part, o_part, out, lse, M, L):
 # --------------------------------------------------------------------------
 
 
-@jit.njit(parallel=True, fastmath=FM)
 def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, out, lse, store,
                   probs, bias):
     """Decode attention of q [Hq, D] (position n_ctx - 1) over the logical blocks sel[si, :cnt[si]]
@@ -800,9 +799,78 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
     probs [Hq, K, B] receives P of token t of the k-th block of h's set (0 outside the masks).
     ``bias``: float32 [NB][B] added to the score of the token in each physical slot (merged
     slots' log-multiplicity, :mod:`pyimp.kv_merge`), or shape (0, B): none.
-    fp16 stores with B a multiple of 16 and a unit of 1, 2, 4 or 8 heads take
-    :func:`attend_split_grouped`; other stores fold blocks one by one (online softmax).
+
+    Two kernels share this contract, and a call compiles only the one it runs (each is most of
+    a first run's compile time): fp16 stores with B a multiple of 16 and a unit of 1, 2, 4 or 8
+    heads take :func:`decode_grouped` (:func:`attend_split_grouped`); every other store takes
+    :func:`decode_folded`, which folds blocks one by one (online softmax).
     """
+    Hq, D = q.shape
+    G = Hq // (kc[0] if isinstance(kc, tuple) else kc).shape[0]
+    nh = min(Hq // sel.shape[0], G)
+    B = kc.shape[2] // D if isinstance(kc, np.ndarray) else 0
+    grouped = (isinstance(kc, np.ndarray) and isinstance(vc, np.ndarray) and kc.dtype == np.uint16
+               and vc.dtype == np.uint16 and B % 16 == 0 and nh in GROUP_HEADS)
+    kernel = decode_grouped if grouped else decode_folded
+    kernel(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, out, lse, store, probs,
+           bias)
+
+
+@jit.njit(parallel=True, fastmath=FM)
+def decode_grouped(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, out, lse, store,
+                   probs, bias):
+    """:func:`decode_blocks` over fp16 stores, B a multiple of 16, units of 1, 2, 4 or 8 heads
+    (its caller checks): each split through :func:`attend_split_grouped`."""
+    Hq, D = q.shape
+    Hkv, _, BD = kv_dims(kc)
+    B = BD // D
+    G = Hq // Hkv
+    hps = Hq // sel.shape[0]
+    nh = min(hps, G)
+    lo = max(0, n_ctx - window) if window > 0 else 0
+    sc = np.float32(scale)
+    Kw = sel.shape[1]
+    hasb = bias.shape[0] > 0
+    m_part = np.full((Hq, nsplit), -np.inf, np.float32)
+    l_part = np.zeros((Hq, nsplit), np.float32)
+    o_part = np.zeros((Hq, nsplit, D), np.float32)
+    bmax = np.empty((Hq, Kw), np.float32)
+    for w in prange(Hq // nh * nsplit):
+        h0, sp = (w // nsplit) * nh, w % nsplit
+        kvh = h0 // G
+        si = h0 // hps
+        per = (cnt[si] + nsplit - 1) // nsplit
+        k_beg = sp * per
+        k_end = min(cnt[si], k_beg + per)
+        mg = np.empty(nh, np.float32)
+        lg = np.empty(nh, np.float32)
+        og = np.empty((nh, D), np.float32)
+        bg = np.empty((nh, max(k_end - k_beg, 1)), np.float32)
+        if k_end > k_beg:
+            attend_split_grouped(q, h0, nh, kc, vc, kvh, bt, sel, si, k_beg, k_end, lo, n_ctx,
+                                 D, B, sc, bias, hasb, lut, mg, lg, og, bg, store, probs)
+        else:
+            mg[:] = -np.inf
+            lg[:] = 0.0
+            og[:] = 0.0
+        for g in range(nh):
+            m_part[h0 + g, sp] = mg[g]
+            l_part[h0 + g, sp] = lg[g]
+            for d in range(D):
+                o_part[h0 + g, sp, d] = og[g, d]
+            if store:
+                for k in range(k_beg, k_end):
+                    bmax[h0 + g, k] = bg[g, k - k_beg]
+    _merge_and_scale(m_part, l_part, o_part, out, lse, store, probs, bmax, sel, cnt, hps, lo,
+                     n_ctx, B)
+
+
+@jit.njit(parallel=True, fastmath=FM)
+def decode_folded(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, out, lse, store,
+                  probs, bias):
+    """:func:`decode_blocks` over any store: blocks folded one by one into each head's running
+    partial (:func:`attend_block`; full fp16 blocks of channel-major stores with B a multiple
+    of LANES read in place by :func:`attend_block_lanes`)."""
     Hq, D = q.shape
     Hkv, _, BD = kv_dims(kc)
     B = BD // D
@@ -820,8 +888,6 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
     o_part = np.zeros((Hq, nsplit, D), np.float32)
     bmax = np.empty((Hq, Kw), np.float32)
     lanes = not vtok and B % LANES == 0      # channel-major values: lane partials
-    grouped = f16_store(kc) and f16_store(vc) and B % 16 == 0 and (nh == 1 or nh == 2 or nh == 4
-                                                                   or nh == 8)
     for w in prange(Hq // nh * nsplit):
         h0, sp = (w // nsplit) * nh, w % nsplit
         kvh = h0 // G
@@ -829,27 +895,6 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
         per = (cnt[si] + nsplit - 1) // nsplit
         k_beg = sp * per
         k_end = min(cnt[si], k_beg + per)
-        if grouped:
-            mg = np.empty(nh, np.float32)
-            lg = np.empty(nh, np.float32)
-            og = np.empty((nh, D), np.float32)
-            bg = np.empty((nh, max(k_end - k_beg, 1)), np.float32)
-            if k_end > k_beg:
-                attend_split_grouped(q, h0, nh, kc, vc, kvh, bt, sel, si, k_beg, k_end, lo, n_ctx,
-                                     D, B, sc, bias, hasb, lut, mg, lg, og, bg, store, probs)
-            else:
-                mg[:] = -np.inf
-                lg[:] = 0.0
-                og[:] = 0.0
-            for g in range(nh):
-                m_part[h0 + g, sp] = mg[g]
-                l_part[h0 + g, sp] = lg[g]
-                for d in range(D):
-                    o_part[h0 + g, sp, d] = og[g, d]
-                if store:
-                    for k in range(k_beg, k_end):
-                        bmax[h0 + g, k] = bg[g, k - k_beg]
-            continue
         kb = np.empty(B * D, np.float32)
         vb = np.zeros(D * B, np.float32)        # entries no block loaded are multiplied by 0
         s = np.empty((nh, B), np.float32)
@@ -897,13 +942,23 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
             l_part[h0 + g, sp] = l[g]
             for d in range(D):
                 o_part[h0 + g, sp, d] = o[g, d]
+    _merge_and_scale(m_part, l_part, o_part, out, lse, store, probs, bmax, sel, cnt, hps, lo,
+                     n_ctx, B)
+
+
+@jit.njit(parallel=True, fastmath=FM)
+def _merge_and_scale(m_part, l_part, o_part, out, lse, store, probs, bmax, sel, cnt, hps, lo,
+                     n_ctx, B):
+    """The decode kernels' last step: merge the splits' partials into out and lse and, with
+    ``store``, turn probs' exp(s - block max) into P (zero outside the masks and past cnt)."""
+    Hq = out.shape[0]
     M = np.empty(Hq, np.float32)
     L = np.empty(Hq, np.float32)
     merge_splits(m_part, l_part, o_part, out, lse, M, L)
-    if store:  # exp(s - block max) -> P, zero outside the masks and past cnt
+    if store:
         for h in prange(Hq):
             si = h // hps
-            for k in range(Kw):
+            for k in range(sel.shape[1]):
                 pk = probs[h, k]
                 t0, t1 = 0, 0
                 if k < cnt[si]:
