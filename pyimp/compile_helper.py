@@ -1,11 +1,12 @@
 """Compile a model's decode kernels into Numba's on-disk cache, in a process of its own.
 
 :meth:`pyimp.engine.Engine.warmup` starts this (``compile_helper=True``, as
-``pyimp-run`` does) on a first run, when compiling takes ~20 s: this process
-compiles the decode step's kernels (the matvec of each weight type, decode
-attention) while the engine's process compiles the prefill kernels, and the
-engine then loads this half from the cache. Kernel signatures depend only on the
-weight types, the numerics and the KV cache types, which is what it is given.
+``pyimp-run`` does) on a first run, when compiling takes 20-40 s: this process
+compiles the decode step's kernels (decode attention first, then the rest of a
+one-token forward) while the engine's process compiles the prefill kernels and
+the weight types' decode matvecs, and the engine then loads this half from the
+cache. Kernel signatures depend only on the weight types, the numerics and the
+KV cache types, which is what it is given.
 """
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
                          v_layout=spec["v_layout"])
     with Engine(spec["path"], opts) as eng:
         bos = max(eng.cfg.bos_id, 0)
+        eng.compile_decode_attention()      # the largest kernel first (the engine compiles the
+        # weight types' decode matvecs meanwhile: this forward then loads them from the cache)
         eng.forward(np.array([bos], dtype=np.int64))      # one token: the decode path
     return 0
 

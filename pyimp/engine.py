@@ -678,6 +678,24 @@ class Engine:
             raise ValueError(f"{what} (--prompt-cache) needs the cache on the host: run with "
                              f"--device cpu")
 
+    def compile_decode_attention(self) -> None:
+        """Compile (or load) the decode attention kernels of this cache's types: one call over a
+        zero token in layer 0, then the cache is empty again. :mod:`pyimp.compile_helper` runs it
+        first, so that the largest kernel starts compiling at once."""
+        if self.tokens:
+            raise RuntimeError("compile_decode_attention needs an empty cache")
+        c, cfg = self.cache, self.cfg
+        z = np.zeros((1, cfg.n_head_kv, cfg.head_dim), np.float32)
+        c.reserve(1)
+        c.write(0, z, z, 0)
+        sel, cnt = every_block(1, c.block_len, 0)
+        q = np.zeros((cfg.n_head, cfg.head_dim), np.float32)
+        try:
+            decode_over_blocks(q, c.k_layer(0), c.v_layer(0), c.table(0), 1, 1.0, 0, sel, cnt,
+                               np.empty_like(q), None, 1.0, None, 8, c.bias(0))
+        finally:
+            self.reset()
+
     def warmup(self, compile_helper: bool = False) -> float:
         """Compile (or load from cache) every kernel of prefill and decode; returns seconds.
 
@@ -702,6 +720,17 @@ class Engine:
                 helper = ch.start(self)
         self.forward(np.array([bos, bos], dtype=np.int64))
         if helper is not None:
+            # the helper compiles the decode attention, the largest kernel, after only the first
+            # layer's q/k/v matvecs: the weight types' decode matvecs compiled here meanwhile are
+            # in the cache when it reaches them (one that it reaches first compiles twice, no harm)
+            W, first = self.weights, {}
+            for lw in W.layers:              # in the order the helper reaches them, last first
+                for lin in (lw.ffn_down, lw.ffn_up, lw.ffn_gate, lw.attn_output):
+                    first.setdefault(lin.qtype, lin)
+            for lin in [W.output] + [m for lw in W.layers for m in (lw.attn_q, lw.attn_k, lw.attn_v)]:
+                first.setdefault(lin.qtype, lin)
+            for lin in first.values():
+                lin.compile_decode(self.options.numerics)
             helper.wait()          # its kernels are in the cache now (or it failed: compiled below)
         self.forward(np.array([bos], dtype=np.int64))
         if self._gpu is None:

@@ -60,9 +60,7 @@ class Linear:
         """A decode step's matvec with the weight checks of quants.matvec done once (they
         cost more than a small layer matrix's kernel) and its thread choice measured (one per
         numerics: their kernels differ)."""
-        if self._rows is None:
-            self._rows = (quants.as_raw(self.raw, self.qtype, self.n_in), quants.kernels(self.qtype))
-        raw, k = self._rows
+        raw, k = self._kernel_rows()
         if x.shape != (1, self.n_in):
             raise ValueError(f"{self.name}: input must be float32[1, {self.n_in}], got shape {x.shape}")
         out = np.empty((1, self.n_out), np.float32)
@@ -73,6 +71,22 @@ class Linear:
             quants.check_numerics(numerics)
             self._threads_ggml.run(quants.matvec_ggml_kernel, k, raw, xr, out[0])
         return out
+
+    def _kernel_rows(self):
+        if self._rows is None:
+            self._rows = (quants.as_raw(self.raw, self.qtype, self.n_in), quants.kernels(self.qtype))
+        return self._rows
+
+    def compile_decode(self, numerics: str = "fp32") -> None:
+        """Compile (or load from Numba's cache) the decode matvec kernel of this weight type
+        with one call on zeros, outside the thread choice (which times its first calls)."""
+        raw, k = self._kernel_rows()
+        x, out = np.zeros(self.n_in, np.float32), np.empty(self.n_out, np.float32)
+        if numerics == "fp32":
+            k.matvec(raw, x, out)
+        else:
+            quants.check_numerics(numerics)
+            quants.matvec_ggml_kernel(k, raw, x, out)
 
     @property
     def nbytes(self) -> int:

@@ -193,3 +193,34 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
     monkeypatch.setattr(engine_mod, "COLD_LOAD_S", 60.0)       # kernels load fast: no helper
     Engine(llama, EngineOptions(**opts)).warmup(compile_helper=True)
     assert len(started) == 1
+
+
+@pytest.mark.parametrize("model,kv", [("llama", "f16"), ("llama", "f32"), ("gemma_path", "q8_0")])
+def test_compile_decode_attention_leaves_the_engine_as_it_was(request, model, kv):
+    """The compile helper's first step (one decode attention call over a zero token of layer
+    0, for the cache's types) leaves an empty cache: the logits that follow are those of an
+    engine that never ran it. A cache holding tokens is refused. (q8_0 needs head dims that
+    are multiples of 32: Gemma's.)"""
+    path = request.getfixturevalue(model)
+    opts = {"n_ctx": 64, "block_len": 8 if model == "llama" else 32, "kv_type": kv}
+    eng = Engine(path, EngineOptions(**opts))
+    eng.compile_decode_attention()
+    assert eng.tokens == [] and eng.cache.slot_count(0) == 0
+    assert all((eng.cache.table(il) < 0).all() for il in range(eng.cfg.n_layer))
+    got = eng.eval(_ids(12))
+    np.testing.assert_array_equal(got, Engine(path, EngineOptions(**opts)).eval(_ids(12)))
+    with pytest.raises(RuntimeError, match="empty cache"):
+        eng.compile_decode_attention()
+
+
+def test_compile_decode_leaves_the_thread_choice_untimed(llama):
+    """Linear.compile_decode runs the type's decode kernel once outside the matrix's thread
+    choice, so the choice still starts from its first timed call."""
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8))
+    lin = eng.weights.layers[0].attn_q
+    lin.compile_decode("fp32")
+    lin.compile_decode("ggml")
+    for tc in (lin._threads, lin._threads_ggml):
+        assert tc.parallel is None and tc._times == ([], [])
+    with pytest.raises(ValueError):
+        lin.compile_decode("fp16")
