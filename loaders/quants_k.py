@@ -540,11 +540,32 @@ def _dequantize_k(raw, out, f16, head, quad, bsz, sub):
 
 
 @jit.njit(inline="always")
-def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vec):
+def _vblock_q4k(q, f16, xb, xs, xso, acc, accm):
+    """The Q4_K block of :func:`_matvec_k` as vector IR (:func:`_block_q4k`); True: done."""
+    _block_q4k(q, f16[_u16(q, 0)], f16[_u16(q, 2)], xb, xs, xso, acc, accm)
+    return True
+
+
+@jit.njit(inline="always")
+def _vblock_q6k(q, f16, xb, xs, xso, acc, accm):
+    """The Q6_K block of :func:`_matvec_k` as vector IR (:func:`_block_q6k`); True: done."""
+    _block_q6k(q, f16[_u16(q, 208)], xb, acc)
+    return True
+
+
+@jit.njit(inline="always")
+def _vblock_none(q, f16, xb, xs, xso, acc, accm):
+    """No vector-IR block: :func:`_matvec_k` runs its scalar loop (False)."""
+    return False
+
+
+@jit.njit(inline="always")
+def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vblock):
     """fp32 numerics: per sub-block d * scale formed once, the min term once per sub-block
-    through the sums of x, 32 lane accumulators summed once per row. ``vec``: each block as
-    the type's vector IR, 4 (Q4_K) :func:`_block_q4k`, 6 (Q6_K) :func:`_block_q6k`; 0 the
-    scalar loop (the other types, and the reference the vector IR is tested against)."""
+    through the sums of x, 32 lane accumulators summed once per row. ``vblock``: the type's
+    whole block as vector IR (:func:`_vblock_q4k`, :func:`_vblock_q6k`), or
+    :func:`_vblock_none`: the scalar loop (the other types, and the reference the vector IR
+    is tested against)."""
     rows = raw.shape[0]
     nb = x.shape[0] // QK_K
     st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
@@ -562,11 +583,7 @@ def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vec):
             for i in range(nb):
                 q = raw[r, i * bsz:(i + 1) * bsz]
                 xb = x[i * QK_K:(i + 1) * QK_K]
-                if vec == 4:
-                    _block_q4k(q, f16[_u16(q, 0)], f16[_u16(q, 2)], xb, xs, nsub * i, acc, accm)
-                    continue
-                if vec == 6:
-                    _block_q6k(q, f16[_u16(q, 208)], xb, acc)
+                if vblock(q, f16, xb, xs, nsub * i, acc, accm):
                     continue
                 d, dmin = head(q, f16, sc, mn)
                 if has_min:
@@ -856,8 +873,8 @@ _TYPES = {
 }
 
 
-# the K types whose fp32 matvec runs each block as vector IR (_matvec_k's ``vec``)
-_VECTOR_IR = {QT.Q4_K: 4, QT.Q6_K: 6}
+# the K types whose fp32 matvec runs each block as vector IR (_matvec_k's ``vblock``)
+_VECTOR_IR = {QT.Q4_K: "_vblock_q4k", QT.Q6_K: "_vblock_q6k"}
 
 
 def _k_kernels(qtype: QT, head: str, quad: str, bsz: int, sub: int, nmin: int, off: int) -> TypeKernels:
@@ -865,7 +882,8 @@ def _k_kernels(qtype: QT, head: str, quad: str, bsz: int, sub: int, nmin: int, o
     dec = f"{head}, {quad}, {bsz}, {sub}"
     return _quant_kernels(globals(), qtype, QT.Q8_K, _ggml_act,
                           f"_dequantize_k(raw, out, f16, {dec})",
-                          f"_matvec_k(raw, x, out, f16, {dec}, {nmin > 0}, {_VECTOR_IR.get(qtype, 0)})",
+                          f"_matvec_k(raw, x, out, f16, {dec}, {nmin > 0}, "
+                          f"{_VECTOR_IR.get(qtype, '_vblock_none')})",
                           "yd, yf, ybs", f"_matmul_ggml_k(raw, yd, yf, ybs, out, f16, {dec}, {nmin}, np.float32({off}))")
 
 

@@ -372,14 +372,14 @@ def test_kernel_table():
 
 def _scalar_matvec(qtype: QT):
     """The fp32 matvec of a vector-IR K type compiled from the same driver with its scalar head
-    and loop (``vec`` 0), compiled once per type."""
+    and loop (``vblock`` :func:`_vblock_none`), compiled once per type."""
     from numba import njit
     head, quad, bsz, sub, nmin, _ = K._TYPES[qtype]
     head, quad, has_min = getattr(K, head), getattr(K, quad), nmin > 0
 
     @njit
     def scalar(raw, x, out, f16):
-        K._matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, 0)
+        K._matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, K._vblock_none)
     return scalar
 
 
