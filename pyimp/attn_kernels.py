@@ -816,32 +816,47 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
            bias)
 
 
+@jit.njit(inline="always")
+def _decode_dims(q, kc, sel, n_ctx, window, scale):
+    """The decode kernels' sizes: block length B, query heads per kv head G, heads per set hps,
+    heads per work unit nh, first visible slot lo, float32 scale."""
+    Hq, D = q.shape
+    Hkv, _, BD = kv_dims(kc)
+    G = Hq // Hkv
+    hps = Hq // sel.shape[0]
+    lo = max(0, n_ctx - window) if window > 0 else 0
+    return BD // D, G, hps, min(hps, G), lo, np.float32(scale)
+
+
+@jit.njit(inline="always")
+def _decode_partials(Hq, nsplit, D, Kw):
+    """Per-split partials (max -inf, sum 0, output 0) and the block maxima of the decode kernels."""
+    return (np.full((Hq, nsplit), -np.inf, np.float32), np.zeros((Hq, nsplit), np.float32),
+            np.zeros((Hq, nsplit, D), np.float32), np.empty((Hq, Kw), np.float32))
+
+
+@jit.njit(inline="always")
+def _work_item(w, nsplit, nh, G, hps, cnt):
+    """Work item w of a decode kernel: (first head h0, split sp, kv head, head set, the split's
+    block range [k_beg, k_end) of the set's cnt[si] blocks)."""
+    h0, sp = (w // nsplit) * nh, w % nsplit
+    si = h0 // hps
+    per = (cnt[si] + nsplit - 1) // nsplit
+    k_beg = sp * per
+    return h0, sp, h0 // G, si, k_beg, min(cnt[si], k_beg + per)
+
+
 @jit.njit(parallel=True, fastmath=FM)
 def decode_grouped(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, out, lse, store,
                    probs, bias):
     """:func:`decode_blocks` over fp16 stores, B a multiple of 16, units of 1, 2, 4 or 8 heads
     (its caller checks): each split through :func:`attend_split_grouped`."""
     Hq, D = q.shape
-    Hkv, _, BD = kv_dims(kc)
-    B = BD // D
-    G = Hq // Hkv
-    hps = Hq // sel.shape[0]
-    nh = min(hps, G)
-    lo = max(0, n_ctx - window) if window > 0 else 0
-    sc = np.float32(scale)
-    Kw = sel.shape[1]
+    B, G, hps, nh, lo, sc = _decode_dims(q, kc, sel, n_ctx, window, scale)
     hasb = bias.shape[0] > 0
-    m_part = np.full((Hq, nsplit), -np.inf, np.float32)
-    l_part = np.zeros((Hq, nsplit), np.float32)
-    o_part = np.zeros((Hq, nsplit, D), np.float32)
-    bmax = np.empty((Hq, Kw), np.float32)
+    m_part, l_part, o_part, bmax = _decode_partials(Hq, nsplit, D, sel.shape[1])
     for w in prange(Hq // nh * nsplit):
-        h0, sp = (w // nsplit) * nh, w % nsplit
-        kvh = h0 // G
-        si = h0 // hps
-        per = (cnt[si] + nsplit - 1) // nsplit
-        k_beg = sp * per
-        k_end = min(cnt[si], k_beg + per)
+        h0, sp, kvh, si, k_beg, k_end = _work_item(w, nsplit, nh, G, hps, cnt)
         mg = np.empty(nh, np.float32)
         lg = np.empty(nh, np.float32)
         og = np.empty((nh, D), np.float32)
@@ -872,29 +887,14 @@ def decode_folded(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
     partial (:func:`attend_block`; full fp16 blocks of channel-major stores with B a multiple
     of LANES read in place by :func:`attend_block_lanes`)."""
     Hq, D = q.shape
-    Hkv, _, BD = kv_dims(kc)
-    B = BD // D
-    G = Hq // Hkv
-    hps = Hq // sel.shape[0]
-    nh = min(hps, G)
-    lo = max(0, n_ctx - window) if window > 0 else 0
-    sc = np.float32(scale)
-    Kw = sel.shape[1]
+    B, G, hps, nh, lo, sc = _decode_dims(q, kc, sel, n_ctx, window, scale)
     vtok = values_by_token(vc)
     hasb = bias.shape[0] > 0
     nob = np.zeros(0, np.float32)
-    m_part = np.full((Hq, nsplit), -np.inf, np.float32)
-    l_part = np.zeros((Hq, nsplit), np.float32)
-    o_part = np.zeros((Hq, nsplit, D), np.float32)
-    bmax = np.empty((Hq, Kw), np.float32)
+    m_part, l_part, o_part, bmax = _decode_partials(Hq, nsplit, D, sel.shape[1])
     lanes = not vtok and B % LANES == 0      # channel-major values: lane partials
     for w in prange(Hq // nh * nsplit):
-        h0, sp = (w // nsplit) * nh, w % nsplit
-        kvh = h0 // G
-        si = h0 // hps
-        per = (cnt[si] + nsplit - 1) // nsplit
-        k_beg = sp * per
-        k_end = min(cnt[si], k_beg + per)
+        h0, sp, kvh, si, k_beg, k_end = _work_item(w, nsplit, nh, G, hps, cnt)
         kb = np.empty(B * D, np.float32)
         vb = np.zeros(D * B, np.float32)        # entries no block loaded are multiplied by 0
         s = np.empty((nh, B), np.float32)
