@@ -720,11 +720,11 @@ class Engine:
                 helper = ch.start(self)
         self.forward(np.array([bos, bos], dtype=np.int64))
         if helper is not None:
-            # the helper compiles the decode attention, the largest kernel, after only the first
-            # layer's q/k/v matvecs: the weight types' decode matvecs compiled here meanwhile are
-            # in the cache when it reaches them (one that it reaches first compiles twice, no harm)
+            # the helper compiles the decode attention (the largest kernel) first: the weight
+            # types' decode matvecs compiled here meanwhile are in the cache when its forward
+            # reaches them (one that it reaches first compiles twice, no harm)
             W, first = self.weights, {}
-            for lw in W.layers:              # in the order the helper reaches them, last first
+            for lw in W.layers:              # the helper's forward reaches these last
                 for lin in (lw.ffn_down, lw.ffn_up, lw.ffn_gate, lw.attn_output):
                     first.setdefault(lin.qtype, lin)
             for lin in [W.output] + [m for lw in W.layers for m in (lw.attn_q, lw.attn_k, lw.attn_v)]:
