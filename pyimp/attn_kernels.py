@@ -805,12 +805,12 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
     heads take :func:`decode_grouped` (:func:`attend_split_grouped`); every other store takes
     :func:`decode_folded`, which folds blocks one by one (online softmax).
     """
-    Hq, D = q.shape
-    G = Hq // (kc[0] if isinstance(kc, tuple) else kc).shape[0]
-    nh = min(Hq // sel.shape[0], G)
-    B = kc.shape[2] // D if isinstance(kc, np.ndarray) else 0
-    grouped = (isinstance(kc, np.ndarray) and isinstance(vc, np.ndarray) and kc.dtype == np.uint16
-               and vc.dtype == np.uint16 and B % 16 == 0 and nh in GROUP_HEADS)
+    grouped = False
+    if (isinstance(kc, np.ndarray) and isinstance(vc, np.ndarray)
+            and kc.dtype == vc.dtype == np.uint16):
+        Hq, D = q.shape                    # fp16 stores: B and the unit as _decode_dims has them
+        nh = min(Hq // sel.shape[0], Hq // kc.shape[0])
+        grouped = kc.shape[2] // D % 16 == 0 and nh in GROUP_HEADS
     kernel = decode_grouped if grouped else decode_folded
     kernel(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, out, lse, store, probs,
            bias)
