@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 from numba import cuda, int32
 
+from pyimp.cuda import device
+
 pytestmark = pytest.mark.skipif(os.environ.get("NUMBA_ENABLE_CUDASIM") != "1",
                                 reason="the simulator's scheduler")
 
@@ -106,3 +108,23 @@ def test_shared_array_creation_is_atomic(monkeypatch):
         t.join()
     assert all(g is got[0] for g in got) and got[0].dtype == np.int32
     assert shared.array(0, np.dtype(np.float32)).size == 0          # dynamic shared memory: the stock path
+
+
+@cuda.jit
+def _sums(x, out):
+    red = cuda.shared.array(64, np.float32)
+    for r in range(2):                       # the same device function twice in a launch
+        out[r] = device.block_sum(x[cuda.threadIdx.x] * (r + 1), red)
+
+
+def test_device_calls_see_the_launch_and_leave_real_cuda_behind():
+    """Device functions of another module (pyimp.cuda.device's block_sum: threadIdx,
+    syncthreads) run with the launch's fake module inside a launch, and after it that module's
+    globals hold the real numba.cuda again (the next launch gets its own block shape)."""
+    import numba.cuda as real_cuda
+    for n in (8, 5):
+        x = np.arange(1, n + 1, dtype=np.float32)
+        out = np.zeros(2, np.float32)
+        _sums[1, n](x, out)
+        assert out.tolist() == [x.sum(), 2 * x.sum()]
+        assert device.cuda is real_cuda
