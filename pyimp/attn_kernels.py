@@ -683,8 +683,9 @@ def attend_split_grouped(q, h0, nh, kc, vc, kvh, bt, sel, si, k_beg, k_end, lo, 
                 vr = vrows[pb]
                 vp = vpart[j]
                 vp[:] = 0
-                for d in range(D):
-                    vp[d * B + t0:d * B + t1] = vr[d * B + t0:d * B + t1]
+                for d in range(D):      # element by element: a slice copy compiles numba's
+                    for t in range(t0, t1):     # shape-mismatch message (str formatting, ~3 s)
+                        vp[d * B + t] = vr[d * B + t]
             parts[kk] = j
             if j < 0:                             # a whole stored block: keys read in place
                 for t in range(B):
