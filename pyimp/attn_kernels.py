@@ -829,9 +829,11 @@ def _decode_dims(q, kc, sel, n_ctx, window, scale):
     return BD // D, G, hps, min(hps, G), lo, np.float32(scale)
 
 
-@jit.njit(inline="always")
+@jit.njit
 def _decode_partials(Hq, nsplit, D, Kw):
-    """Per-split partials (max -inf, sum 0, output 0) and the block maxima of the decode kernels."""
+    """Per-split partials (max -inf, sum 0, output 0) and the block maxima of the decode kernels.
+    Not inlined: in a parallel kernel each of these fills would become a parfor of its own (a
+    gufunc compiled on a first run) for a few hundred elements."""
     return (np.full((Hq, nsplit), -np.inf, np.float32), np.zeros((Hq, nsplit), np.float32),
             np.zeros((Hq, nsplit, D), np.float32), np.empty((Hq, Kw), np.float32))
 

@@ -11,6 +11,8 @@ import contextlib
 import dataclasses
 import math
 import os
+import shutil
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -700,9 +702,9 @@ class Engine:
         """Compile (or load from cache) every kernel of prefill and decode; returns seconds.
 
         With ``compile_helper``, when the kernels are not in Numba's cache (a first run), a second
-        process (:mod:`pyimp.compile_helper`) compiles the decode kernels into the cache while
-        this one compiles the prefill kernels, then this one loads them: two cores compile in
-        about the time of the larger half."""
+        process (:mod:`pyimp.compile_helper`) compiles the decode attention into the cache while
+        this one compiles the prefill kernels, the two share out the decode matvecs, then this
+        one loads the helper's kernels: two cores compile in about half the time of one."""
         t0 = time.perf_counter()
         saved = self.tokens
         if saved:
@@ -717,21 +719,24 @@ class Engine:
             ops.rope(np.ones((1, 1, 8), np.float32), cos, sin, True)
             if time.perf_counter() - t1 > COLD_LOAD_S:        # compiled, not loaded: a first run
                 from . import compile_helper as ch
-                helper = ch.start(self)
-        self.forward(np.array([bos, bos], dtype=np.int64))
+                claims = tempfile.mkdtemp(prefix="pyimp-claims-")
+                helper = ch.start(self, claims)
+                if helper is None:
+                    shutil.rmtree(claims, ignore_errors=True)
+        # with a helper, both rows go through the last layer (matmuls) and the head is skipped, so
+        # that this forward compiles no decode matvec (those are shared out below)
+        self.forward(np.array([bos, bos], dtype=np.int64), all_logits=helper is not None,
+                     logits=helper is None)
         if helper is not None:
-            # the helper compiles the decode attention (the largest kernel) first: the weight
-            # types' decode matvecs compiled here meanwhile are in the cache when its forward
-            # reaches them (one that it reaches first compiles twice, no harm)
-            W, first = self.weights, {}
-            for lw in W.layers:              # the helper's forward reaches these last
-                for lin in (lw.ffn_down, lw.ffn_up, lw.ffn_gate, lw.attn_output):
-                    first.setdefault(lin.qtype, lin)
-            for lin in [W.output] + [m for lw in W.layers for m in (lw.attn_q, lw.attn_k, lw.attn_v)]:
-                first.setdefault(lin.qtype, lin)
-            for lin in first.values():
-                lin.compile_decode(self.options.numerics)
-            helper.wait()          # its kernels are in the cache now (or it failed: compiled below)
+            # the helper compiles the decode attention (the largest kernel) meanwhile, then both
+            # compile the weight types' decode matvecs, it from the first type its forward
+            # reaches and this process from the last, each type once
+            try:
+                ch.Claims(claims).compile(ch.decode_linears(self.weights)[::-1],
+                                          self.options.numerics)
+                helper.wait()      # its kernels are in the cache now (or it failed: compiled below)
+            finally:
+                shutil.rmtree(claims, ignore_errors=True)
         self.forward(np.array([bos], dtype=np.int64))
         if self._gpu is None:
             # each decode matvec chooses serial or parallel by timing its first calls

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numba
 import numpy as np
@@ -175,9 +176,9 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
     started = []
     real_start = compile_helper.start
 
-    def start(eng):
-        p = real_start(eng)
-        started.append(p)
+    def start(eng, claims):
+        p = real_start(eng, claims)
+        started.append((p, claims))
         return p
 
     monkeypatch.setattr(compile_helper, "start", start)
@@ -185,7 +186,8 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
     opts = {"n_ctx": 64, "block_len": 8, "kv_type": "f32"}
     eng = Engine(llama, EngineOptions(**opts))
     eng.warmup(compile_helper=True)
-    assert len(started) == 1 and started[0] is not None and started[0].returncode == 0
+    assert len(started) == 1 and started[0][0] is not None and started[0][0].returncode == 0
+    assert not os.path.exists(started[0][1])           # the claim folder is gone
     got = eng.eval(_ids(12))
     plain = Engine(llama, EngineOptions(**opts))
     plain.warmup()
@@ -193,6 +195,34 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
     monkeypatch.setattr(engine_mod, "COLD_LOAD_S", 60.0)       # kernels load fast: no helper
     Engine(llama, EngineOptions(**opts)).warmup(compile_helper=True)
     assert len(started) == 1
+
+
+def test_claims_share_out_the_decode_matvecs(gemma_path, tmp_path, monkeypatch):
+    """The helper and the engine each compile a weight type's decode matvec only if they claim
+    it first; the helper takes types in the order a forward first reaches them (Gemma's file
+    mixes four types), the engine from the back; wait returns once every claimed type is done."""
+    from pyimp import compile_helper as ch
+    eng = Engine(gemma_path, EngineOptions(n_ctx=64, block_len=32))
+    lins = ch.decode_linears(eng.weights)
+    W = eng.weights
+    order = [lin.qtype for lw in W.layers for lin in (lw.attn_q, lw.attn_k, lw.attn_v,
+             lw.attn_output, lw.ffn_gate, lw.ffn_up, lw.ffn_down)] + [W.output.qtype]
+    assert [lin.qtype for lin in lins] == list(dict.fromkeys(order)) and len(lins) == 4
+    compiled = []
+    monkeypatch.setattr(type(lins[0]), "compile_decode",
+                        lambda self, numerics: compiled.append((self.qtype, numerics)))
+    helper, engine = ch.Claims(str(tmp_path)), ch.Claims(str(tmp_path))
+    assert helper.take(lins[0]) and not engine.take(lins[0])      # the helper got there first
+    engine.compile(lins[::-1], "fp32")
+    assert compiled == [(lin.qtype, "fp32") for lin in lins[:0:-1]]
+    helper.compile(lins, "fp32")          # everything is claimed now: nothing compiles twice
+    assert len(compiled) == 3
+    t = time.monotonic()
+    helper.wait(lins[1:])                 # done files follow the engine's compiles
+    assert time.monotonic() - t < 1.0
+    t = time.monotonic()
+    helper.wait(lins[:1], timeout_s=0.3)  # claimed by take() alone, never done: the guard ends it
+    assert 0.3 <= time.monotonic() - t < 2.0
 
 
 @pytest.mark.parametrize("model,kv", [("llama", "f16"), ("llama", "f32"), ("gemma_path", "q8_0")])
