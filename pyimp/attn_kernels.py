@@ -867,10 +867,12 @@ def decode_grouped(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, o
         if k_end > k_beg:
             attend_split_grouped(q, h0, nh, kc, vc, kvh, bt, sel, si, k_beg, k_end, lo, n_ctx,
                                  D, B, sc, bias, hasb, lut, mg, lg, og, bg, store, probs)
-        else:
-            mg[:] = -np.inf
-            lg[:] = 0.0
-            og[:] = 0.0
+        else:                    # loops, not slice fills: those would be nested parfors
+            for g in range(nh):
+                mg[g] = -np.inf
+                lg[g] = 0.0
+                for d in range(D):
+                    og[g, d] = 0.0
         for g in range(nh):
             m_part[h0 + g, sp] = mg[g]
             l_part[h0 + g, sp] = lg[g]
@@ -893,7 +895,7 @@ def decode_folded(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
     B, G, hps, nh, lo, sc = _decode_dims(q, kc, sel, n_ctx, window, scale)
     vtok = values_by_token(vc)
     hasb = bias.shape[0] > 0
-    nob = np.zeros(0, np.float32)
+    nob = np.empty(0, np.float32)         # not np.zeros: a parfor (a gufunc to compile) for nothing
     m_part, l_part, o_part, bmax = _decode_partials(Hq, nsplit, D, sel.shape[1])
     lanes = not vtok and B % LANES == 0      # channel-major values: lane partials
     for w in prange(Hq // nh * nsplit):
@@ -974,6 +976,13 @@ def _merge_and_scale(m_part, l_part, o_part, out, lse, store, probs, bmax, sel, 
                     pk[t] = pk[t] * f if t0 <= t < t1 else 0.0
 
 
+@jit.njit
+def _online_state(n, D):
+    """Online-softmax state of n rows: running max -inf, sum 0, output sums 0. A function of
+    its own: inside a parallel kernel these fills would each be a nested parfor to compile."""
+    return np.full(n, -np.inf, np.float32), np.zeros(n, np.float32), np.zeros((n, D), np.float32)
+
+
 @jit.njit(parallel=True, fastmath=FM)
 def prefill(q, kc, vc, bt, s0, scale, rlo, lut, tile, out, row_m, row_l, bias):
     """Flash-style prefill of query rows in slots s0.. (row r sees slots rlo[r] .. s0 + r):
@@ -987,7 +996,7 @@ def prefill(q, kc, vc, bt, s0, scale, rlo, lut, tile, out, row_m, row_l, bias):
     sc = np.float32(scale)
     vtok = values_by_token(vc)
     hasb = bias.shape[0] > 0
-    nob = np.zeros(0, np.float32)
+    nob = np.empty(0, np.float32)         # not np.zeros: a parfor (a gufunc to compile) for nothing
     for w in prange(ntile * Hkv):
         # pair cheap early tiles with expensive late ones across the static thread split
         j = w // Hkv
@@ -1000,9 +1009,7 @@ def prefill(q, kc, vc, bt, s0, scale, rlo, lut, tile, out, row_m, row_l, bias):
         kb = np.empty(B * D, np.float32)
         vb = np.empty(D * B, np.float32)
         s = np.empty((R * G, B), np.float32)
-        m = np.full(R * G, -np.inf, np.float32)
-        l = np.zeros(R * G, np.float32)
-        o = np.zeros((R * G, D), np.float32)
+        m, l, o = _online_state(R * G, D)
         for lb in range(p_lo // B, p_hi // B + 1):
             base = lb * B
             t0 = max(p_lo - base, 0)
