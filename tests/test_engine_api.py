@@ -182,7 +182,7 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
         return p
 
     monkeypatch.setattr(compile_helper, "start", start)
-    monkeypatch.setattr(engine_mod, "COLD_LOAD_S", -1.0)
+    monkeypatch.setattr(engine_mod, "_first_run", lambda: True)
     opts = {"n_ctx": 64, "block_len": 8, "kv_type": "f32"}
     eng = Engine(llama, EngineOptions(**opts))
     eng.warmup(compile_helper=True)
@@ -192,9 +192,25 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
     plain = Engine(llama, EngineOptions(**opts))
     plain.warmup()
     np.testing.assert_array_equal(got, plain.eval(_ids(12)))
-    monkeypatch.setattr(engine_mod, "COLD_LOAD_S", 60.0)       # kernels load fast: no helper
+    monkeypatch.setattr(engine_mod, "_first_run", lambda: False)   # kernels cached: no helper
     Engine(llama, EngineOptions(**opts)).warmup(compile_helper=True)
     assert len(started) == 1
+
+
+def test_first_run_is_read_from_numba_cache_index(tmp_path):
+    """A first run is known before anything compiles: with an empty Numba cache the index has no
+    rms_norm entry for this machine, after one rms_norm it has (in this process and the next).
+    Where the index cannot be read, the timed kernel load (rope compiled, or loaded from the
+    cache) decides the same way."""
+    env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
+    check = ("import numpy as np; from pyimp import engine as e, ops; a = e.numba_cache_has_kernels(); "
+             "ops.rms_norm(np.ones((1, 8), np.float32), np.ones(8, np.float32), 1e-6); "
+             "b = e.numba_cache_has_kernels(); e.numba_cache_has_kernels = lambda: None; "
+             "print(a, b, e._first_run())")
+    runs = [subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
+            for _ in range(2)]
+    assert [r.stdout.split() for r in runs] == [["False", "True", "True"], ["True", "True", "False"]], \
+        [r.stderr[-2000:] for r in runs]
 
 
 def test_claims_share_out_the_decode_matvecs(gemma_path, tmp_path, monkeypatch):
