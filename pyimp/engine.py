@@ -743,19 +743,20 @@ class Engine:
             helper = ch.start(self, claims)
             if helper is None:
                 shutil.rmtree(claims, ignore_errors=True)
-        # with a helper, both rows go through the last layer (matmuls) and the head is skipped, so
-        # that this forward compiles no decode matvec (those are shared out below)
-        self.forward(np.array([bos, bos], dtype=np.int64), all_logits=helper is not None,
-                     logits=helper is None)
-        if helper is not None:
-            # the helper compiles the decode attention (the largest kernel) meanwhile, then both
-            # compile the weight types' decode matvecs, it from the first type its forward
-            # reaches and this process from the last, each type once
-            try:
+        try:
+            # with a helper, both rows go through the last layer (matmuls) and the head is
+            # skipped, so that this forward compiles no decode matvec (those are shared out below)
+            self.forward(np.array([bos, bos], dtype=np.int64), all_logits=helper is not None,
+                         logits=helper is None)
+            if helper is not None:
+                # the helper compiles the decode attention (the largest kernel) meanwhile, then
+                # both compile the weight types' decode matvecs, it from the first type its
+                # forward reaches and this process from the last, each type once
                 ch.Claims(claims).compile(ch.decode_linears(self.weights)[::-1],
                                           self.options.numerics)
                 helper.wait()      # its kernels are in the cache now (or it failed: compiled below)
-            finally:
+        finally:
+            if helper is not None:
                 shutil.rmtree(claims, ignore_errors=True)
         self.forward(np.array([bos], dtype=np.int64))
         if self._gpu is None:
