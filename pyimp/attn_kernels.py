@@ -849,6 +849,13 @@ def _work_item(w, nsplit, nh, G, hps, cnt):
     return h0, sp, h0 // G, si, k_beg, min(cnt[si], k_beg + per)
 
 
+@jit.njit
+def _online_state(n, D):
+    """Online-softmax state of n rows: running max -inf, sum 0, output sums 0. A function of
+    its own: inside a parallel kernel these fills would each be a nested parfor to compile."""
+    return np.full(n, -np.inf, np.float32), np.zeros(n, np.float32), np.zeros((n, D), np.float32)
+
+
 @jit.njit(parallel=True, fastmath=FM)
 def decode_grouped(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, out, lse, store,
                    probs, bias):
@@ -903,9 +910,7 @@ def decode_folded(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
         kb = np.empty(B * D, np.float32)
         vb = np.zeros(D * B, np.float32)        # entries no block loaded are multiplied by 0
         s = np.empty((nh, B), np.float32)
-        m = np.full(nh, -np.inf, np.float32)
-        l = np.zeros(nh, np.float32)
-        o = np.zeros((nh, D), np.float32)
+        m, l, o = _online_state(nh, D)
         o16 = np.zeros((nh if lanes else 0, D * LANES), np.float32)
         for k in range(k_beg, k_end):
             if k + 1 < k_end:  # physical blocks need not be adjacent: prefetch the next one
@@ -974,13 +979,6 @@ def _merge_and_scale(m_part, l_part, o_part, out, lse, store, probs, bmax, sel, 
                     f = np.exp(bmax[h, k] - M[h]) / L[h]
                 for t in range(B):
                     pk[t] = pk[t] * f if t0 <= t < t1 else 0.0
-
-
-@jit.njit
-def _online_state(n, D):
-    """Online-softmax state of n rows: running max -inf, sum 0, output sums 0. A function of
-    its own: inside a parallel kernel these fills would each be a nested parfor to compile."""
-    return np.full(n, -np.inf, np.float32), np.zeros(n, np.float32), np.zeros((n, D), np.float32)
 
 
 @jit.njit(parallel=True, fastmath=FM)
