@@ -25,8 +25,7 @@ def decode_linears(weights) -> list:
     """One Linear per weight type, in the order a one-token forward first reaches each type."""
     first = {}
     for lw in weights.layers:
-        for lin in (lw.attn_q, lw.attn_k, lw.attn_v, lw.attn_output, lw.ffn_gate, lw.ffn_up,
-                    lw.ffn_down):
+        for lin in lw.linears():
             first.setdefault(lin.qtype, lin)
     first.setdefault(weights.output.qtype, weights.output)
     return list(first.values())

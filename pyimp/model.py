@@ -113,6 +113,11 @@ class LayerWeights:
     post_attention_norm: np.ndarray | None = None
     post_ffw_norm: np.ndarray | None = None
 
+    def linears(self) -> tuple[Linear, ...]:
+        """The layer's weight matrices in the order a forward runs them."""
+        return (self.attn_q, self.attn_k, self.attn_v, self.attn_output, self.ffn_gate,
+                self.ffn_up, self.ffn_down)
+
 
 def _vector(f: GGUFFile, name: str, n: int) -> np.ndarray:
     """A 1-D float tensor as float32[n] (F32 is zero-copy; F16/BF16 are converted once)."""
@@ -184,8 +189,7 @@ class ModelWeights:
         n_params = 0
         tensors = [self.token_embd]
         for lw in self.layers:
-            tensors += [lin for lin in (lw.attn_q, lw.attn_k, lw.attn_v, lw.attn_output,
-                                        lw.ffn_gate, lw.ffn_up, lw.ffn_down)]
+            tensors += lw.linears()
         if not self.cfg.tied_output:
             tensors.append(self.output)
         for t in tensors:

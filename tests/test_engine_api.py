@@ -223,6 +223,7 @@ def test_claims_share_out_the_decode_matvecs(gemma_path, tmp_path, monkeypatch):
     W = eng.weights
     order = [lin.qtype for lw in W.layers for lin in (lw.attn_q, lw.attn_k, lw.attn_v,
              lw.attn_output, lw.ffn_gate, lw.ffn_up, lw.ffn_down)] + [W.output.qtype]
+    assert W.layers[0].linears()[3] is W.layers[0].attn_output
     assert [lin.qtype for lin in lins] == list(dict.fromkeys(order)) and len(lins) == 4
     compiled = []
     monkeypatch.setattr(type(lins[0]), "compile_decode",
