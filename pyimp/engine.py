@@ -739,9 +739,12 @@ class Engine:
         helper = None
         if compile_helper and self._gpu is None and _first_run():
             from . import compile_helper as ch
-            claims = tempfile.mkdtemp(prefix="pyimp-claims-")
-            helper = ch.start(self, claims)
-            if helper is None:
+            try:
+                claims = tempfile.mkdtemp(prefix="pyimp-claims-")
+            except OSError:        # no writable temporary folder: this process compiles it all
+                claims = None
+            helper = None if claims is None else ch.start(self, claims)
+            if helper is None and claims is not None:
                 shutil.rmtree(claims, ignore_errors=True)
         try:
             # with a helper, both rows go through the last layer (matmuls) and the head is

@@ -197,6 +197,29 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
     assert len(started) == 1
 
 
+def test_first_run_without_a_temporary_folder_compiles_in_process(llama, monkeypatch):
+    """Where no claim folder can be made (an unwritable TMPDIR), a first run's warmup starts no
+    helper and compiles everything itself: no error, the same logits."""
+    import tempfile
+
+    from pyimp import compile_helper
+    from pyimp import engine as engine_mod
+
+    def no_tmp(*a, **k):
+        raise PermissionError("read-only temporary folder")
+
+    started = []
+    monkeypatch.setattr(engine_mod, "_first_run", lambda: True)
+    monkeypatch.setattr(tempfile, "mkdtemp", no_tmp)
+    monkeypatch.setattr(compile_helper, "start", lambda *a: started.append(a))
+    opts = {"n_ctx": 64, "block_len": 8, "kv_type": "f32"}
+    eng = Engine(llama, EngineOptions(**opts))
+    eng.warmup(compile_helper=True)
+    assert started == []
+    monkeypatch.undo()
+    np.testing.assert_array_equal(eng.eval(_ids(12)), Engine(llama, EngineOptions(**opts)).eval(_ids(12)))
+
+
 def test_first_run_is_read_from_numba_cache_index(tmp_path):
     """A first run is known before anything compiles: with an empty Numba cache the index has no
     rms_norm entry for this machine, after one rms_norm it has (in this process and the next).
