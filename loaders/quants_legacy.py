@@ -196,29 +196,22 @@ def ir_u4_weights(context, builder, sig_args, args):
     (elements 0-15, 16-31). ``args`` = (w, wo, qh, d, m, off): the 16 qs bytes at w[wo:]
     (element j < 16: low nibble of byte j, element j + 16: its high nibble), ``qh`` a uint32
     whose bit k is bit 4 of element k (or None), weight = d * float32(q - off) (+ m unless m
-    is None)."""
+    is None). The quants are unpacked and offset at byte width
+    (:func:`ir_unpack_u8x32`; q - off lies in [-16, 31], an int8), then widened: a third of
+    the integer instructions of unpacking at 32 bits, the same values."""
     wty, _, qhty, _, mty, offty = sig_args
     w, wo, qh, d, m, off = args
-    i32, v16 = ir.IntType(32), ir.VectorType(ir.IntType(32), 16)
+    nbits = 4 if isinstance(qhty, types.NoneType) else 5
+    v8 = ir.VectorType(ir.IntType(8), 32)
+    q = ir_unpack_u8x32(context, builder, wty, w, wo, qhty, qh, nbits)
+    q = builder.sub(q, ir_splat(builder, builder.trunc(_arg_i32(builder, offty, off), ir.IntType(8)), v8))
     vf = ir.VectorType(ir.FloatType(), 16)
-    qs = builder.zext(builder.load(ir_ptr(context, builder, wty, w, wo,
-                                          ir.VectorType(ir.IntType(8), 16)), align=1), v16)
-    lo = builder.and_(qs, ir.Constant(v16, [15] * 16))
-    hi = builder.lshr(qs, ir.Constant(v16, [4] * 16))
-    if not isinstance(qhty, types.NoneType):
-        h = ir_splat(builder, _arg_i32(builder, qhty, qh), v16)
-
-        def fifth(first):
-            bits = builder.lshr(h, ir.Constant(v16, list(range(first, first + 16))))
-            return builder.shl(builder.and_(bits, ir.Constant(v16, [1] * 16)),
-                               ir.Constant(v16, [4] * 16))
-        lo = builder.or_(lo, fifth(0))
-        hi = builder.or_(hi, fifth(16))
-    o = ir_splat(builder, _arg_i32(builder, offty, off), v16)
     dv = ir_splat(builder, d, vf)
     out = []
-    for q in (lo, hi):
-        r = builder.fmul(dv, builder.sitofp(builder.sub(q, o), vf))
+    for half in (range(16), range(16, 32)):
+        qh16 = builder.shuffle_vector(q, ir.Constant(v8, ir.Undefined),
+                                      ir.Constant(ir.VectorType(ir.IntType(32), 16), list(half)))
+        r = builder.fmul(dv, builder.sitofp(qh16, vf))
         if not isinstance(mty, types.NoneType):
             r = builder.fadd(r, ir_splat(builder, m, vf))
         out.append(r)
