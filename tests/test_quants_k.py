@@ -376,10 +376,11 @@ def _scalar_matvec(qtype: QT):
     from numba import njit
     head, quad, bsz, sub, nmin, _ = K._TYPES[qtype]
     head, quad, has_min = getattr(K, head), getattr(K, quad), nmin > 0
+    perm = qtype in K.PERMUTED_LANES
 
     @njit
     def scalar(raw, x, out, f16):
-        K._matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, K._vblock_none)
+        K._matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, K._vblock_none, perm)
     return scalar
 
 
