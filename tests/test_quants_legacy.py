@@ -167,8 +167,8 @@ def test_matvec_fp32_vs_float64(qtype, seed, rows, nblocks):
 
 
 # The fp32 block matvec's lane arithmetic written per element (scalar decode, one llvm.fma.f32
-# per weight into lane j % 32, then the pairwise lane sum): the vector-IR block steps must give
-# these bits exactly, not only stay within the float64 bound above.
+# per weight into the lane of element j (U4_ELEMENT_LANE), then the pairwise lane sum): the
+# vector-IR block steps must give these bits exactly, not only stay within the float64 bound above.
 _SCALAR_DECODERS = {QT.Q4_0: (L._head_d, L._pair_q4_0, 18, False),
                     QT.Q4_1: (L._head_dm, L._pair_q4_1, 20, True),
                     QT.Q5_0: (L._head_d_qh, L._pair_q5_0, 22, False),
@@ -177,6 +177,8 @@ _SCALAR_DECODERS = {QT.Q4_0: (L._head_d, L._pair_q4_0, 18, False),
 
 def _scalar_lanes(head, pair, bsz, has_min):
     from numba import njit
+
+    lane = L.U4_ELEMENT_LANE
 
     @njit
     def mv(raw, x, out, f16):
@@ -188,9 +190,9 @@ def _scalar_lanes(head, pair, bsz, has_min):
                 d, m, aux = head(w, o, f16)
                 for j in range(16):
                     lo, hi = pair(w, o, aux, j)
-                    acc[j] = L._fma32(L._weight(d, m, lo, has_min), x[b * 32 + j], acc[j])
-                    acc[16 + j] = L._fma32(L._weight(d, m, hi, has_min), x[b * 32 + 16 + j],
-                                           acc[16 + j])
+                    k0, k1 = lane[j], lane[16 + j]
+                    acc[k0] = L._fma32(L._weight(d, m, lo, has_min), x[b * 32 + j], acc[k0])
+                    acc[k1] = L._fma32(L._weight(d, m, hi, has_min), x[b * 32 + 16 + j], acc[k1])
             out[r] = L._lanes_sum32(acc)
     return mv
 
@@ -200,6 +202,7 @@ def _scalar_lanes(head, pair, bsz, has_min):
 @given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 5), nblocks=st.integers(1, 24),
        x_exp=st.integers(-30, 30))
 def test_matvec_fp32_block_step_bit_exact(qtype, seed, rows, nblocks, x_exp):
+    assert sorted(L.U4_LANE_ELEMENT) == list(range(32))          # a permutation of a block
     rng = np.random.default_rng(seed)
     n = 32 * nblocks
     raw = random_raw(qtype, rows, n, rng)
