@@ -165,6 +165,10 @@ class EngineOptions:
         return self.cache_type_v or self.kv_type
 
 
+# the weight argument of a fused op whose norm the architecture does not have
+_NO_WEIGHT = np.zeros(0, np.float32)
+
+
 def _no_tap(name: str, il: int, x: np.ndarray) -> None:
     """The forward's tap while no trace runs: records nothing (see :meth:`Engine.trace`)."""
 
@@ -228,6 +232,9 @@ class Engine:
         self.tokens: list[int] = []          # what the cache holds, in order
         self._attn_threads: dict = {}        # (sparse, bit length of bytes read) -> ThreadChoice
         self._tap = _no_tap                  # the forward's tap (a recorder while trace() runs)
+        # one-token forwards run the small ops between the matvecs as fused kernels (the same
+        # bits: tests compare both ways); False: every op on its own, as a traced forward runs
+        self.fused_ops = True
         self.timings = Timings(load_s=time.perf_counter() - t0)
 
     def _init_device(self) -> None:
@@ -386,11 +393,18 @@ class Engine:
         if A.embd_scale:
             x = W.scale_embd(x)
             tap("inp_scaled", -1, x)
+        # one token, nothing recorded: the norms, RoPE and residuals between the matvecs run as
+        # three fused calls per layer (ops._qk_norm_rope, ops._add_norm), in place on x and h;
+        # each layer's attention norm is made at the end of the layer before
+        fused = T == 1 and tap is _no_tap and self.fused_ops
+        if fused:
+            h = ops.rms_norm(x, W.layers[0].attn_norm, eps)
         for il, lw in enumerate(W.layers):
             last = il == cfg.n_layer - 1 and not all_logits   # the last layer keeps one row
-            # attention rmsnorm
-            h = ops.rms_norm(x, lw.attn_norm, eps)
-            tap("attn_norm", il, h)
+            if not fused:
+                # attention rmsnorm
+                h = ops.rms_norm(x, lw.attn_norm, eps)
+                tap("attn_norm", il, h)
             # q, k, v projections
             q = lw.attn_q(h, num)
             k = lw.attn_k(h, num)
@@ -407,20 +421,25 @@ class Engine:
             tap("Qcur", il, q)
             tap("Kcur", il, k)
             tap("Vcur", il, v)
-            # per-head q/k norms (gemma3)
-            if A.qk_norm:
-                q = ops.rms_norm(q, lw.attn_q_norm, eps)
-                k = ops.rms_norm(k, lw.attn_k_norm, eps)
-                tap("Qcur_normed", il, q)
-                tap("Kcur_normed", il, k)
-            # rotary position embedding
             cos, sin = self._rope_tables(il, pos, rope_memo)
-            ops.rope(q, cos, sin, A.rope_neox)
-            ops.rope(k, cos, sin, A.rope_neox)
-            tap("Qcur", il, q)
-            tap("Kcur", il, k)
-            if A.q_prescale:
-                q *= np.float32(1.0 / math.sqrt(D))
+            if fused:
+                ops._qk_norm_rope(q[0], k[0], lw.attn_q_norm if A.qk_norm else _NO_WEIGHT,
+                                  lw.attn_k_norm if A.qk_norm else _NO_WEIGHT, eps, cos[0], sin[0],
+                                  A.rope_neox, A.qk_norm, np.float32(1.0 / math.sqrt(D)), A.q_prescale)
+            else:
+                # per-head q/k norms (gemma3)
+                if A.qk_norm:
+                    q = ops.rms_norm(q, lw.attn_q_norm, eps)
+                    k = ops.rms_norm(k, lw.attn_k_norm, eps)
+                    tap("Qcur_normed", il, q)
+                    tap("Kcur_normed", il, k)
+                # rotary position embedding
+                ops.rope(q, cos, sin, A.rope_neox)
+                ops.rope(k, cos, sin, A.rope_neox)
+                tap("Qcur", il, q)
+                tap("Kcur", il, k)
+                if A.q_prescale:
+                    q *= np.float32(1.0 / math.sqrt(D))
             if self._rot is not None:        # q.k and the attention output are unchanged
                 q, k, v = q @ self._rot, k @ self._rot, v @ self._rot
             # store k, v in the layer's next slots, then attend over everything it holds: slot
@@ -466,6 +485,17 @@ class Engine:
             if lw.attn_output_bias is not None:
                 tap("kqv_wo", il, o)
                 o += lw.attn_output_bias
+            if fused:
+                # post-attention norm, residual, feed-forward norm; the gated FFN; post-FFN
+                # norm, residual and the next layer's attention norm (the output norm after
+                # the last), into h
+                ops._add_norm(x[0], o[0], lw.post_attention_norm if A.post_norms else _NO_WEIGHT,
+                              A.post_norms, lw.ffn_norm, eps, h[0])
+                f = lw.ffn_down(self._act_mul(lw.ffn_gate(h, num), lw.ffn_up(h, num)), num)
+                nxt = W.layers[il + 1].attn_norm if il + 1 < cfg.n_layer else W.output_norm
+                ops._add_norm(x[0], f[0], lw.post_ffw_norm if A.post_norms else _NO_WEIGHT,
+                              A.post_norms, nxt, eps, h[0])
+                continue
             if A.post_norms:
                 o = ops.rms_norm(o, lw.post_attention_norm, eps)
                 tap("attn_post_norm", il, o[-1:] if last else o)
@@ -496,8 +526,8 @@ class Engine:
         self.tokens.extend(int(t) for t in tokens)
         out = None
         if logits:
-            # output norm and head
-            x = ops.rms_norm(x, W.output_norm, eps)
+            # output norm (made by the last layer's fused call) and head
+            x = h if fused else ops.rms_norm(x, W.output_norm, eps)
             tap("result_norm", -1, x)
             out = W.output(x, num)
             if cfg.final_softcap:

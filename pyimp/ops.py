@@ -303,6 +303,68 @@ def rope_ref(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.
     return x
 
 
+# ---------------------------------------------------------------------------------------
+# a decode step's small ops, fused: one compiled call where the layer loop made several
+# (each Python-level op costs a few microseconds of dispatch and argument checks, ~25 of
+# them per layer and token); the same float32 operations in the same order as the separate
+# ops above, so the same bits (tests/test_ops_kernels.py compares them)
+
+
+@jit.njit(inline="always")
+def _rms_row(x, w, e, out):
+    """out = rms_norm(x) * w for one row, as :func:`_rms_norm_rows` computes each row."""
+    n = x.shape[0]
+    s = 0.0
+    for i in range(n):
+        s += np.float64(x[i] * x[i])
+    scale = np.float32(1.0) / np.sqrt(np.float32(s / n) + e)
+    for i in range(n):
+        out[i] = (x[i] * scale) * w[i]
+
+
+@jit.njit(inline="always")
+def _norm_rope_heads(a, w, e, cos, sin, neox, norm):
+    """Each row (head) of a float32[H, D]: RMSNorm times w (``norm``), then :func:`_rope_rows`'s
+    rotation by cos, sin float32[half]."""
+    half = cos.shape[0]
+    for h in range(a.shape[0]):
+        r = a[h]
+        if norm:
+            _rms_row(r, w, e, r)
+        for i in range(half):
+            i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            c, s = cos[i], sin[i]
+            x0, x1 = r[i0], r[i1]
+            r[i0] = np.float32(np.float64(x0) * np.float64(c) - np.float64(x1 * s))
+            r[i1] = np.float32(np.float64(x0) * np.float64(s) + np.float64(x1 * c))
+
+
+@jit.njit
+def _qk_norm_rope(q, k, wq, wk, eps, cos, sin, neox, qk_norm, qscale, prescale):
+    """In place on q float32[Hq, D] and k float32[Hkv, D] of one token: per-head RMSNorm
+    times wq / wk (``qk_norm``), RoPE by cos, sin float32[half], then q *= qscale
+    (``prescale``): the arithmetic of rms_norm, rope and the NumPy product in the forward."""
+    e = np.float32(eps)
+    _norm_rope_heads(q, wq, e, cos, sin, neox, qk_norm)
+    _norm_rope_heads(k, wk, e, cos, sin, neox, qk_norm)
+    if prescale:
+        for h in range(q.shape[0]):
+            for i in range(q.shape[1]):
+                q[h, i] = q[h, i] * qscale
+
+
+@jit.njit
+def _add_norm(x, y, wpost, post, wnext, eps, h):
+    """x += rms_norm(y) * wpost (``post``; else x += y), then h = rms_norm(x) * wnext: a
+    residual and the next RMSNorm of one token (x, y, h float32[n])."""
+    e = np.float32(eps)
+    if post:
+        _rms_row(y, wpost, e, y)
+    for i in range(x.shape[0]):
+        x[i] = x[i] + y[i]
+    _rms_row(x, wnext, e, h)
+
+
 def token_logprob(logits: np.ndarray, token: int) -> float:
     """log softmax(logits)[token] for float32[n_vocab] logits (exp in float32, sum in float64)."""
     m = logits.max()

@@ -131,6 +131,22 @@ def test_decode_steps_equal_prefill(models, arch, numerics):
     assert rel_err(steps, full) <= 2e-5
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_fused_decode_ops_give_the_bits_of_the_separate_ops(models, arch):
+    """One-token forwards run their norms, RoPE and residuals as fused calls
+    (Engine.fused_ops); with them off every op runs on its own, as in a traced forward. The
+    logits of every decode step are the same bits either way."""
+    path = models(arch, "Q4_0")
+    toks = _prompt(5, 20)
+    got = {}
+    for fused in (True, False):
+        eng = Engine(path, EngineOptions(n_ctx=128, block_len=8, numerics="fp32"))
+        eng.fused_ops = fused
+        eng.eval(toks[:8])
+        got[fused] = np.concatenate([eng.eval([t]) for t in toks[8:]], axis=0)
+    assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))
+
+
 def test_block_len_and_pool_order_do_not_matter(models):
     path = models("llama", "F32")
     toks = _prompt(4)

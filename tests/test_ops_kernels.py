@@ -108,3 +108,51 @@ def test_gelu_tanh_mul_is_gelu_tanh_times_u_bit_for_bit():
     assert np.array_equal(got.reshape(-1).view(np.uint32), want.view(np.uint32))
     with pytest.raises(ValueError, match="shapes"):
         ops.gelu_tanh_mul(x, u[:-1])
+
+
+def _bits(a):
+    return np.ascontiguousarray(a, np.float32).view(np.uint32)
+
+
+@settings(max_examples=40, deadline=None)
+@given(hq=st.integers(1, 8), hkv=st.integers(1, 4), half=st.integers(1, 16), extra=st.integers(0, 6),
+       neox=st.booleans(), norm=st.booleans(), prescale=st.booleans(), pos=st.integers(0, 40000),
+       seed=st.integers(0, 2 ** 32 - 1))
+def test_fused_qk_norm_rope_is_the_separate_ops_bit_for_bit(hq, hkv, half, extra, neox, norm, prescale,
+                                                            pos, seed):
+    """A one-token forward's fused call (norms, RoPE, q prescale) gives the bits of rms_norm,
+    rope and the NumPy product it replaces."""
+    rng = np.random.default_rng(seed)
+    D = 2 * half + extra
+    q = (rng.standard_normal((1, hq, D)) * 3).astype(np.float32)
+    k = (rng.standard_normal((1, hkv, D)) * 3).astype(np.float32)
+    wq, wk = (rng.standard_normal(D) + 1).astype(np.float32), (rng.standard_normal(D) + 1).astype(np.float32)
+    cos, sin = ops.rope_cache(np.array([pos]), 2 * half, 10000.0, 1.0)
+    scale = np.float32(1.0 / np.sqrt(D))
+    want_q, want_k = q.copy(), k.copy()
+    if norm:
+        want_q, want_k = ops.rms_norm(want_q, wq, 1e-6), ops.rms_norm(want_k, wk, 1e-6)
+    ops.rope(want_q, cos, sin, neox)
+    ops.rope(want_k, cos, sin, neox)
+    if prescale:
+        want_q *= scale
+    ops._qk_norm_rope(q[0], k[0], wq, wk, 1e-6, cos[0], sin[0], neox, norm, scale, prescale)
+    assert np.array_equal(_bits(q), _bits(want_q))
+    assert np.array_equal(_bits(k), _bits(want_k))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 700), post=st.booleans(), seed=st.integers(0, 2 ** 32 - 1))
+def test_fused_add_norm_is_the_separate_ops_bit_for_bit(n, post, seed):
+    """x += rms_norm(y) * wpost (or x += y), h = rms_norm(x) * wnext: the bits of the forward's
+    separate rms_norm calls and NumPy sum."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((1, n)) * 10).astype(np.float32)
+    y = (rng.standard_normal((1, n)) * 10).astype(np.float32)
+    wp, wn = (rng.standard_normal(n) + 1).astype(np.float32), (rng.standard_normal(n) + 1).astype(np.float32)
+    want_x = x + (ops.rms_norm(y, wp, 1e-5) if post else y)
+    want_h = ops.rms_norm(want_x, wn, 1e-5)
+    h = np.full_like(x, np.nan)
+    ops._add_norm(x[0], y[0], wp, post, wn, 1e-5, h[0])
+    assert np.array_equal(_bits(x), _bits(want_x))
+    assert np.array_equal(_bits(h), _bits(want_h))
