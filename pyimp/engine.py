@@ -423,9 +423,7 @@ class Engine:
             tap("Vcur", il, v)
             cos, sin = self._rope_tables(il, pos, rope_memo)
             if fused:
-                ops._qk_norm_rope(q[0], k[0], lw.attn_q_norm if A.qk_norm else _NO_WEIGHT,
-                                  lw.attn_k_norm if A.qk_norm else _NO_WEIGHT, eps, cos[0], sin[0],
-                                  A.rope_neox, A.qk_norm, np.float32(1.0 / math.sqrt(D)), A.q_prescale)
+                self._fused_qk(lw, q[0], k[0], cos[0], sin[0])
             else:
                 # per-head q/k norms (gemma3)
                 if A.qk_norm:
@@ -489,12 +487,10 @@ class Engine:
                 # post-attention norm, residual, feed-forward norm; the gated FFN; post-FFN
                 # norm, residual and the next layer's attention norm (the output norm after
                 # the last), into h
-                ops._add_norm(x[0], o[0], lw.post_attention_norm if A.post_norms else _NO_WEIGHT,
-                              A.post_norms, lw.ffn_norm, eps, h[0])
+                self._fused_add_norm(x[0], o[0], lw.post_attention_norm, lw.ffn_norm, h[0])
                 f = lw.ffn_down(self._act_mul(lw.ffn_gate(h, num), lw.ffn_up(h, num)), num)
                 nxt = W.layers[il + 1].attn_norm if il + 1 < cfg.n_layer else W.output_norm
-                ops._add_norm(x[0], f[0], lw.post_ffw_norm if A.post_norms else _NO_WEIGHT,
-                              A.post_norms, nxt, eps, h[0])
+                self._fused_add_norm(x[0], f[0], lw.post_ffw_norm, nxt, h[0])
                 continue
             if A.post_norms:
                 o = ops.rms_norm(o, lw.post_attention_norm, eps)
@@ -542,6 +538,37 @@ class Engine:
                                          f"output head; corrupted weights?)")
         self._end_forward(pos0 + T, decode, prompt_end)
         return out
+
+    def _fused_qk(self, lw, q: np.ndarray, k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+        """A one-token forward's q/k norms, RoPE and q prescale, in place (ops._qk_norm_rope)."""
+        A = self.weights.arch
+        ops._qk_norm_rope(q, k, lw.attn_q_norm if A.qk_norm else _NO_WEIGHT,
+                          lw.attn_k_norm if A.qk_norm else _NO_WEIGHT, self.cfg.rms_eps, cos, sin,
+                          A.rope_neox, A.qk_norm, np.float32(1.0 / math.sqrt(self.cfg.head_dim)),
+                          A.q_prescale)
+
+    def _fused_add_norm(self, x: np.ndarray, y: np.ndarray, post: np.ndarray | None,
+                        nxt: np.ndarray, h: np.ndarray) -> None:
+        """x += post-norm(y) (the architecture's post norm, else y itself), h = rms_norm(x) * nxt,
+        for one token (ops._add_norm)."""
+        A = self.weights.arch
+        ops._add_norm(x, y, post if A.post_norms else _NO_WEIGHT, A.post_norms, nxt, self.cfg.rms_eps, h)
+
+    def _compile_fused_ops(self) -> None:
+        """Compile (or load) the fused ops of a one-token forward, with the argument types the
+        forward passes them, on zeros. A first run's warmup calls it in the engine's process,
+        before the decode matvecs are shared out: the compile helper's forward then loads them
+        instead of compiling them last, after its share."""
+        cfg, W = self.cfg, self.weights
+        q = np.zeros((1, cfg.n_head, cfg.head_dim), np.float32)
+        k = np.zeros((1, cfg.n_head_kv, cfg.head_dim), np.float32)
+        cos, sin = self._rope_tables(0, np.arange(1), {})
+        self._fused_qk(W.layers[0], q[0], k[0], cos[0], sin[0])
+        x, y, h = (np.zeros((1, cfg.n_embd), np.float32) for _ in range(3))
+        lw = W.layers[0]
+        nxt = W.layers[1].attn_norm if cfg.n_layer > 1 else W.output_norm
+        self._fused_add_norm(x[0], y[0], lw.post_attention_norm, lw.ffn_norm, h[0])
+        self._fused_add_norm(x[0], y[0], lw.post_ffw_norm, nxt, h[0])
 
     def _end_forward(self, n: int, decode: bool, prompt_end: int | None) -> None:
         """After a forward that succeeded: the eviction policy and the sliding-window trim drop
@@ -782,6 +809,7 @@ class Engine:
             self.forward(np.array([bos, bos], dtype=np.int64), all_logits=helper is not None,
                          logits=helper is None)
             if helper is not None:
+                self._compile_fused_ops()
                 # the helper compiles the decode attention (the largest kernel) meanwhile, then
                 # both compile the weight types' decode matvecs, it from the first type its
                 # forward reaches and this process from the last, each type once
