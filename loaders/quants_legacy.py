@@ -197,8 +197,9 @@ def ir_u4_weights(context, builder, sig_args, args):
     (element j < 16: low nibble of byte j, element j + 16: its high nibble), ``qh`` a uint32
     whose bit k is bit 4 of element k (or None), weight = d * float32(q - off) (+ m unless m
     is None). The quants are unpacked and offset at byte width
-    (:func:`ir_unpack_u8x32`; q - off lies in [-16, 31], an int8), then widened: a third of
-    the integer instructions of unpacking at 32 bits, the same values."""
+    (:func:`ir_unpack_u8x32`; q - off lies in [-16, 31], an int8), then widened: the same
+    values with fewer instructions than unpacking at 32 bits (the fp32 matvec of Q5_0 went
+    from 7.1 to 8.7 GB/s with it, before it took :func:`ir_u4_lanes`)."""
     wty, _, qhty, _, mty, offty = sig_args
     w, wo, qh, d, m, off = args
     nbits = 4 if isinstance(qhty, types.NoneType) else 5
