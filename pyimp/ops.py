@@ -47,7 +47,7 @@ def _rms_norm_rows(x, w, eps, out):
                     s += np.float64(x[r0 + k, i] * x[r0 + k, i])
                 ss[k] = s
         for k in range(g):
-            scale = np.float32(1.0) / np.sqrt(np.float32(ss[k] / n) + e)
+            scale = _rms_scale(ss[k], n, e)
             for i in range(n):
                 out[r0 + k, i] = (x[r0 + k, i] * scale) * w[i]
 
@@ -246,21 +246,27 @@ def rope_cache(positions: np.ndarray, n_dims: int, base: float, freq_scale: floa
     return np.cos(th).astype(F32), np.sin(th).astype(F32)
 
 
+@jit.njit(inline="always")
+def _rope_row(xr, cos, sin, neox):
+    """In place over one head's channels xr by one position's cos, sin float32[half]: the
+    arithmetic of :func:`rope_ref`, element by element (x0*c exact in float64, minus the
+    float32 product x1*s, rounded once)."""
+    half = cos.shape[0]
+    for i in range(half):
+        i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
+        c, s = cos[i], sin[i]
+        x0, x1 = xr[i0], xr[i1]
+        xr[i0] = np.float32(np.float64(x0) * np.float64(c) - np.float64(x1 * s))
+        xr[i1] = np.float32(np.float64(x0) * np.float64(s) + np.float64(x1 * c))
+
+
 @jit.njit
 def _rope_rows(x, cos, sin, neox):
-    """In place over x float32[T, H, D]: the arithmetic of :func:`rope_ref`, element by
-    element (x0*c exact in float64, minus the float32 product x1*s, rounded once)."""
+    """In place over x float32[T, H, D]: :func:`_rope_row` for each token and head."""
     T, H, _ = x.shape
-    half = cos.shape[1]
     for t in range(T):
         for h in range(H):
-            xr = x[t, h]
-            for i in range(half):
-                i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
-                c, s = cos[t, i], sin[t, i]
-                x0, x1 = xr[i0], xr[i1]
-                xr[i0] = np.float32(np.float64(x0) * np.float64(c) - np.float64(x1 * s))
-                xr[i1] = np.float32(np.float64(x0) * np.float64(s) + np.float64(x1 * c))
+            _rope_row(x[t, h], cos[t], sin[t], neox)
 
 
 def rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
@@ -317,26 +323,20 @@ def _rms_row(x, w, e, out):
     s = 0.0
     for i in range(n):
         s += np.float64(x[i] * x[i])
-    scale = np.float32(1.0) / np.sqrt(np.float32(s / n) + e)
+    scale = _rms_scale(s, n, e)
     for i in range(n):
         out[i] = (x[i] * scale) * w[i]
 
 
 @jit.njit(inline="always")
 def _norm_rope_heads(a, w, e, cos, sin, neox, norm):
-    """Each row (head) of a float32[H, D]: RMSNorm times w (``norm``), then :func:`_rope_rows`'s
-    rotation by cos, sin float32[half]."""
-    half = cos.shape[0]
+    """Each row (head) of a float32[H, D]: RMSNorm times w (``norm``), then RoPE
+    (:func:`_rope_row`) by cos, sin float32[half]."""
     for h in range(a.shape[0]):
         r = a[h]
         if norm:
             _rms_row(r, w, e, r)
-        for i in range(half):
-            i0, i1 = (i, i + half) if neox else (2 * i, 2 * i + 1)
-            c, s = cos[i], sin[i]
-            x0, x1 = r[i0], r[i1]
-            r[i0] = np.float32(np.float64(x0) * np.float64(c) - np.float64(x1 * s))
-            r[i1] = np.float32(np.float64(x0) * np.float64(s) + np.float64(x1 * c))
+        _rope_row(r, cos, sin, neox)
 
 
 @jit.njit
