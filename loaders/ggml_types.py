@@ -58,6 +58,10 @@ class TypeKernels(NamedTuple):
                                    inside, as matmul_ggml's callers do), out float32[rows]; the
                                    decode step's call, with no byte form where the kernel does
                                    not need one (None: convert, then matmul_ggml)
+    matvec_group(raws, x, out)     matvec of 1-3 matrices of this type and row length that read
+                                   the same x, as one call: ``raws`` a tuple of them, out
+                                   float32[their rows together], in order (None: the type's
+                                   kernel has no groups; one matvec call per matrix)
     """
 
     dequantize: Callable
@@ -65,6 +69,7 @@ class TypeKernels(NamedTuple):
     act_type: QT
     matmul_ggml: Callable
     matvec_ggml: Callable | None = None
+    matvec_group: Callable | None = None
 
 
 # Byte offsets of the fp16 fields inside one block of each quantized type (the scale d, and the

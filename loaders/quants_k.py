@@ -106,7 +106,7 @@ from . import jit, quants_legacy
 from .ggml_types import TypeKernels
 from .quants_legacy import (_I32, I8_DOT, PREFETCH_BYTES, _ROW_CHUNKS, _far_pair, _fma32, _hsum8, _i8,
                             _stack_f32,
-                            _I8T as _I8, _lanes_sum32, _prefetch, _quant_kernels, _u16, _v, ir_lane_sums,
+                            _I8T as _I8, _group_row, _lanes_sum32, _prefetch, _quant_kernels, _u16, _v, ir_lane_sums,
                             ir_ptr, ir_splat)
 
 jit.kernel_module(__file__, quants_legacy)
@@ -590,15 +590,16 @@ def _permute_lanes(x):
 
 
 @jit.njit(inline="always")
-def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vblock, perm):
+def _matvec_k(raw, raw1, raw2, x, out, f16, head, quad, bsz, sub, has_min, vblock, perm):
     """fp32 numerics: per sub-block d * scale formed once, the min term once per sub-block
     through the sums of x, 32 lane accumulators summed once per row; each lane takes
     ``fma(d * scale, q * x, acc)`` for the sub-blocks of a block in order. ``vblock``: the
     type's whole block as vector IR (:func:`_vblock_q4k`, :func:`_vblock_q6k`), or
     :func:`_vblock_none`: the scalar loop (the other types, and the reference the vector IR
     is tested against). ``perm``: the lanes hold a sub-block's elements in permuted order
-    (:func:`_lane`); the vector IR block reads x permuted likewise, once per call."""
-    rows = raw.shape[0]
+    (:func:`_lane`); the vector IR block reads x permuted likewise, once per call. The rows
+    are a group's (raw, raw1, raw2 one after another: quants_legacy._group_row)."""
+    rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
     nb = x.shape[0] // QK_K
     st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
     nsub = 8 * st
@@ -611,10 +612,11 @@ def _matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, vblock, perm):
         acc = _stack_f32(32)                  # in registers across the blocks (_stack_f32)
         accm = _stack_f32(16)[:nsub]          # min terms, one lane per sub-block position
         for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
+            w = _group_row(raw, raw1, raw2, r)
             acc[:] = 0
             accm[:] = 0
             for i in range(nb):
-                q = raw[r, i * bsz:(i + 1) * bsz]
+                q = w[i * bsz:(i + 1) * bsz]
                 if vblock(q, f16, xv[i * QK_K:(i + 1) * QK_K], xs, nsub * i, acc, accm):
                     continue
                 xb = x[i * QK_K:(i + 1) * QK_K]
@@ -920,7 +922,7 @@ def _k_kernels(qtype: QT, head: str, quad: str, bsz: int, sub: int, nmin: int, o
     dec = f"{head}, {quad}, {bsz}, {sub}"
     return _quant_kernels(globals(), qtype, QT.Q8_K, _ggml_act,
                           f"_dequantize_k(raw, out, f16, {dec})",
-                          f"_matvec_k(raw, x, out, f16, {dec}, {nmin > 0}, "
+                          f"_matvec_k(raw, raw1, raw2, x, out, f16, {dec}, {nmin > 0}, "
                           f"{_VECTOR_IR.get(qtype, '_vblock_none')}, {qtype in PERMUTED_LANES})",
                           "yd, yf, ybs", f"_matmul_ggml_k(raw, yd, yf, ybs, out, f16, {dec}, {nmin}, np.float32({off}))")
 

@@ -726,17 +726,38 @@ def _permute_u4(x):
     return out
 
 
+# a group's unused member (see _group_row): no rows; read-only like the weights as_raw gives,
+# so a one-matrix call and a group's are one specialization
+NO_ROWS = np.empty((0, 0), np.uint8)
+NO_ROWS.flags.writeable = False
+
+
 @jit.njit(inline="always")
-def _matvec_blocks(raw, x, out, f16, bsz, vec, perm):
+def _group_row(raw, raw1, raw2, r):
+    """Row r of a group: the rows of raw, then raw1's, then raw2's (matrices of one type and
+    row length, read by one call; NO_ROWS for an unused member)."""
+    n0 = raw.shape[0]
+    if r < n0:
+        return raw[r]
+    n1 = raw1.shape[0]
+    if r < n0 + n1:
+        return raw1[r - n0]
+    return raw2[r - n0 - n1]
+
+
+@jit.njit(inline="always")
+def _matvec_blocks(raw, raw1, raw2, x, out, f16, bsz, vec, perm):
     """fp32 numerics: each weight the exact dequantized value, 32 lane accumulators. ``vec``
     is the type's block step (``_fma_q4_0`` ...: one block's 32 lanes as two vector FMAs,
     one rounding per term; ``_mac_q8_0``: Q8_0's product and sum, which LLVM vectorizes as
     written). ``perm``: the block step's lanes hold the elements in U4_LANE_ELEMENT order,
-    so it reads x permuted likewise (made once per call). Work items are _ROW_CHUNKS
+    so it reads x permuted likewise (made once per call). The rows are those of a group
+    (:func:`_group_row`: raw, raw1, raw2 one after another, out likewise), so matrices that
+    read the same x (a layer's q, k, v) are one call. Work items are _ROW_CHUNKS
     contiguous row ranges; the accumulators are a _stack_f32 buffer, held in registers (a
     heap array per row cost as much as the 20 blocks of a 640-wide row, and made every
     block's FMA wait on the previous block's store)."""
-    rows = raw.shape[0]
+    rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
     nb = x.shape[0] // 32
     xv = _permute_u4(x) if perm else x
     nchunk = min(rows, _ROW_CHUNKS)
@@ -744,7 +765,7 @@ def _matvec_blocks(raw, x, out, f16, bsz, vec, perm):
         lo, hi = _chunk(c, rows, nchunk)
         acc = _stack_f32(32)
         for r in range(lo, hi):
-            w = raw[r]
+            w = _group_row(raw, raw1, raw2, r)
             acc[:] = 0.0
             for b in range(nb):
                 vec(w, b * bsz, f16, xv, b * 32, acc)
@@ -761,13 +782,13 @@ def _far_pair(p, half, rows):
 
 
 @jit.njit(inline="always")
-def _matvec_blocks_far_pairs(raw, x, out, f16, bsz, vec, perm):
+def _matvec_blocks_far_pairs(raw, raw1, raw2, x, out, f16, bsz, vec, perm):
     """_matvec_blocks with rows r and r + ceil(rows / 2) per step, each prefetched
     PREFETCH_BYTES bytes ahead: the same operations per row (the same bits), two memory streams
     far apart that the hardware prefetchers alone do not keep fed. For the types whose block
     step is light enough to wait on memory (FAR_PAIR_MATVEC). Work items are _ROW_CHUNKS
-    ranges of steps, accumulators in registers as in _matvec_blocks."""
-    rows = raw.shape[0]
+    ranges of steps, accumulators in registers as in _matvec_blocks; rows of a group as there."""
+    rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
     nb = x.shape[0] // 32
     xv = _permute_u4(x) if perm else x
     half = (rows + 1) // 2
@@ -778,8 +799,8 @@ def _matvec_blocks_far_pairs(raw, x, out, f16, bsz, vec, perm):
         acc1 = _stack_f32(32)
         for p in range(lo, hi):
             r0, r1 = _far_pair(p, half, rows)
-            w0 = raw[r0]
-            w1 = raw[r1]
+            w0 = _group_row(raw, raw1, raw2, r0)
+            w1 = _group_row(raw, raw1, raw2, r1)
             acc0[:] = 0.0
             acc1[:] = 0.0
             for b in range(nb):
@@ -1277,19 +1298,22 @@ def _quant_kernels(ns: dict, qtype: QT, act_type: QT, split_act, deq_call: str, 
     ggml kernel takes before ``out``."""
     t = qtype.name.lower()
     deq = jit.specialize(ns, f"_dequantize_{t}", "raw, out, f16", deq_call, parallel=True)
-    mv = jit.specialize(ns, f"_matvec_{t}", "raw, x, out, f16", mv_call, parallel=True)
+    mv = jit.specialize(ns, f"_matvec_{t}", "raw, raw1, raw2, x, out, f16", mv_call, parallel=True)
     mm = jit.specialize(ns, f"_matmul_ggml_{t}", f"raw, {mm_params}, out, f16", mm_call, parallel=True)
 
     def dequantize(raw, out):
         deq(raw, out, F16_TO_F32)
 
     def matvec(raw, x, out):
-        mv(raw, x, out, F16_TO_F32)
+        mv(raw, NO_ROWS, NO_ROWS, x, out, F16_TO_F32)
+
+    def matvec_group(raws, x, out):
+        mv(*raws, *(NO_ROWS,) * (3 - len(raws)), x, out, F16_TO_F32)
 
     def matmul_ggml(raw, xq, out):
         mm(raw, *split_act(xq), out, F16_TO_F32)
 
-    return _named(t, TypeKernels(dequantize, matvec, act_type, matmul_ggml))
+    return _named(t, TypeKernels(dequantize, matvec, act_type, matmul_ggml, matvec_group=matvec_group))
 
 
 def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off: int,
@@ -1300,7 +1324,7 @@ def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off
     dec = f"{head}, {pair}, {bsz}, {has_min}"
     with_sum = act_type == QT.Q8_1
     driver = "_matvec_blocks_far_pairs" if qtype in FAR_PAIR_MATVEC else "_matvec_blocks"
-    mv = f"{driver}(raw, x, out, f16, {bsz}, {vec}, {vec in _U4_STEPS})"
+    mv = f"{driver}(raw, raw1, raw2, x, out, f16, {bsz}, {vec}, {vec in _U4_STEPS})"
     k = _quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
                        f"_dequantize_blocks(raw, out, f16, {dec})", mv,
                        "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
@@ -1371,7 +1395,7 @@ PORTABLE_GGML: dict = {}
 
 def _named(t: str, k: TypeKernels) -> TypeKernels:
     """Name the wrappers ``matvec_q4_0`` etc. (profiles, tracebacks)."""
-    for f in (k.dequantize, k.matvec, k.matmul_ggml):
+    for f in (k.dequantize, k.matvec, k.matmul_ggml) + ((k.matvec_group,) if k.matvec_group else ()):
         f.__name__ = f.__qualname__ = f"{f.__name__}_{t}"
     return k
 

@@ -232,8 +232,10 @@ class Engine:
         self.tokens: list[int] = []          # what the cache holds, in order
         self._attn_threads: dict = {}        # (sparse, bit length of bytes read) -> ThreadChoice
         self._tap = _no_tap                  # the forward's tap (a recorder while trace() runs)
-        # one-token forwards run the small ops between the matvecs as fused kernels (the same
-        # bits: tests compare both ways); False: every op on its own, as a traced forward runs
+        # one-token forwards run the small ops between the matvecs as fused kernels, and the
+        # matvecs that read the same x (q, k, v; gate, up) as one call where their types match
+        # (the same bits: tests compare both ways); False: every op on its own, as a traced
+        # forward runs
         self.fused_ops = True
         self.timings = Timings(load_s=time.perf_counter() - t0)
 
@@ -395,7 +397,8 @@ class Engine:
             tap("inp_scaled", -1, x)
         # one token, nothing recorded: the norms, RoPE and residuals between the matvecs run as
         # three fused calls per layer (ops._qk_norm_rope, ops._add_norm), in place on x and h;
-        # each layer's attention norm is made at the end of the layer before
+        # each layer's attention norm is made at the end of the layer before; q, k, v (and gate,
+        # up) run as grouped matvec calls where their types match (LayerWeights.project)
         fused = T == 1 and tap is _no_tap and self.fused_ops
         if fused:
             h = ops.rms_norm(x, W.layers[0].attn_norm, eps)
@@ -406,9 +409,7 @@ class Engine:
                 h = ops.rms_norm(x, lw.attn_norm, eps)
                 tap("attn_norm", il, h)
             # q, k, v projections
-            q = lw.attn_q(h, num)
-            k = lw.attn_k(h, num)
-            v = lw.attn_v(h, num)
+            q, k, v = lw.project((lw.attn_q, lw.attn_k, lw.attn_v), h, num, grouped=fused)
             for name, y, bias in (("Qcur", q, lw.attn_q_bias), ("Kcur", k, lw.attn_k_bias),
                                   ("Vcur", v, lw.attn_v_bias)):
                 tap(name, il, y)
@@ -488,7 +489,7 @@ class Engine:
                 # norm, residual and the next layer's attention norm (the output norm after
                 # the last), into h
                 self._fused_add_norm(x[0], o[0], lw.post_attention_norm, lw.ffn_norm, h[0])
-                f = lw.ffn_down(self._act_mul(lw.ffn_gate(h, num), lw.ffn_up(h, num)), num)
+                f = lw.ffn_down(self._act_mul(*lw.project((lw.ffn_gate, lw.ffn_up), h, num)), num)
                 nxt = W.layers[il + 1].attn_norm if il + 1 < cfg.n_layer else W.output_norm
                 self._fused_add_norm(x[0], f[0], lw.post_ffw_norm, nxt, h[0])
                 continue

@@ -7,7 +7,7 @@ no ``arch ==`` branches.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -93,6 +93,56 @@ class Linear:
         return self.raw.nbytes
 
 
+class LinearGroup:
+    """Weight matrices of one type and input length that read the same activations in a decode
+    step (a layer's q, k and v; its gate and up), run as one fp32 matvec call
+    (``TypeKernels.matvec_group``): one thread-pool dispatch and one choice of threads, x
+    permuted once, work items spread over all their rows. Each row's sum is computed as its own
+    matrix's matvec computes it, so the results are the same bits."""
+
+    def __init__(self, linears: tuple[Linear, ...]):
+        self.linears = linears
+        self.n_in = linears[0].n_in
+        self.n_out = sum(lin.n_out for lin in linears)
+        self._bounds = np.cumsum([0] + [lin.n_out for lin in linears]).tolist()
+        self._kernel = None
+        self._threads = quants.ThreadChoice()
+
+    def __call__(self, x: np.ndarray) -> list[np.ndarray]:
+        """x float32[1, n_in] -> float32[1, n_out] of each matrix (views of one buffer)."""
+        if self._kernel is None:
+            rows = [lin._kernel_rows() for lin in self.linears]
+            self._kernel = (tuple(r for r, _ in rows), rows[0][1].matvec_group)
+        raws, mv = self._kernel
+        if x.shape != (1, self.n_in):
+            raise ValueError(f"{self.linears[0].name} and the rest of its group: input must be "
+                             f"float32[1, {self.n_in}], got shape {x.shape}")
+        out = np.empty((1, self.n_out), np.float32)
+        self._threads.run(mv, raws, np.ascontiguousarray(x[0], dtype=np.float32), out[0])
+        b = self._bounds
+        return [out[:, b[i]:b[i + 1]] for i in range(len(self.linears))]
+
+
+MAX_GROUP = 3      # matrices per grouped matvec call (the kernels' raw, raw1, raw2)
+
+
+def group_linears(linears: tuple) -> list:
+    """``linears`` (run on the same x, in order) as a list of single Linears and LinearGroups:
+    runs of consecutive Linears of one type and input length whose kernels take groups, up to
+    MAX_GROUP each. Anything else (a type without groups, a wrapped callable) stays alone."""
+    out: list = []
+    for lin in linears:
+        prev = out[-1] if out else None
+        run = prev.linears if isinstance(prev, LinearGroup) else (prev,)
+        if (isinstance(lin, Linear) and isinstance(run[0], Linear) and len(run) < MAX_GROUP
+                and run[0].qtype == lin.qtype and run[0].n_in == lin.n_in
+                and quants.kernels(lin.qtype).matvec_group is not None):
+            out[-1] = LinearGroup(run + (lin,))
+        else:
+            out.append(lin)
+    return out
+
+
 @dataclass
 class LayerWeights:
     attn_norm: np.ndarray
@@ -112,6 +162,23 @@ class LayerWeights:
     attn_k_norm: np.ndarray | None = None
     post_attention_norm: np.ndarray | None = None
     post_ffw_norm: np.ndarray | None = None
+    _groups: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def project(self, linears: tuple, x: np.ndarray, numerics: str, grouped: bool = True) -> list:
+        """``[lin(x, numerics) for lin in linears]``. A one-token fp32 step with ``grouped``
+        runs them as :func:`group_linears` groups them (the same bits, fewer calls)."""
+        if not grouped or x.shape[0] != 1 or numerics != "fp32":
+            return [lin(x, numerics) for lin in linears]
+        groups = self._groups.get(linears)
+        if groups is None:
+            groups = self._groups[linears] = group_linears(linears)
+        out = []
+        for g in groups:
+            if isinstance(g, LinearGroup):
+                out += g(x)
+            else:
+                out.append(g(x, numerics))
+        return out
 
     def linears(self) -> tuple[Linear, ...]:
         """The layer's weight matrices in the order a forward runs them."""

@@ -134,8 +134,9 @@ def test_decode_steps_equal_prefill(models, arch, numerics):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_fused_decode_ops_give_the_bits_of_the_separate_ops(models, arch):
     """One-token forwards run their norms, RoPE and residuals as fused calls
-    (Engine.fused_ops); with them off every op runs on its own, as in a traced forward. The
-    logits of every decode step are the same bits either way."""
+    (Engine.fused_ops), and q, k, v and gate, up as grouped matvec calls; with them off every
+    op runs on its own, as in a traced forward. The logits of every decode step are the same
+    bits either way."""
     path = models(arch, "Q4_0")
     toks = _prompt(5, 20)
     got = {}
@@ -144,6 +145,8 @@ def test_fused_decode_ops_give_the_bits_of_the_separate_ops(models, arch):
         eng.fused_ops = fused
         eng.eval(toks[:8])
         got[fused] = np.concatenate([eng.eval([t]) for t in toks[8:]], axis=0)
+        groups = [len(g.linears) for gs in eng.weights.layers[0]._groups.values() for g in gs]
+        assert groups == ([3, 2] if fused else [])      # every matrix is Q4_0: one call each
     assert np.array_equal(got[True].view(np.uint32), got[False].view(np.uint32))
 
 

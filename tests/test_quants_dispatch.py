@@ -7,6 +7,8 @@ import gguf
 import numba
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from loaders import quants as Q
 from loaders import quants_k as K
@@ -190,6 +192,34 @@ def test_typed_float_inputs():
     ro = w32.view(np.uint8)
     ro.flags.writeable = False
     assert np.array_equal(Q.dequantize(ro, QT.F32, 40), w32)
+
+
+GROUP_TYPES = sorted((t for t in Q.available_types() if Q.kernels(t).matvec_group is not None),
+                     key=lambda t: t.name)
+
+
+def test_every_quantized_type_takes_matvec_groups():
+    assert {t for t in Q.available_types() if t not in (QT.F32, QT.F16, QT.BF16)} <= set(GROUP_TYPES)
+
+
+@settings(max_examples=40, deadline=None)
+@given(qtype=st.sampled_from(GROUP_TYPES), rows=st.lists(st.integers(1, 90), min_size=1, max_size=3),
+       seed=st.integers(0, 2 ** 16))
+def test_matvec_group_is_each_matrix_matvec_bit_for_bit(qtype, rows, seed):
+    """One grouped call over 1-3 matrices (a layer's q, k, v) gives each row the bits of its own
+    matrix's matvec: work items cross the matrices' boundaries (up to 270 rows in 64 items),
+    each row's sum is unchanged. Read-only rows, as the engine's memory-mapped weights."""
+    n = n_for(qtype, 1)
+    raws = []
+    for i, r in enumerate(rows):
+        raw = Q.as_raw(weights(qtype, r, n, seed + i), qtype, n)
+        raw.flags.writeable = False
+        raws.append(raw)
+    x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    out = np.full(sum(rows), np.nan, np.float32)
+    Q.kernels(qtype).matvec_group(tuple(raws), x, out)
+    want = np.concatenate([Q.matvec(raw, qtype, n, x) for raw in raws])
+    assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
 
 
 def test_out_argument_is_filled():

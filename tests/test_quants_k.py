@@ -380,7 +380,7 @@ def _scalar_matvec(qtype: QT):
 
     @njit
     def scalar(raw, x, out, f16):
-        K._matvec_k(raw, x, out, f16, head, quad, bsz, sub, has_min, K._vblock_none, perm)
+        K._matvec_k(raw, L.NO_ROWS, L.NO_ROWS, x, out, f16, head, quad, bsz, sub, has_min, K._vblock_none, perm)
     return scalar
 
 
