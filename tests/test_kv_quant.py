@@ -290,3 +290,19 @@ def test_float_stores_hold_numpys_conversion_at_the_paged_slots(t, n, splits, sc
         for h in range(c.n_head_kv):
             np.testing.assert_array_equal(kst[h, pb].reshape(16, -1)[r], k[p, h].astype(dt))
             np.testing.assert_array_equal(vst[h, pb].reshape(-1, 16)[:, r], v[p, h].astype(dt))
+
+
+@settings(deadline=None, max_examples=60)
+@given(k=st.lists(st.sampled_from([0.0, -1.5, 65519.0, 65520.0, -65520.0, 1e30, np.inf, -np.inf,
+                                   np.nan]), min_size=1, max_size=6),
+       v=st.lists(st.sampled_from([0.0, 2.0, -65519.0, 65520.0, np.nan, np.inf]), min_size=0, max_size=6),
+       lim_k=st.sampled_from([65520.0, np.inf]), lim_v=st.sampled_from([65520.0, np.inf]))
+def test_kv_write_check_is_the_numpy_bounds(k, v, lim_k, lim_v):
+    """KVCache.write's one-pass check (kvcache._within) against its NumPy statement: every
+    value strictly inside the store's limit (f16: |x| < 65520, f32: finite), NaN refused."""
+    from pyimp.kvcache import _within
+    k, v = np.array(k, np.float32), np.array(v, np.float32)
+
+    def ok(x, lim):
+        return bool(np.all((x < lim) & (x > -lim)))
+    assert _within(k, v, lim_k, lim_v) == (ok(k, lim_k) and ok(v, lim_v))
