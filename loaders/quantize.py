@@ -32,9 +32,10 @@ from numba import prange, types
 from numba.extending import intrinsic
 
 from . import jit, quants_legacy
-from .quants_legacy import (_f32_to_f16_bits, _head_d, _head_d_qh, _head_dm, _head_dm_qh,
+from .quants_legacy import (_deq_q4_0, _deq_q4_1, _deq_q5_0, _deq_q5_1, _deq_q8_0,
+                            _f32_to_f16_bits, _head_d, _head_d_qh, _head_dm, _head_dm_qh,
                             _pair_q4_0, _pair_q4_1, _pair_q5_0, _pair_q5_1, _pair_q8_0, _u16, _u32,
-                            _weight, ir_ptr, ir_splat, ir_u4_weights)
+                            _weight)
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -188,71 +189,27 @@ def _decode(w, wo, nb, bsz, out, oo, step, f16, head, pair, has_min):
 
 # --------------------------------------------------------------------------------------
 # contiguous decode (step 1, what attention's block loads use): one block as vector IR
+# (the block decoders of loaders.quants_legacy, which weight dequantization uses too)
 # --------------------------------------------------------------------------------------
-# A 32-element loop with a constant trip count is fully unrolled by LLVM before its loop
-# vectorizer runs, and the unrolled scalar code is not re-vectorized (Q8_0 decoded at ~0.5 ns
-# per element, 5x slower than fp16's conversion); these intrinsics emit the block's vector
-# operations directly. Each output is the scalar decoders' float32 value: the same integer
-# quant, one exact int -> float conversion, one product d * q and (types with a min) one sum.
-
-
-@intrinsic
-def _s8x32(typingctx, w, wo, d, out, oo):
-    """out[oo:oo+32] = d * float32(int8 bytes w[wo:wo+32]) (Q8_0's quants)."""
-    sig = types.void(w, wo, d, out, oo)
-
-    def codegen(context, builder, signature, args):
-        wty, _, _, oty, _ = signature.args
-        vf = ir.VectorType(ir.FloatType(), 32)
-        q = builder.load(ir_ptr(context, builder, wty, args[0], args[1],
-                                ir.VectorType(ir.IntType(8), 32)), align=1)
-        r = builder.fmul(ir_splat(builder, args[2], vf), builder.sitofp(q, vf))
-        builder.store(r, ir_ptr(context, builder, oty, args[3], args[4], vf), align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def _u4x32(typingctx, w, wo, qh, d, m, off, out, oo):
-    """The 32 weights of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block (arguments w..off as
-    :func:`loaders.quants_legacy.ir_u4_weights`) to out[oo:oo+32]."""
-    sig = types.void(w, wo, qh, d, m, off, out, oo)
-
-    def codegen(context, builder, signature, args):
-        vf = ir.VectorType(ir.FloatType(), 16)
-        dst = ir_ptr(context, builder, signature.args[6], args[6], args[7], vf)
-        for k, r in enumerate(ir_u4_weights(context, builder, signature.args[:6], args[:6])):
-            builder.store(r, builder.gep(dst, [ir.Constant(ir.IntType(32), k)]) if k else dst,
-                          align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
 
 
 @jit.njit(inline="always")
 def _decode_contiguous(code, w, wo, nb, out, oo, f16):
     if code == 0:
         for b in range(nb):
-            o = wo + b * 34
-            _s8x32(w, o + 2, f16[_u16(w, o)], out, oo + b * 32)
+            _deq_q8_0(w, wo + b * 34, f16, out, oo + b * 32)
     elif code == 1:
         for b in range(nb):
-            o = wo + b * 18
-            _u4x32(w, o + 2, None, f16[_u16(w, o)], None, 8, out, oo + b * 32)
+            _deq_q4_0(w, wo + b * 18, f16, out, oo + b * 32)
     elif code == 2:
         for b in range(nb):
-            o = wo + b * 20
-            _u4x32(w, o + 4, None, f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, out, oo + b * 32)
+            _deq_q4_1(w, wo + b * 20, f16, out, oo + b * 32)
     elif code == 3:
         for b in range(nb):
-            o = wo + b * 22
-            _u4x32(w, o + 6, _u32(w, o + 2), f16[_u16(w, o)], None, 16, out, oo + b * 32)
+            _deq_q5_0(w, wo + b * 22, f16, out, oo + b * 32)
     else:
         for b in range(nb):
-            o = wo + b * 24
-            _u4x32(w, o + 8, _u32(w, o + 4), f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, out,
-                   oo + b * 32)
+            _deq_q5_1(w, wo + b * 24, f16, out, oo + b * 32)
 
 
 @jit.njit(inline="always")
