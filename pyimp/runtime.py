@@ -1,5 +1,4 @@
-"""Process-wide settings that only pyimp's own programs apply: the thread pools' waiting, and
-OpenBLAS's kernels on CPUs it does not know.
+"""Process-wide settings that only pyimp's own programs apply: the thread pools' waiting.
 
 Importing pyimp changes nothing in the host process. The console scripts
 (``pyimp-run``, ``pyimp-tokenize``, ``pyimp-fetch-model``), the ``tools/``
@@ -34,54 +33,8 @@ SPIN_COUNT = "30000"
 BLAS_THREAD_TIMEOUT = "4"
 
 
-# OpenBLAS (a DYNAMIC_ARCH build, as NumPy's wheels ship it) picks its kernels by CPU family
-# and model, and takes a family it does not know for Haswell (AVX2): NumPy's OpenBLAS 0.3.31
-# reports "Haswell" on an AMD EPYC of family 0x1A (Zen 5) that has AVX-512. Its AVX-512 kernels
-# ("SkylakeX") run prefill's float32 products there 1.4-1.9x faster (numpy X @ W.T, 2 threads:
-# 128 x 2048 x 5632 246 -> 351 GFLOP/s, 1024 x 2048 x 5632 273 -> 509; TinyLlama-1.1B-shape
-# Q4_0 prefill of 1024 tokens 103 -> 166 tok/s). Set only for AMD families from 0x1A on with
-# the AVX-512 subsets those kernels use; a user's OPENBLAS_CORETYPE wins.
-AVX512_FOR_SKYLAKEX = frozenset({"avx512f", "avx512cd", "avx512bw", "avx512dq", "avx512vl"})
-FIRST_UNKNOWN_AMD_FAMILY = 0x1A
-
-
-def blas_coretype(cpuinfo: str) -> str | None:
-    """The OPENBLAS_CORETYPE to set for a CPU described by ``cpuinfo`` (the text of
-    /proc/cpuinfo), or None where OpenBLAS's own choice stands."""
-    vendor, family, flags = "", -1, set()
-    for line in cpuinfo.splitlines():
-        key, _, val = line.partition(":")
-        key = key.strip()
-        if key == "vendor_id" and not vendor:
-            vendor = val.strip()
-        elif key == "cpu family" and family < 0:
-            try:
-                family = int(val.strip())
-            except ValueError:
-                return None
-        elif key == "flags" and not flags:
-            flags = set(val.split())
-        if vendor and family >= 0 and flags:
-            break
-    if vendor == "AuthenticAMD" and family >= FIRST_UNKNOWN_AMD_FAMILY and AVX512_FOR_SKYLAKEX <= flags:
-        return "SkylakeX"
-    return None
-
-
-def _cpuinfo() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            return f.read()
-    except OSError:
-        return ""
-
-
 def _defaults(env) -> dict:
     out = {}
-    if "OPENBLAS_CORETYPE" not in env:
-        core = blas_coretype(_cpuinfo())
-        if core is not None:
-            out["OPENBLAS_CORETYPE"] = core
     if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
         out["GOMP_SPINCOUNT"] = SPIN_COUNT
     if "OPENBLAS_THREAD_TIMEOUT" not in env and "GOTO_THREAD_TIMEOUT" not in env:

@@ -158,65 +158,6 @@ def test_entry_point_sets_the_thread_pool_spin(monkeypatch):
     assert os.environ["GOMP_SPINCOUNT"] == "100" and "OMP_WAIT_POLICY" not in os.environ
 
 
-_ZEN5_FLAGS = "fpu sse sse2 avx avx2 fma f16c avx512f avx512dq avx512cd avx512bw avx512vl avx512_vnni"
-
-
-def _cpuinfo(vendor="AuthenticAMD", family=26, flags=_ZEN5_FLAGS, cpus=2):
-    cpu = f"processor\t: {{}}\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: 2\nflags\t\t: {flags}\n"
-    return "\n".join(cpu.format(i) for i in range(cpus))
-
-
-def test_blas_coretype_only_for_amd_families_openblas_takes_for_haswell():
-    """OpenBLAS's AVX-512 kernels are forced only where its own detection falls back to
-    Haswell: AMD from family 0x1A on, with every AVX-512 subset those kernels use."""
-    from pyimp.runtime import blas_coretype
-    assert blas_coretype(_cpuinfo()) == "SkylakeX"
-    assert blas_coretype(_cpuinfo(family=27)) == "SkylakeX"
-    assert blas_coretype(_cpuinfo(family=25)) is None          # Zen 4: OpenBLAS knows it
-    assert blas_coretype(_cpuinfo(vendor="GenuineIntel", family=6)) is None
-    assert blas_coretype(_cpuinfo(flags=_ZEN5_FLAGS.replace(" avx512bw", ""))) is None
-    assert blas_coretype(_cpuinfo(family="x")) is None          # unreadable: leave it alone
-    assert blas_coretype("") is None
-
-
-def test_entry_point_sets_the_blas_coretype_unless_the_user_did(monkeypatch):
-    import pyimp.runtime as rt
-    monkeypatch.delenv("OPENBLAS_CORETYPE", raising=False)
-    monkeypatch.setattr(rt, "_cpuinfo", lambda: _cpuinfo())
-    with pytest.raises(SystemExit):
-        main(["--version"])
-    assert os.environ["OPENBLAS_CORETYPE"] == "SkylakeX"
-    monkeypatch.setenv("OPENBLAS_CORETYPE", "Haswell")
-    with pytest.raises(SystemExit):
-        main(["--version"])
-    assert os.environ["OPENBLAS_CORETYPE"] == "Haswell"
-    monkeypatch.delenv("OPENBLAS_CORETYPE")
-    monkeypatch.setattr(rt, "_cpuinfo", lambda: _cpuinfo(family=25))
-    with pytest.raises(SystemExit):
-        main(["--version"])
-    assert "OPENBLAS_CORETYPE" not in os.environ
-
-
-def test_numpy_openblas_takes_the_coretype_pyimp_sets():
-    """In a fresh process, configure_process before NumPy: NumPy's OpenBLAS reports the core
-    blas_coretype chose (where this CPU gets one and the library can say which it runs)."""
-    from pyimp.runtime import _cpuinfo as host_cpuinfo, blas_coretype
-    want = blas_coretype(host_cpuinfo())
-    code = ("from pyimp.runtime import configure_process; configure_process()\n"
-            "import ctypes, glob, os, numpy\n"
-            "libs = glob.glob(os.path.join(os.path.dirname(numpy.__file__), '..', 'numpy.libs', '*openblas*'))\n"
-            "f = getattr(ctypes.CDLL(libs[0]), 'scipy_openblas_get_corename64_', None) if libs else None\n"
-            "if f is not None: f.restype = ctypes.c_char_p\n"
-            "print(f().decode() if f is not None else '?')\n")
-    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    assert r.returncode == 0, r.stderr
-    core = r.stdout.strip()
-    if want is None or core == "?":
-        pytest.skip(f"this CPU keeps OpenBLAS's own choice ({core}), or NumPy's OpenBLAS does not say")
-    assert core.lower() == want.lower()
-
-
 def test_entry_point_sets_the_blas_thread_timeout(monkeypatch):
     """pyimp's programs let OpenBLAS's workers sleep right after a call (they would hold a
     core through the next decode step); a timeout the user set is kept."""
