@@ -22,3 +22,22 @@ def test_worker_peak_rss_is_its_own_not_the_parents():
     assert big[-1] == 1
     # a Python that imports NumPy is ~30-60 MB resident; 200 MB is half the parent's array
     assert 1 < child < 200, child
+
+
+def test_header_names_the_kernel_sets_and_an_environment_override():
+    """The bench header says what each engine's kernels are built for: LLVM's host CPU, and the
+    OpenBLAS kernel set in a fresh process, naming OPENBLAS_CORETYPE when the environment forces
+    one (it overrides OpenBLAS's own choice, which changes prefill's speed several-fold)."""
+    from llvmlite import binding as llb
+    code = "from tools.bench import host_kernels; print(host_kernels())"
+    for env_core in (None, "Haswell"):
+        env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+        if env_core:
+            env["OPENBLAS_CORETYPE"] = env_core
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                           env=env, check=True)
+        line = r.stdout.strip()
+        assert line.startswith(f"LLVM host {llb.get_host_cpu_name()}; NumPy's OpenBLAS ")
+        assert ("OPENBLAS_CORETYPE=Haswell in the environment" in line) == (env_core is not None)
+        if env_core and "unknown kernels" not in line:
+            assert "OpenBLAS Haswell kernels" in line

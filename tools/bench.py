@@ -209,6 +209,30 @@ def cpu_model() -> str:
     return "unknown CPU"
 
 
+def host_kernels() -> str:
+    """What the two engines' kernels are built for here: LLVM's name for this CPU (Numba's
+    target) and the kernel set NumPy's OpenBLAS runs (prefill's float32 products), with an
+    OPENBLAS_CORETYPE from the environment named, since it overrides OpenBLAS's own choice."""
+    import ctypes
+    import glob
+
+    import numpy as np
+    from llvmlite import binding as llb
+    core = "unknown"
+    for lib in glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "*openblas*")):
+        try:
+            f = getattr(ctypes.CDLL(lib), "scipy_openblas_get_corename64_", None)
+        except OSError:
+            continue
+        if f is not None:
+            f.restype = ctypes.c_char_p
+            core = f().decode()
+            break
+    env = os.environ.get("OPENBLAS_CORETYPE")
+    return (f"LLVM host {llb.get_host_cpu_name()}; NumPy's OpenBLAS {core} kernels"
+            + (f" (OPENBLAS_CORETYPE={env} in the environment)" if env else ""))
+
+
 def read_bandwidth() -> float:
     """tools.bench_kernels.read_bandwidth in a subprocess, so that its 1 GB array does not stay
     in this process (which starts every worker)."""
@@ -280,6 +304,7 @@ def main(argv=None) -> int:
         paths["tinyllama-32k"] = tinyllama_path(32768)
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; single-thread read bandwidth "
           f"{read_bandwidth():.1f} GB/s (NumPy sum over 1 GB, best of 4)")
+    print(host_kernels())
     print(f"threads {a.threads}, decode {a.decode} tokens after the prefill, numerics {a.numerics}, "
           f"llama.cpp with flash_attn, both f16 KV, best of {a.repeat} run(s) per engine")
     if a.startup:
