@@ -1021,6 +1021,9 @@ _FEATURES = _host_features()
 # the encoding not tried here); "avx2": VPMADDUBSW + VPMADDWD; None: no integer path
 I8_DOT = ("vnni" if "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
           else "avx2" if "avx2" in _FEATURES else None)
+# prefill tiles on 512-bit vectors (_prefill_tile_i8_wide): two activation rows per VPDPBUSD
+# (AVX-512 VNNI on zmm registers, byte shuffles of AVX-512 BW)
+I8_WIDE = I8_DOT == "vnni" and {"avx512f", "avx512bw"} <= _FEATURES
 
 
 def _v(t, n):
@@ -1175,14 +1178,15 @@ PREFETCH_BYTES = 768
 
 
 @jit.njit(inline="always")
-def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni):
+def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni, tile):
     """_matmul_ggml_blocks' results through _fma_dot2 (decode) and _fma_dot_tile (prefill).
     Two weight rows per work item, r and r + ceil(rows / 2): two fma chains in flight when
     m == 1 (a decode step's matvec), and two memory streams far apart, prefetched
     PREFETCH_BYTES bytes ahead (two adjacent rows read block by block streamed at 4 GB/s, the
     far pair at 7, prefetched at 11: the hardware prefetchers alone fall behind). With m > 1
     the even work items take tiles of four rows (theirs and the next item's), each block
-    unpacked once for four activation rows at a time."""
+    unpacked once for four activation rows at a time (``tile``: :func:`_prefill_tile_i8`, or
+    :func:`_prefill_tile_i8_wide`, eight)."""
     rows = raw.shape[0]
     m = aq.shape[0]
     nb = ad.shape[1]
@@ -1217,8 +1221,8 @@ def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_
             continue
         if p % 2:                        # prefill: four rows per tile, made by the even items
             continue
-        _prefill_tile_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni,
-                         r0, min(r0 + 1, half - 1), half)
+        tile(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni,
+             r0, min(r0 + 1, half - 1), half)
 
 
 @jit.njit(inline="always")
@@ -1255,6 +1259,112 @@ def _prefill_tile_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has
             for k in range(4):
                 v = _hsum8(a16[8 * (4 * t + k):8 * (4 * t + k) + 8])
                 out[rows4[t], rr[k]] = v + s16[4 * t + k] if has_min else v
+
+
+@intrinsic
+def _fma_dot_tile_wide(typingctx, ws, wo, qhs, bits, aq, ad, corr, rows, b, dws, acc):
+    """:func:`_fma_dot_tile` (VNNI) for an even number of activation rows ``rows``, two per
+    512-bit vector: for pair p (rows i = rows[2p], j = rows[2p + 1]) and weight row k,
+    acc[16(Rp + k):16(Rp + k) + 16] holds row i's 8 lanes then row j's, and takes one VPDPBUSD
+    over row k's unpacked block (duplicated into both halves) and the two rows' activation
+    quants, one conversion, one product d = dws[k] * ad[., b] per lane (each half its own row's
+    float32 product) and one fma: lane for lane the operations of _fma_dot_tile, so the same
+    bits, with half the vector instructions on cores that run 512-bit vectors at full width."""
+    if not isinstance(bits, types.IntegerLiteral) or len(rows) % 2:
+        return None
+    nbits = bits.literal_value
+    nrow, npair = len(ws), len(rows) // 2
+    sig = types.void(ws, wo, qhs, bits, aq, ad, corr, rows, b, dws, acc)
+
+    def codegen(context, builder, signature, args):
+        wsty, _, qhsty, _, aqty, adty, cty, _, _, _, accty = signature.args
+        ws_, wo_, qhs_, _, aq_, ad_, c_, rows_, b_, dws_, acc_ = args
+        i64 = ir.IntType(64)
+        vf16 = _v(ir.FloatType(), 16)
+        v16 = _v(_I32, 16)
+        both = ir.Constant(_v(_I32, 64), list(range(32)) * 2)
+        cat64 = ir.Constant(_v(_I32, 64), list(range(64)))
+        cat16 = ir.Constant(_v(_I32, 16), list(range(16)))
+        q2 = []
+        for k in range(nrow):
+            q = ir_unpack_u8x32(context, builder, wsty[k], builder.extract_value(ws_, k), wo_, qhsty[k],
+                                builder.extract_value(qhs_, k), nbits)
+            q2.append(builder.bitcast(builder.shuffle_vector(q, q, both), v16))
+        dw = [ir_splat(builder, builder.extract_value(dws_, k), vf16) for k in range(nrow)]
+        b64 = builder.sext(b_, i64) if b_.type.width < 64 else b_
+        aqa = context.make_array(aqty)(context, builder, aq_)
+        ada = context.make_array(adty)(context, builder, ad_)
+        ca = context.make_array(cty)(context, builder, c_)
+        dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]),
+                                            "llvm.x86.avx512.vpdpbusd.512")
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf16, [vf16, vf16, vf16]),
+                                             "llvm.fma.v16f32")
+
+        def ptr(aty, arr, idx, vty):
+            p = cgutils.get_item_pointer(context, builder, aty, arr, idx, wraparound=False)
+            return builder.bitcast(p, vty.as_pointer())
+
+        for p in range(npair):
+            avs, cvs, das = [], [], []
+            for t in (2 * p, 2 * p + 1):
+                i = builder.extract_value(rows_, t)
+                i = builder.sext(i, i64) if i.type.width < 64 else i
+                avs.append(builder.load(ptr(aqty, aqa, [i, builder.mul(b64, ir.Constant(i64, 32))],
+                                            _v(_I8T, 32)), align=1))
+                cvs.append(builder.load(ptr(cty, ca, [i, builder.mul(b64, ir.Constant(i64, 8))],
+                                            _v(_I32, 8)), align=4))
+                das.append(ir_splat(builder, builder.load(cgutils.get_item_pointer(
+                    context, builder, adty, ada, [i, b64], wraparound=False)), _v(ir.FloatType(), 8)))
+            av = builder.bitcast(builder.shuffle_vector(avs[0], avs[1], cat64), v16)
+            cv = builder.shuffle_vector(cvs[0], cvs[1], cat16)
+            da = builder.shuffle_vector(das[0], das[1], cat16)
+            for k in range(nrow):
+                s = builder.call(dp, [cv, q2[k], av])
+                ap = ir_ptr(context, builder, accty, acc_, ir.Constant(i64, 16 * (nrow * p + k)), vf16)
+                builder.store(builder.call(fma, [builder.fmul(dw[k], da), builder.sitofp(s, vf16),
+                                                 builder.load(ap, align=4)]), ap, align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@jit.njit(inline="always")
+def _prefill_tile_i8_wide(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni, p0, p1,
+                          half):
+    """:func:`_prefill_tile_i8` with eight activation rows at a time, two per 512-bit vector
+    (:func:`_fma_dot_tile_wide`; ``vnni`` is implied): each block's four weight rows unpacked
+    once for eight activation rows. The same values, written to the same places."""
+    rows = raw.shape[0]
+    m = aq.shape[0]
+    nb = ad.shape[1]
+    rr = (p0, min(p0 + half, rows - 1), p1, min(p1 + half, rows - 1))
+    ws = (raw[rr[0]], raw[rr[1]], raw[rr[2]], raw[rr[3]])
+    acc = _stack_f32(256)                       # registers across the blocks (_stack_f32)
+    s32 = _stack_f32(32)
+    for g in range(0, m, 8):
+        rows8 = (g, min(g + 1, m - 1), min(g + 2, m - 1), min(g + 3, m - 1),
+                 min(g + 4, m - 1), min(g + 5, m - 1), min(g + 6, m - 1), min(g + 7, m - 1))
+        acc[:] = 0
+        s32[:] = 0
+        for b in range(nb):
+            o = b * bsz
+            d0, m0, h0 = head(ws[0], o, f16)
+            d1, m1, h1 = head(ws[1], o, f16)
+            d2, m2, h2 = head(ws[2], o, f16)
+            d3, m3, h3 = head(ws[3], o, f16)
+            _fma_dot_tile_wide(ws, o + qo, (h0, h1, h2, h3), bits, aq, ad, corr, rows8, b, (d0, d1, d2, d3), acc)
+            if has_min:
+                for t in range(8):
+                    sa = asum[rows8[t], b]
+                    s32[4 * t] = _fma32(m0, sa, s32[4 * t])
+                    s32[4 * t + 1] = _fma32(m1, sa, s32[4 * t + 1])
+                    s32[4 * t + 2] = _fma32(m2, sa, s32[4 * t + 2])
+                    s32[4 * t + 3] = _fma32(m3, sa, s32[4 * t + 3])
+        for t in range(8):
+            for k in range(4):
+                a0 = 16 * (4 * (t // 2) + k) + 8 * (t % 2)      # _fma_dot_tile_wide's lanes
+                v = _hsum8(acc[a0:a0 + 8])
+                out[rows8[t], rr[k]] = v + s32[4 * t + k] if has_min else v
 
 
 @jit.njit
@@ -1428,7 +1538,7 @@ def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off
                        f"_dequantize_blocks(raw, out, f16, _deq_{qtype.name.lower()}, {bsz})", mv,
                        "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
     PORTABLE_GGML[qtype] = k.matmul_ggml
-    variant = I8_DOT if I8_DOT is not None and I8_DOT in i8_variants(qtype) else None
+    variant = ("vnni512" if I8_WIDE else I8_DOT) if I8_DOT is not None and I8_DOT in i8_variants(qtype) else None
     if variant is None:
         return k
     mm = i8_matmul_ggml(qtype, variant)
@@ -1441,9 +1551,10 @@ def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off
 
 
 def i8_variants(qtype: QT) -> tuple:
-    """The integer dot-product variants ("vnni", "avx2") that compute ``qtype``'s ggml
-    numerics exactly (VPMADDUBSW's int16 pair sums overflow with Q8_0's unsigned quants)."""
-    return ("vnni",) if _I8_LAYOUT[qtype][0] == 8 else ("vnni", "avx2")
+    """The integer dot-product variants ("vnni512", "vnni", "avx2") that compute ``qtype``'s
+    ggml numerics exactly (VPMADDUBSW's int16 pair sums overflow with Q8_0's unsigned quants).
+    "vnni512" is "vnni" with prefill tiles on 512-bit vectors (a host with I8_WIDE)."""
+    return ("vnni512", "vnni") if _I8_LAYOUT[qtype][0] == 8 else ("vnni512", "vnni", "avx2")
 
 
 def i8_matmul_ggml(qtype: QT, variant: str):
@@ -1461,7 +1572,8 @@ def i8_matmul_ggml(qtype: QT, variant: str):
     mm = globals().get(name) or jit.specialize(
         globals(), name, "raw, aq, ad, asum, corr, out, f16",
         f"_matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, {head}, {bsz}, {qo}, {bits}, {has_min}, "
-        f"{variant == 'vnni'})", parallel=True)
+        f"{variant != 'avx2'}, {'_prefill_tile_i8_wide' if variant == 'vnni512' else '_prefill_tile_i8'})",
+        parallel=True)
 
     bsz_act = 36 if with_sum else 34
 

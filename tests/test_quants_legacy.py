@@ -433,7 +433,7 @@ def test_oracle_binding_sane():
 # ----------------------------------------------------------------------------- integer dot-product path
 
 I8_CASES = [(qt, v) for qt in BLOCK_TYPES for v in L.i8_variants(qt)
-            if L.I8_DOT == "vnni" or v == L.I8_DOT]
+            if (L.I8_WIDE if v == "vnni512" else L.I8_DOT == "vnni" or v == L.I8_DOT)]
 
 
 def test_host_ggml_kernels_take_the_integer_path():
@@ -460,12 +460,13 @@ def extreme_raw(qtype: QT, rows: int, n: int, rng: np.random.Generator) -> np.nd
 @pytest.mark.skipif(not I8_CASES, reason=f"no integer dot products on this host ({L.I8_DOT})")
 @pytest.mark.parametrize("qtype,variant", I8_CASES, ids=lambda c: getattr(c, "name", c))
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 9), m=st.integers(1, 9),
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 9), m=st.integers(1, 19),
        nblocks=st.integers(1, 40), big=st.booleans())
 def test_i8_path_bit_identical_to_portable(qtype, variant, seed, rows, m, nblocks, big):
     """The integer kernels replay _matmul_ggml_blocks exactly: any row count (odd ones pair the
     middle row with itself; prefill tiles of four rows clamp at the last), one activation row
-    (decode) or several (in groups of four, a short last group), quants at their extremes,
+    (decode) or several (in groups of four, or eight for "vnni512", a short last group), quants
+    at their extremes,
     activations whose quants reach +-127 in every block (``big``: one huge element per block)."""
     rng = np.random.default_rng(seed)
     n = 32 * nblocks
