@@ -106,8 +106,8 @@ from . import jit, quants_legacy
 from .ggml_types import TypeKernels
 from .quants_legacy import (_I32, I8_DOT, PREFETCH_BYTES, _ROW_CHUNKS, _far_pair, _fma32, _hsum8, _i8,
                             _stack_f32,
-                            _I8T as _I8, _group_row, _lanes_sum32, _prefetch, _quant_kernels, _u16, _v, ir_lane_sums,
-                            ir_ptr, ir_splat)
+                            _I8T as _I8, _group_row, _lanes_sum32, _permute_blocks, _prefetch,
+                            _quant_kernels, _u16, _v, ir_lane_sums, ir_ptr, ir_splat)
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -579,14 +579,9 @@ def _lane(b, perm):
     return ((b & 3) << 3) | (b >> 2) if perm else b
 
 
-@jit.njit(inline="always")
-def _permute_lanes(x):
-    """x with each 32-element group in permuted lane order: out[32g + 8t + i] = x[32g + 4i + t]."""
-    out = np.empty_like(x)
-    for g in range(x.shape[0] // 32):
-        for b in range(32):
-            out[32 * g + _lane(b, True)] = x[32 * g + b]
-    return out
+# the element of a 32-element sub-block in each lane of Q4_K's vector IR block (the inverse of
+# _lane's permutation: lane 8t + i holds element 4i + t)
+K_LANE_ELEMENT = np.array([4 * (L % 8) + L // 8 for L in range(32)], np.int64)
 
 
 @jit.njit(inline="always")
@@ -604,7 +599,7 @@ def _matvec_k(raw, raw1, raw2, x, out, f16, head, quad, bsz, sub, has_min, vbloc
     st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
     nsub = 8 * st
     xs = _xsums(x, sub) if has_min else np.zeros(0, np.float32)   # only the min terms read them
-    xv = _permute_lanes(x) if perm else x                          # the vector IR's activations
+    xv = _permute_blocks(x, K_LANE_ELEMENT) if perm else x                          # the vector IR's activations
     nchunk = min(rows, _ROW_CHUNKS)
     for c in prange(nchunk):
         sc = np.empty(16, np.int32)

@@ -310,7 +310,7 @@ def ir_u4_lanes(context, builder, sig_args, args):
 def _fma_u4x32(typingctx, w, wo, qh, d, m, off, x, xo, acc):
     """acc[L] = fma(weight[U4_LANE_ELEMENT[L]], x[xo + L], acc[L]) over the 32 weights of one
     Q4_0 / Q4_1 / Q5_0 / Q5_1 block (arguments w..off as :func:`ir_u4_weights`): x holds the
-    block's activations in lane order (:func:`_permute_u4`); acc float32[32]."""
+    block's activations in lane order (:func:`_permute_blocks`); acc float32[32]."""
     sig = types.void(w, wo, qh, d, m, off, x, xo, acc)
 
     def codegen(context, builder, signature, args):
@@ -815,13 +815,13 @@ def _chunk(c, n, nchunk):
 
 
 @jit.njit(inline="always")
-def _permute_u4(x):
-    """x with each 32-element block's activations in the fp32 matvec's lane order:
-    out[32b + L] = x[32b + U4_LANE_ELEMENT[L]]."""
+def _permute_blocks(x, lane_element):
+    """x with each 32-element block's activations in a vector block step's lane order:
+    out[32b + L] = x[32b + lane_element[L]] (U4_LANE_ELEMENT here, quants_k.K_LANE_ELEMENT)."""
     out = np.empty_like(x)
     for b in range(x.shape[0] // 32):
         for k in range(32):
-            out[32 * b + k] = x[32 * b + U4_LANE_ELEMENT[k]]
+            out[32 * b + k] = x[32 * b + lane_element[k]]
     return out
 
 
@@ -858,7 +858,7 @@ def _matvec_blocks(raw, raw1, raw2, x, out, f16, bsz, vec, perm):
     block's FMA wait on the previous block's store)."""
     rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
     nb = x.shape[0] // 32
-    xv = _permute_u4(x) if perm else x
+    xv = _permute_blocks(x, U4_LANE_ELEMENT) if perm else x
     nchunk = min(rows, _ROW_CHUNKS)
     for c in prange(nchunk):
         lo, hi = _chunk(c, rows, nchunk)
@@ -889,7 +889,7 @@ def _matvec_blocks_far_pairs(raw, raw1, raw2, x, out, f16, bsz, vec, perm):
     ranges of steps, accumulators in registers as in _matvec_blocks; rows of a group as there."""
     rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
     nb = x.shape[0] // 32
-    xv = _permute_u4(x) if perm else x
+    xv = _permute_blocks(x, U4_LANE_ELEMENT) if perm else x
     half = (rows + 1) // 2
     nchunk = min(half, _ROW_CHUNKS)
     for c in prange(nchunk):

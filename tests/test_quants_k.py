@@ -384,6 +384,15 @@ def _scalar_matvec(qtype: QT):
     return scalar
 
 
+def test_k_lane_table_is_the_inverse_of_the_scalar_lane_order():
+    """The vector IR block reads x permuted by K_LANE_ELEMENT (quants_legacy._permute_blocks);
+    the scalar loop puts element b in lane _lane(b, True): the two orders must agree."""
+    assert [int(K.K_LANE_ELEMENT[K._lane(b, True)]) for b in range(32)] == list(range(32))
+    x = np.arange(64, dtype=np.float32)
+    got = K._permute_blocks.py_func(x, K.K_LANE_ELEMENT)
+    assert all(got[32 * g + K._lane(b, True)] == x[32 * g + b] for g in range(2) for b in range(32))
+
+
 _SCALAR_MATVEC: dict = {}
 
 
