@@ -8,7 +8,8 @@ Two numerics:
 
 * ``"fp32"``: exact dequantized float32 weights, float32 products and sums
   (matvec: fused kernels that never build the float matrix; matmul: row tiles
-  dequantized once, then BLAS).
+  dequantized once, then BLAS, or :mod:`loaders.gemm` where BLAS runs narrower
+  vectors than the host has: FP32_PRODUCTS).
 * ``"ggml"``: activations converted to the weight type's ``act_type`` exactly
   as ggml's CPU matmul does, then ggml's per-block integer dot products and
   float accumulation order.
@@ -24,7 +25,7 @@ import numba
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from . import quants_legacy
+from . import gemm, quants_legacy
 from .ggml_types import SUPPORTED_TYPES, TypeKernels, row_bytes, type_name
 
 QT = GGMLQuantizationType
@@ -48,6 +49,49 @@ NUMERICS = ("fp32", "ggml")
 # 5 MB tile instead of four took 9.3 instead of 10.4 ms for 512 tokens)
 MATMUL_TILE_ROWS = 512
 MATMUL_TILE_BYTES = 8 << 20
+
+# NumPy's OpenBLAS kernel sets that use 512-bit vectors (OpenBLAS's core names, lower case)
+BLAS_AVX512_CORES = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
+
+
+def blas_core() -> str | None:
+    """The kernel set NumPy's OpenBLAS runs ("Haswell", "SkylakeX", ...), or None where NumPy's
+    BLAS is not an OpenBLAS that says (another BLAS, another build)."""
+    import ctypes
+    import glob
+    import os
+    libs = glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "*openblas*"))
+    for lib in libs:
+        try:
+            cdll = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        for name in ("scipy_openblas_get_corename64_", "scipy_openblas_get_corename",
+                     "openblas_get_corename64_", "openblas_get_corename"):
+            f = getattr(cdll, name, None)
+            if f is not None:
+                f.restype = ctypes.c_char_p
+                core = f()
+                return core.decode() if core else None
+    return None
+
+
+def _fp32_products() -> str:
+    """Who computes the fp32 matmul's products (fixed per process, so that a run's results do
+    not depend on timing): "gemm" (loaders.gemm, 512-bit vectors) on a host with AVX-512 whose
+    OpenBLAS runs kernels of narrower vectors (measured on an AMD EPYC znver5 with OpenBLAS's
+    Haswell kernels: 128 activation rows, 393-433 against 241-249 GFLOP/s); "blas" elsewhere,
+    including where the BLAS cannot say which kernels it runs."""
+    core = blas_core()
+    if "avx512f" in quants_legacy._FEATURES and core is not None and core.lower() not in BLAS_AVX512_CORES:
+        return "gemm"
+    return "blas"
+
+
+FP32_PRODUCTS = _fp32_products()
+# activation rows from which the fp32 matmul takes loaders.gemm (it computes whole groups of
+# gemm.COLS columns)
+GEMM_MIN_ROWS = gemm.COLS
 
 _TYPED_OK = {
     QT.F32: (np.float32,),
@@ -302,7 +346,11 @@ def matmul(raw: np.ndarray, qtype: int, n: int, X: np.ndarray, numerics: str = "
         k.matvec(r, X[0], res.reshape(-1))
         return res
     step = max(MATMUL_TILE_ROWS, MATMUL_TILE_BYTES // (4 * n))
-    tile = np.empty((min(step, rows), n), dtype=np.float32)
+    own = FP32_PRODUCTS == "gemm" and m >= GEMM_MIN_ROWS
+    tile = np.empty((gemm.tile_rows(min(step, rows)) if own else min(step, rows), n), dtype=np.float32)
+    if own:
+        tile[min(step, rows):] = 0        # rows the kernel reads past a tile's end: finite values
+    XT = gemm.pack_columns(X) if own else None
     for r0 in range(0, rows, step):
         r1 = min(r0 + step, rows)
         t = tile[:r1 - r0]
@@ -310,5 +358,8 @@ def matmul(raw: np.ndarray, qtype: int, n: int, X: np.ndarray, numerics: str = "
         # (pyimp.runtime), while a tile takes a small fraction of its product's time
         with _single_thread():
             k.dequantize(r[r0:r1], t)
-        res[:, r0:r1] = X @ t.T
+        if own:
+            gemm.products(tile, r1 - r0, XT, res, r0)
+        else:
+            res[:, r0:r1] = X @ t.T
     return res

@@ -41,3 +41,5 @@ def test_header_names_the_kernel_sets_and_an_environment_override():
         assert ("OPENBLAS_CORETYPE=Haswell in the environment" in line) == (env_core is not None)
         if env_core and "unknown kernels" not in line:
             assert "OpenBLAS Haswell kernels" in line
+        assert line.endswith("fp32 prefill products: loaders.gemm (512-bit)") or line.endswith(
+            "fp32 prefill products: BLAS")

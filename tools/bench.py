@@ -211,26 +211,17 @@ def cpu_model() -> str:
 
 def host_kernels() -> str:
     """What the two engines' kernels are built for here: LLVM's name for this CPU (Numba's
-    target) and the kernel set NumPy's OpenBLAS runs (prefill's float32 products), with an
-    OPENBLAS_CORETYPE from the environment named, since it overrides OpenBLAS's own choice."""
-    import ctypes
-    import glob
-
-    import numpy as np
+    target), the kernel set NumPy's OpenBLAS runs, with an OPENBLAS_CORETYPE from the
+    environment named (it overrides OpenBLAS's own choice), and who computes pyimp's fp32
+    prefill products (loaders.quants.FP32_PRODUCTS)."""
     from llvmlite import binding as llb
-    core = "unknown"
-    for lib in glob.glob(os.path.join(os.path.dirname(np.__file__), os.pardir, "numpy.libs", "*openblas*")):
-        try:
-            f = getattr(ctypes.CDLL(lib), "scipy_openblas_get_corename64_", None)
-        except OSError:
-            continue
-        if f is not None:
-            f.restype = ctypes.c_char_p
-            core = f().decode()
-            break
+
+    from loaders import quants
     env = os.environ.get("OPENBLAS_CORETYPE")
-    return (f"LLVM host {llb.get_host_cpu_name()}; NumPy's OpenBLAS {core} kernels"
-            + (f" (OPENBLAS_CORETYPE={env} in the environment)" if env else ""))
+    return (f"LLVM host {llb.get_host_cpu_name()}; NumPy's OpenBLAS {quants.blas_core() or 'unknown'} "
+            f"kernels" + (f" (OPENBLAS_CORETYPE={env} in the environment)" if env else "")
+            + f"; pyimp's fp32 prefill products: "
+            + ("loaders.gemm (512-bit)" if quants.FP32_PRODUCTS == "gemm" else "BLAS"))
 
 
 def read_bandwidth() -> float:
