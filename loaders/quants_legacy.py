@@ -1021,7 +1021,7 @@ _FEATURES = _host_features()
 # the encoding not tried here); "avx2": VPMADDUBSW + VPMADDWD; None: no integer path
 I8_DOT = ("vnni" if "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
           else "avx2" if "avx2" in _FEATURES else None)
-# prefill tiles on 512-bit vectors (_prefill_tile_i8_wide): two activation rows per VPDPBUSD
+# prefill tiles on 512-bit vectors (_step8 in _prefill_tile_i8): two activation rows per VPDPBUSD
 # (AVX-512 VNNI on zmm registers, byte shuffles of AVX-512 BW)
 I8_WIDE = I8_DOT == "vnni" and {"avx512f", "avx512bw"} <= _FEATURES
 
@@ -1178,15 +1178,16 @@ PREFETCH_BYTES = 768
 
 
 @jit.njit(inline="always")
-def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni, tile):
+def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni, act_rows, step,
+                    lanes, nacc, nmin):
     """_matmul_ggml_blocks' results through _fma_dot2 (decode) and _fma_dot_tile (prefill).
     Two weight rows per work item, r and r + ceil(rows / 2): two fma chains in flight when
     m == 1 (a decode step's matvec), and two memory streams far apart, prefetched
     PREFETCH_BYTES bytes ahead (two adjacent rows read block by block streamed at 4 GB/s, the
     far pair at 7, prefetched at 11: the hardware prefetchers alone fall behind). With m > 1
     the even work items take tiles of four rows (theirs and the next item's), each block
-    unpacked once for four activation rows at a time (``tile``: :func:`_prefill_tile_i8`, or
-    :func:`_prefill_tile_i8_wide`, eight)."""
+    unpacked once for a group of activation rows (:func:`_prefill_tile_i8`; ``act_rows`` ..
+    ``nmin``: its tile, TILE_4X4 or TILE_4X8)."""
     rows = raw.shape[0]
     m = aq.shape[0]
     nb = ad.shape[1]
@@ -1221,44 +1222,93 @@ def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_
             continue
         if p % 2:                        # prefill: four rows per tile, made by the even items
             continue
-        tile(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni,
-             r0, min(r0 + 1, half - 1), half)
+        _prefill_tile_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni,
+                         r0, min(r0 + 1, half - 1), half, act_rows, step, lanes, nacc, nmin)
 
 
 @jit.njit(inline="always")
-def _prefill_tile_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni, p0, p1, half):
+def _act_rows4(g, m):
+    """Activation rows g .. g + 3 of a prefill tile, the last repeated past m."""
+    return (g, min(g + 1, m - 1), min(g + 2, m - 1), min(g + 3, m - 1))
+
+
+@jit.njit(inline="always")
+def _act_rows8(g, m):
+    """Activation rows g .. g + 7 of a wide prefill tile, the last repeated past m."""
+    return (g, min(g + 1, m - 1), min(g + 2, m - 1), min(g + 3, m - 1),
+            min(g + 4, m - 1), min(g + 5, m - 1), min(g + 6, m - 1), min(g + 7, m - 1))
+
+
+@jit.njit(inline="always")
+def _step4(ws, wo, qhs, bits, aq, ad, corr, rows, b, dws, acc, vnni):
+    """A block of the four weight rows against four activation rows (:func:`_fma_dot_tile`);
+    the 8 lanes of weight row k and activation row t at acc[8(4t + k)]."""
+    _fma_dot_tile(ws, wo, qhs, bits, aq, ad, corr, rows, b, dws, acc, vnni)
+
+
+@jit.njit(inline="always")
+def _step8(ws, wo, qhs, bits, aq, ad, corr, rows, b, dws, acc, vnni):
+    """A block of the four weight rows against eight activation rows, two per 512-bit vector
+    (:func:`_fma_dot_tile_wide`, VNNI); the 8 lanes of weight row k and activation row t at
+    acc[16(4(t // 2) + k) + 8(t % 2)]."""
+    _fma_dot_tile_wide(ws, wo, qhs, bits, aq, ad, corr, rows, b, dws, acc)
+
+
+@jit.njit(inline="always")
+def _lanes4(t, k):
+    return 8 * (4 * t + k)
+
+
+@jit.njit(inline="always")
+def _lanes8(t, k):
+    return 16 * (4 * (t // 2) + k) + 8 * (t % 2)
+
+
+# a prefill tile's arguments of _matmul_ggml_i8 (as specialization source): four weight rows by
+# four activation rows (ymm), or by eight, two per zmm ("vnni512")
+TILE_4X4 = "_act_rows4, _step4, _lanes4, 128, 16"
+TILE_4X8 = "_act_rows8, _step8, _lanes8, 256, 32"
+
+
+@jit.njit(inline="always")
+def _prefill_tile_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni, p0, p1, half,
+                     act_rows, step, lanes, nacc, nmin):
     """The rows of work items p0 and p1 of _matmul_ggml_i8 (p0, p0 + half, p1, p1 + half, each
-    clamped to the last row) against every activation row, four at a time (a short last group
-    repeats its last row: the same values computed again and written again)."""
+    clamped to the last row) against every activation row, a group at a time (a short last
+    group repeats its last row: the same values computed again and written again). The tile
+    (TILE_4X4 or TILE_4X8): the group's rows (_act_rows4 / _act_rows8), the block step
+    (_step4 / _step8), where a pair's lanes are (_lanes4 / _lanes8), and the float32 count of
+    the lane and min accumulators (literals)."""
     rows = raw.shape[0]
     m = aq.shape[0]
     nb = ad.shape[1]
     rr = (p0, min(p0 + half, rows - 1), p1, min(p1 + half, rows - 1))
     ws = (raw[rr[0]], raw[rr[1]], raw[rr[2]], raw[rr[3]])
-    a16 = _stack_f32(128)                       # registers across the blocks (_stack_f32)
-    s16 = _stack_f32(16)
-    for g in range(0, m, 4):
-        rows4 = (g, min(g + 1, m - 1), min(g + 2, m - 1), min(g + 3, m - 1))
-        a16[:] = 0
-        s16[:] = 0
+    acc = _stack_f32(nacc)                      # registers across the blocks (_stack_f32)
+    smin = _stack_f32(nmin)
+    for g in range(0, m, nmin // 4):
+        rows_t = act_rows(g, m)
+        acc[:] = 0
+        smin[:] = 0
         for b in range(nb):
             o = b * bsz
             d0, m0, h0 = head(ws[0], o, f16)
             d1, m1, h1 = head(ws[1], o, f16)
             d2, m2, h2 = head(ws[2], o, f16)
             d3, m3, h3 = head(ws[3], o, f16)
-            _fma_dot_tile(ws, o + qo, (h0, h1, h2, h3), bits, aq, ad, corr, rows4, b, (d0, d1, d2, d3), a16, vnni)
+            step(ws, o + qo, (h0, h1, h2, h3), bits, aq, ad, corr, rows_t, b, (d0, d1, d2, d3), acc, vnni)
             if has_min:
-                for t in range(4):
-                    sa = asum[rows4[t], b]
-                    s16[4 * t] = _fma32(m0, sa, s16[4 * t])
-                    s16[4 * t + 1] = _fma32(m1, sa, s16[4 * t + 1])
-                    s16[4 * t + 2] = _fma32(m2, sa, s16[4 * t + 2])
-                    s16[4 * t + 3] = _fma32(m3, sa, s16[4 * t + 3])
-        for t in range(4):
+                for t in range(len(rows_t)):
+                    sa = asum[rows_t[t], b]
+                    smin[4 * t] = _fma32(m0, sa, smin[4 * t])
+                    smin[4 * t + 1] = _fma32(m1, sa, smin[4 * t + 1])
+                    smin[4 * t + 2] = _fma32(m2, sa, smin[4 * t + 2])
+                    smin[4 * t + 3] = _fma32(m3, sa, smin[4 * t + 3])
+        for t in range(len(rows_t)):
             for k in range(4):
-                v = _hsum8(a16[8 * (4 * t + k):8 * (4 * t + k) + 8])
-                out[rows4[t], rr[k]] = v + s16[4 * t + k] if has_min else v
+                a0 = lanes(t, k)
+                v = _hsum8(acc[a0:a0 + 8])
+                out[rows_t[t], rr[k]] = v + smin[4 * t + k] if has_min else v
 
 
 @intrinsic
@@ -1326,45 +1376,6 @@ def _fma_dot_tile_wide(typingctx, ws, wo, qhs, bits, aq, ad, corr, rows, b, dws,
         return context.get_dummy_value()
 
     return sig, codegen
-
-
-@jit.njit(inline="always")
-def _prefill_tile_i8_wide(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_min, vnni, p0, p1,
-                          half):
-    """:func:`_prefill_tile_i8` with eight activation rows at a time, two per 512-bit vector
-    (:func:`_fma_dot_tile_wide`; ``vnni`` is implied): each block's four weight rows unpacked
-    once for eight activation rows. The same values, written to the same places."""
-    rows = raw.shape[0]
-    m = aq.shape[0]
-    nb = ad.shape[1]
-    rr = (p0, min(p0 + half, rows - 1), p1, min(p1 + half, rows - 1))
-    ws = (raw[rr[0]], raw[rr[1]], raw[rr[2]], raw[rr[3]])
-    acc = _stack_f32(256)                       # registers across the blocks (_stack_f32)
-    s32 = _stack_f32(32)
-    for g in range(0, m, 8):
-        rows8 = (g, min(g + 1, m - 1), min(g + 2, m - 1), min(g + 3, m - 1),
-                 min(g + 4, m - 1), min(g + 5, m - 1), min(g + 6, m - 1), min(g + 7, m - 1))
-        acc[:] = 0
-        s32[:] = 0
-        for b in range(nb):
-            o = b * bsz
-            d0, m0, h0 = head(ws[0], o, f16)
-            d1, m1, h1 = head(ws[1], o, f16)
-            d2, m2, h2 = head(ws[2], o, f16)
-            d3, m3, h3 = head(ws[3], o, f16)
-            _fma_dot_tile_wide(ws, o + qo, (h0, h1, h2, h3), bits, aq, ad, corr, rows8, b, (d0, d1, d2, d3), acc)
-            if has_min:
-                for t in range(8):
-                    sa = asum[rows8[t], b]
-                    s32[4 * t] = _fma32(m0, sa, s32[4 * t])
-                    s32[4 * t + 1] = _fma32(m1, sa, s32[4 * t + 1])
-                    s32[4 * t + 2] = _fma32(m2, sa, s32[4 * t + 2])
-                    s32[4 * t + 3] = _fma32(m3, sa, s32[4 * t + 3])
-        for t in range(8):
-            for k in range(4):
-                a0 = 16 * (4 * (t // 2) + k) + 8 * (t % 2)      # _fma_dot_tile_wide's lanes
-                v = _hsum8(acc[a0:a0 + 8])
-                out[rows8[t], rr[k]] = v + s32[4 * t + k] if has_min else v
 
 
 @jit.njit
@@ -1572,7 +1583,7 @@ def i8_matmul_ggml(qtype: QT, variant: str):
     mm = globals().get(name) or jit.specialize(
         globals(), name, "raw, aq, ad, asum, corr, out, f16",
         f"_matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, {head}, {bsz}, {qo}, {bits}, {has_min}, "
-        f"{variant != 'avx2'}, {'_prefill_tile_i8_wide' if variant == 'vnni512' else '_prefill_tile_i8'})",
+        f"{variant != 'avx2'}, {TILE_4X8 if variant == 'vnni512' else TILE_4X4})",
         parallel=True)
 
     bsz_act = 36 if with_sum else 34
