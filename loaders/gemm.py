@@ -14,9 +14,8 @@ does, at up to twice the width:
   in place from the tile; k runs in chunks of KC so that the six rows' chunk and
   X^T's stay in L1/L2; the work items are panels of weight rows.
 
-Each output is one float32 fma chain over k in order (BLAS's microkernels also
-sum each output over k in order within a chunk): a different rounding from
-BLAS's, within the same error bound (tests/test_gemm.py).
+Each output is one float32 fma chain over k in order: a different rounding from
+BLAS's, within the fma chain's error bound (tests/test_gemm.py).
 """
 from __future__ import annotations
 
@@ -34,9 +33,9 @@ jit.kernel_module(__file__)
 MW = 6          # weight rows per tile: 12 accumulators, 2 X^T vectors, a broadcast: 15 of 32 registers
 COLS = 32       # activation columns per tile (two 16-lane vectors)
 KC = 256        # k per chunk: the six rows' chunk (6 KB) and X^T's (32 KB) stay in L1/L2
-# AMD EPYC znver5, 2 threads, a 1056 x 2048 tile hot in L3, 128 activation rows: KC 256 393
-# GFLOP/s, KC 128 357; twelve weight rows per tile (24 accumulators) 78-229 (spills); NumPy's
-# OpenBLAS with its Haswell kernels 249
+# (AMD EPYC znver5, 2 threads, a 1056 x 2048 tile hot in L3, 128 activation rows, before X^T
+# was blocked: KC 256 393 GFLOP/s, KC 128 357; twelve weight rows per tile, 24 accumulators,
+# 78-229)
 PANEL_ROWS = 96  # weight rows per work item at most (fewer, to give every thread the same number)
 
 

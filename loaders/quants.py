@@ -79,9 +79,11 @@ def blas_core() -> str | None:
 def _fp32_products() -> str:
     """Who computes the fp32 matmul's products (fixed per process, so that a run's results do
     not depend on timing): "gemm" (loaders.gemm, 512-bit vectors) on a host with AVX-512 whose
-    OpenBLAS runs kernels of narrower vectors (measured on an AMD EPYC znver5 with OpenBLAS's
-    Haswell kernels: 128 activation rows, 393-433 against 241-249 GFLOP/s); "blas" elsewhere,
-    including where the BLAS cannot say which kernels it runs."""
+    OpenBLAS runs kernels of narrower vectors (AMD EPYC znver5, OpenBLAS's Haswell kernels,
+    pyimp-run's thread settings: Q4_0 5632 x 2048 with 128 activation rows 295 against 176
+    GFLOP/s, 2048 x 640 Q5_0 with 512 rows 340 against 231); "blas" elsewhere, including where
+    the BLAS cannot say which kernels it runs (OpenBLAS's own AVX-512 kernels ran those
+    products at 335-509 GFLOP/s there)."""
     core = blas_core()
     if "avx512f" in quants_legacy._FEATURES and core is not None and core.lower() not in BLAS_AVX512_CORES:
         return "gemm"
