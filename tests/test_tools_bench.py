@@ -43,3 +43,32 @@ def test_header_names_the_kernel_sets_and_an_environment_override():
             assert "OpenBLAS Haswell kernels" in line
         assert line.endswith("fp32 prefill products: loaders.gemm (512-bit)") or line.endswith(
             "fp32 prefill products: BLAS")
+
+
+def test_decode_profile_counts_grouped_matvecs_as_layer_matvecs(monkeypatch):
+    """The decode profile times every layer matvec, grouped calls (q/k/v, gate/up as one
+    LinearGroup) included, by weight type; none of it lands in "everything else"."""
+    from pyimp import engine as engine_mod
+    from pyimp import model as model_mod
+    from tools.bench import _profiled
+    # _profiled wraps these in place: set to themselves, so that they are restored afterwards
+    monkeypatch.setattr(model_mod.Linear, "_matvec", model_mod.Linear._matvec)
+    monkeypatch.setattr(engine_mod, "decode_over_blocks", engine_mod.decode_over_blocks)
+    monkeypatch.setattr(model_mod.LinearGroup, "__call__", model_mod.LinearGroup.__call__)
+
+    class Lin:
+        def __init__(self, name):
+            self.name, self.qtype = name, type("T", (), {"name": "Q5_0"})
+
+    group = model_mod.LinearGroup.__new__(model_mod.LinearGroup)
+    group.linears = (Lin("blk.0.attn_q.weight"), Lin("blk.0.attn_k.weight"))
+    calls = []
+    monkeypatch.setattr(model_mod.LinearGroup, "__call__", lambda self, x: calls.append(x) or [x])
+
+    class Eng:
+        sparse = None
+
+    spent, on = _profiled(Eng())
+    on["active"] = True
+    assert model_mod.LinearGroup.__call__(group, 7) == [7] and calls == [7]
+    assert set(spent) == {"layer matvecs Q5_0"}

@@ -100,6 +100,9 @@ def _profiled(eng):
                 else f"layer matvecs {lin.qtype.name}")
 
     model_mod.Linear._matvec = timed(matvec_key, model_mod.Linear._matvec)
+    # a layer's q/k/v and gate/up of one type run as one grouped call (model.LinearGroup)
+    model_mod.LinearGroup.__call__ = timed(lambda group, *_: matvec_key(group.linears[0]),
+                                           model_mod.LinearGroup.__call__)
     engine_mod.decode_over_blocks = timed(lambda *a: "decode attention", engine_mod.decode_over_blocks)
     if eng.sparse is not None:
         eng.sparse.decode_attention = timed(lambda *a: "decode attention (block-sparse)",
