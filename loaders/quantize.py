@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 from gguf import GGMLQuantizationType
-from llvmlite import ir
-from numba import prange, types
-from numba.extending import intrinsic
+from numba import prange
 
 from . import jit, quants_legacy
 from .quants_legacy import (_deq_q4_0, _deq_q4_1, _deq_q5_0, _deq_q5_1, _deq_q8_0,
