@@ -26,9 +26,10 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import jit
+from . import jit, quants_legacy
+from .quants_legacy import ir_splat
 
-jit.kernel_module(__file__)
+jit.kernel_module(__file__, quants_legacy)      # its IR helpers: a change there recompiles
 
 MW = 6          # weight rows per tile: 12 accumulators, 2 X^T vectors, a broadcast: 15 of 32 registers
 COLS = 32       # activation columns per tile (two 16-lane vectors)
@@ -47,7 +48,7 @@ def _tile_6x32(typingctx, W, wo, ldw, XT, xo, ldx, kc, CT, co, ldc):
     sig = types.void(W, wo, ldw, XT, xo, ldx, kc, CT, co, ldc)
 
     def codegen(context, builder, signature, args):
-        i64, i32, f32 = ir.IntType(64), ir.IntType(32), ir.FloatType()
+        i64, f32 = ir.IntType(64), ir.FloatType()
         vf = ir.VectorType(f32, 16)
         wty, _, _, xty, _, _, _, cty, _, _ = signature.args
 
@@ -76,16 +77,13 @@ def _tile_6x32(typingctx, W, wo, ldw, XT, xo, ldx, kc, CT, co, ldc):
                 accs.append(a)
         wrow = [builder.gep(wp, [builder.add(wo_, builder.mul(ldw_, const(j)))]) for j in range(MW)]
         xbase = builder.gep(xp, [xo_])
-        undef = ir.Constant(vf, ir.Undefined)
-        splat = ir.Constant(ir.VectorType(i32, 16), [0] * 16)
         with cgutils.for_range(builder, kc_, intp=i64) as loop:
             k = loop.index
             xr = builder.gep(xbase, [builder.mul(k, ldx_)])
             xv = [builder.load(builder.bitcast(builder.gep(xr, [const(16 * v)]), vf.as_pointer()), align=4)
                   for v in range(nv)]
             for j in range(MW):
-                w = builder.load(builder.gep(wrow[j], [k]))
-                b = builder.shuffle_vector(builder.insert_element(undef, w, ir.Constant(i32, 0)), undef, splat)
+                b = ir_splat(builder, builder.load(builder.gep(wrow[j], [k])), vf)
                 for v in range(nv):
                     a = accs[j * nv + v]
                     builder.store(builder.call(fma, [b, xv[v], builder.load(a)]), a)
