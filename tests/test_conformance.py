@@ -242,3 +242,16 @@ def test_strategies_draw_what_they_promise():
 
     imp_probe()
     assert seen["near_max"] >= 3, seen
+
+
+def test_fp16_ulps_compare_takes_nan_as_nan():
+    """A NaN matches a NaN of another payload or sign (a GPU writes its canonical 0x7FFF where
+    the CPU keeps 0x7E00 / 0xFE00), never a number; numbers keep their ulp tolerance."""
+    want = np.uint16([0x3C00, 0xFE00, 0x7E00]).view(np.float16)
+    suite._ulps16("x", np.uint16([0x3C01, 0x7FFF, 0x7FFF]).view(np.float16), want, 1)
+    with pytest.raises(suite.Mismatch, match="NaN on one side"):
+        suite._ulps16("x", np.uint16([0x3C00, 0x3C00, 0x7E00]).view(np.float16), want, 1)
+    with pytest.raises(suite.Mismatch, match="NaN on one side"):
+        suite._ulps16("x", want, np.uint16([0x3C00, 0xFE00, 0x3C00]).view(np.float16), 1)
+    with pytest.raises(suite.Mismatch, match="2 fp16 ulps"):
+        suite._ulps16("x", np.uint16([0x3C02, 0x7FFF, 0x7FFF]).view(np.float16), want, 1)

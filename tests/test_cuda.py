@@ -86,6 +86,32 @@ def test_reductions_compile(ptx):
         ptx.launch(k, 1, 64, np.zeros(64, np.float32), np.zeros(1, np.float32))
 
 
+def test_launch_configurations_are_made_once_without_the_occupancy_warning():
+    """device._configured: one configuration object per (kernel, grid, block, shared), made
+    without numba-cuda's "low occupancy" warning (pyimp's small grids are deliberate), which
+    stays on for anyone else's kernel[...] (made here without a GPU: configuring launches
+    nothing)."""
+    import warnings
+
+    cuda = _numba_cuda()
+    from pyimp.cuda import device
+
+    @cuda.jit
+    def k(a):
+        a[0] = 1
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        a = device._configured(k, 1, 32, 0)
+        b = device._configured(k, 1, 32, 0)
+        c = device._configured(k, 2, 32, 0)
+        assert a is b and c is not a
+        assert not [w for w in seen if "occupancy" in str(w.message)], seen
+        k[3, 32, 0, 0]                       # outside pyimp's launches the warning stands
+    assert [w for w in seen if "occupancy" in str(w.message)]
+    assert device._performance_warnings()
+
+
 def test_device_cuda_without_gpu_is_one_error_line(tmp_path):
     """--device cuda on a machine without a GPU: exit 1 and one line naming what is missing."""
     _numba_cuda()
@@ -100,6 +126,25 @@ def test_device_cuda_without_gpu_is_one_error_line(tmp_path):
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert lines[0].startswith("pyimp-run: error: device cuda:") and "GPU" in lines[0]
+
+
+def test_a_numba_cuda_that_cannot_compile_under_this_numpy_is_named():
+    """_check_compiler: numba-cuda's array typing failing to import (numba-cuda 0.30.4 under
+    NumPy 2.5: np.row_stack is gone) is one DeviceUnavailable naming both versions and the
+    fix; a numba-cuda without that module is left alone; this machine's passes."""
+    _numba_cuda()
+    from pyimp import cuda as pc
+
+    def broken(name):
+        raise AttributeError("module 'numpy' has no attribute 'row_stack'")
+
+    def other_layout(name):
+        raise ModuleNotFoundError(name)
+
+    with pytest.raises(pc.DeviceUnavailable, match=r"numba-cuda .* NumPy .*row_stack.*numpy<2.5"):
+        pc._check_compiler(broken)
+    pc._check_compiler(other_layout)
+    pc._check_compiler()
 
 
 def test_prompt_cache_on_the_device_is_refused(tmp_path):

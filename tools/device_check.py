@@ -4,7 +4,8 @@
     NUMBA_ENABLE_CUDASIM=1 python -m tools.device_check OUT --dry   # tiny shapes, simulator
 
 Writes ``OUT/device_check.json`` and ``OUT/device_check.md`` (rewritten after every step, so a
-run cut short still leaves what it measured). Steps:
+run cut short still leaves what it measured), and ``OUT/kernel_tests.log`` (the kernel tests'
+whole output). ``--steps`` picks the steps and their order. Steps:
 
 1. ``kernel_tests``: the CUDA kernel tests of ``tests/cuda`` on the GPU (``PYIMP_CUDA_HW=1``:
    the warp-shuffle reductions included). Skipped with ``--dry`` (CI runs them on the
@@ -205,13 +206,26 @@ def kernel_tests(check: Check) -> dict:
         return {"status_note": "skipped in --dry: tests/test_cuda.py runs them on the simulator"}
     env = dict(os.environ, PYIMP_CUDA_HW="1")
     env.pop("NUMBA_ENABLE_CUDASIM", None)
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        os.path.join(ROOT, "tests", "cuda")], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=max(30, check.left() - 10))
-    tail = (r.stdout + r.stderr).strip().splitlines()
+    log = os.path.join(check.out, "kernel_tests.log")      # the whole output, tracebacks too
+    os.makedirs(check.out, exist_ok=True)
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--tb=short", "-rfE",
+           os.path.join(ROOT, "tests", "cuda")]
+    try:
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=max(30, check.left() - 10))
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        with open(log, "w") as f:
+            f.write(out)
+        raise RuntimeError(f"kernel tests ran past {e.timeout:.0f} s (partial output in {log})")
+    with open(log, "w") as f:
+        f.write(r.stdout + r.stderr)
+    lines = (r.stdout + r.stderr).strip().splitlines()
     if r.returncode:
-        raise RuntimeError("kernel tests failed: " + "\n".join(tail[-40:]))
-    return {"summary": tail[-1] if tail else ""}
+        failed = [ln for ln in lines if ln.startswith(("FAILED", "ERROR"))]
+        raise RuntimeError(f"kernel tests failed ({lines[-1] if lines else ''}); "
+                           + "\n".join(failed[:40]) + f"\nfull output: {log}")
+    return {"summary": lines[-1] if lines else "", "log": log}
 
 
 def agreement(check: Check) -> dict:

@@ -32,6 +32,7 @@ def require() -> None:
     import numba
     if numba.config.ENABLE_CUDASIM:
         return
+    _check_compiler()
     from . import device
     if device.compiling():          # compile-only mode: nothing runs, no GPU needed
         return
@@ -42,3 +43,27 @@ def require() -> None:
     if not ok:
         raise DeviceUnavailable("device cuda: no CUDA GPU or driver found on this machine "
                                 "(set NUMBA_ENABLE_CUDASIM=1 to run on numba-cuda's simulator)")
+
+
+def _check_compiler(importer=None) -> None:
+    """Raise :class:`DeviceUnavailable` if numba-cuda's array typing, which its first kernel
+    compilation loads, fails to import under this NumPy. numba-cuda 0.30.4 with NumPy 2.5 does
+    (``np.row_stack`` is gone): without this check that surfaced as a traceback at the first
+    launch. A numba-cuda laid out otherwise is left to its first compilation."""
+    import importlib
+    importer = importer or importlib.import_module
+    try:
+        importer("numba.cuda.np.arrayobj")
+    except ImportError:
+        return
+    except Exception as e:
+        import numpy as np
+        try:
+            from importlib.metadata import version
+            nc = version("numba-cuda")
+        except Exception:
+            nc = "?"
+        raise DeviceUnavailable(
+            f"device cuda: numba-cuda {nc} cannot compile kernels with NumPy {np.__version__} "
+            f"({type(e).__name__}: {e}); install a NumPy it supports (pip install 'numpy<2.5') "
+            f"or a numba-cuda that supports this one") from None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import numba
 import numpy as np
@@ -70,7 +71,44 @@ def launch(kernel, grid, block, *args, shared: int = 0) -> None:
             cuda.compile_ptx(kernel.py_func, sig, cc=_compile_cc)
             _compiled.add(key)
         return
-    kernel[grid, block, 0, shared](*args)
+    if SIMULATOR:                 # the simulator's kernel[...] configures the kernel object itself
+        kernel[grid, block, 0, shared](*args)
+        return
+    _configured(kernel, grid, block, shared)(*args)
+
+
+_configs: dict = {}
+
+
+def _configured(kernel, grid, block, shared: int):
+    """``kernel[grid, block, 0, shared]``, made once per configuration. pyimp's grids are small
+    on purpose (a block per head, per row group), and numba-cuda warns of "low occupancy" for
+    every grid under 128 blocks: that warning is kept out of pyimp's own launches here, where a
+    configuration is made, and nowhere else."""
+    key = (kernel, grid, block, shared)
+    cfg = _configs.get(key)
+    if cfg is None:
+        if len(_configs) >= 4096:                  # grids follow the context length
+            _configs.clear()
+        with warnings.catch_warnings():
+            for category in _performance_warnings():
+                warnings.simplefilter("ignore", category)
+            cfg = kernel[grid, block, 0, shared]
+        _configs[key] = cfg
+    return cfg
+
+
+def _performance_warnings() -> tuple:
+    """numba-cuda's performance-warning class (its own ``numba.cuda.core.errors`` since it
+    left numba's tree; ``numba.core.errors`` before)."""
+    import importlib
+    found = []
+    for mod in ("numba.cuda.core.errors", "numba.core.errors"):
+        try:
+            found.append(importlib.import_module(mod).NumbaPerformanceWarning)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(found)
 
 
 def to_device(a: np.ndarray):

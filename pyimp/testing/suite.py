@@ -117,10 +117,20 @@ def _f16_order(a: np.ndarray) -> np.ndarray:
 
 
 def _ulps16(what: str, got, want, ulps: int) -> None:
+    """fp16 arrays within ``ulps`` steps of each other. A NaN must be a NaN on both sides, with
+    any payload or sign: a GPU's float -> fp16 conversion writes its canonical NaN (0x7FFF)
+    where a CPU keeps the payload (an empty block's CUBOID_MEAN center is -inf + inf)."""
     got, want = np.asarray(got), np.asarray(want)
     if got.shape != want.shape:
         raise Mismatch(f"{what}: shape {got.shape}, reference {want.shape}")
-    d = np.abs(_f16_order(got) - _f16_order(want))
+    nan_g, nan_w = np.isnan(np.asarray(got, np.float16)), np.isnan(np.asarray(want, np.float16))
+    if np.any(nan_g != nan_w):
+        i = int(np.argmax(nan_g != nan_w))
+        idx = _at(i, got.shape)
+        raise Mismatch(f"{what}: element {idx} is {float(got[idx]):.5g}, reference "
+                       f"{float(want[idx]):.5g} (NaN on one side only); "
+                       f"{int(np.sum(nan_g != nan_w))} of {got.size} differ so")
+    d = np.where(nan_w, 0, np.abs(_f16_order(got) - _f16_order(want)))
     if np.any(d > ulps):
         i = int(np.argmax(d > ulps))
         idx = _at(i, got.shape)

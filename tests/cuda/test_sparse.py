@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from numba import cuda
 
 from pyimp.cuda import device
 from pyimp.cuda import sparse as cs
@@ -52,10 +53,50 @@ def _f16_ulp(x):
 # --------------------------------------------------------------------------
 
 
+@cuda.jit
+def _directed_kernel(x, up, dn):
+    i = cuda.grid(1)
+    if i < x.size:
+        up[i] = cs._f16_up(x[i])
+        dn[i] = cs._f16_down(x[i])
+
+
+def _directed(x):
+    """_f16_up / _f16_down of every element: called directly on the simulator (a launch there
+    would start one Python thread per element), in a kernel on a GPU."""
+    if device.SIMULATOR:
+        return (np.array([cs._f16_up(v) for v in x], np.float32),
+                np.array([cs._f16_down(v) for v in x], np.float32))
+    up, dn = device.empty(x.shape, np.float32), device.empty(x.shape, np.float32)
+    device.launch(_directed_kernel, device.blocks_for(x.size, 256), 256, device.to_device(x),
+                  up, dn)
+    return device.to_host(up), device.to_host(dn)
+
+
+def assert_f16_bits_equal(got, ref):
+    """fp16 arrays bit for bit, except that a NaN only has to be a NaN: a GPU's float -> fp16
+    conversion (PTX cvt) writes its canonical NaN 0x7FFF whatever the payload, where the CPU
+    keeps the payload's top bits (0x7E00). The NaN positions must agree."""
+    got, ref = np.asarray(got, np.float16), np.asarray(ref, np.float16)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    keep = ~np.isnan(ref)
+    np.testing.assert_array_equal(got.view(np.uint16)[keep], ref.view(np.uint16)[keep])
+
+
+def test_f16_bits_compare_catches_a_flip():
+    a = np.float16([1.0, np.nan, -0.0, 65504])
+    assert_f16_bits_equal(a, a.copy())
+    assert_f16_bits_equal(a, np.uint16([0x3C00, 0x7FFF, 0x8000, 0x7BFF]).view(np.float16))
+    for bad in ([0x3C01, 0x7E00, 0x8000, 0x7BFF], [0x3C00, 0x7E00, 0x0000, 0x7BFF],
+                [0x3C00, 0x3C00, 0x8000, 0x7BFF]):
+        with pytest.raises(AssertionError):
+            assert_f16_bits_equal(np.uint16(bad).view(np.float16), a)
+
+
 def test_f16_directed_rounding_exhaustive():
-    """_f16_up / _f16_down (device functions, called directly on the simulator) == the CPU's
-    _round_up_f16 / _round_down_f16, bit for bit, on every finite fp16 value, its float32
-    neighbours, the overflow boundary, subnormals, infinities and NaN."""
+    """_f16_up / _f16_down (device functions) == the CPU's _round_up_f16 / _round_down_f16, bit
+    for bit, on every finite fp16 value, its float32 neighbours, the overflow boundary,
+    subnormals, infinities and NaN (NaN as NaN: see assert_f16_bits_equal)."""
     h = np.arange(65536, dtype=np.uint16).view(np.float16)
     h = h[np.isfinite(h)].astype(np.float32)
     x = np.concatenate([h, np.nextafter(h, np.float32(np.inf)), np.nextafter(h, np.float32(-np.inf)),
@@ -63,11 +104,10 @@ def test_f16_directed_rounding_exhaustive():
                                     np.inf, -np.inf, np.nan, 1e-9, -1e-9, 2.0 ** -25])])
     x = x.astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):   # 65536 and beyond store as fp16 inf
-        up = np.array([cs._f16_up(v) for v in x], np.float32).astype(np.float16)
-        dn = np.array([cs._f16_down(v) for v in x], np.float32).astype(np.float16)
+        up, dn = (a.astype(np.float16) for a in _directed(x))
         ref_up, ref_dn = _round_up_f16(x), _round_down_f16(x)
-    np.testing.assert_array_equal(up.view(np.uint16), ref_up.view(np.uint16))
-    np.testing.assert_array_equal(dn.view(np.uint16), ref_dn.view(np.uint16))
+    assert_f16_bits_equal(up, ref_up)
+    assert_f16_bits_equal(dn, ref_dn)
 
 
 # --------------------------------------------------------------------------
@@ -158,7 +198,8 @@ def test_bound_anchors_round_outward(atype, scale):
     kc, imp, blocks, n_valid, anchor0 = _anchor_inputs(rng, np.float32, 2, True, atype,
                                                        scale=scale)
     got, ref = _run_anchors(atype, kc, imp, blocks, n_valid, anchor0)
-    np.testing.assert_array_equal(got.view(np.uint16), ref.view(np.uint16))
+    # the empty block's CUBOID_MEAN slots are NaN: as NaN, whatever their payload
+    assert_f16_bits_equal(got, ref)
 
 
 def test_dynamic_single_anchor_exact():
@@ -357,7 +398,8 @@ def test_select_reuses_buffers_and_many_chunks():
 @pytest.mark.parametrize("G", [1, 4])
 def test_decay_matches_cpu(decay, G):
     """fp16 in and out with the CPU's rounding: bit-identical, including large values, inf (clamped
-    to 65504), NaN, subnormals; entries past n_ctx and unmapped blocks untouched."""
+    to 65504), subnormals; NaN stays NaN (its payload is the GPU's own, assert_f16_bits_equal);
+    entries past n_ctx and unmapped blocks untouched."""
     rng = np.random.default_rng([G, int(decay * 1000)])
     NB, B, Hq = 6, 4, 2 * G
     imp = (rng.random((NB, B, Hq)) * 10.0 ** rng.integers(-7, 5, (NB, B, Hq))).astype(np.float16)
@@ -371,7 +413,7 @@ def test_decay_matches_cpu(decay, G):
     np.testing.assert_array_equal(ref.view(np.uint16), ref2.view(np.uint16))
     d_imp = device.to_device(imp)
     cs.decay_importance(d_imp, device.to_device(bt), n_ctx, decay)
-    np.testing.assert_array_equal(device.to_host(d_imp).view(np.uint16), ref.view(np.uint16))
+    assert_f16_bits_equal(device.to_host(d_imp), ref)
 
 
 # --------------------------------------------------------------------------
