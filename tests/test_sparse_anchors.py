@@ -221,3 +221,70 @@ def test_anchor_slots():
     with pytest.raises(ValueError):
         compute_anchors(AnchorType.QUEST, np.zeros((1, 1, 4), np.float16), [0], [2],
                         np.zeros((1, 1, 1, 2), np.float16))
+
+
+@st.composite
+def kernel_case(draw):
+    """anchor_case plus what the kernel must meet exactly: keys of both zero signs, fp16
+    subnormals and values near 65504 (the directed roundings' edges), empty blocks."""
+    c = draw(anchor_case())
+    kind = draw(st.sampled_from(["normal", "zeros", "tiny", "huge"]))
+    kc = c["kc"].astype(np.float32)
+    rng = c["rng"]
+    if kind == "zeros":
+        kc = np.where(rng.random(kc.shape) < 0.5, np.float32(0.0), np.float32(-0.0)) + \
+            np.where(rng.random(kc.shape) < 0.3, kc, np.float32(0.0)) * 0
+    elif kind == "tiny":
+        kc = kc * np.float32(1e-6)
+    elif kind == "huge":
+        kc = np.float32(65500.0) + kc * np.float32(8.0)
+    c["kc"] = kc.astype(c["kc"].dtype) if kind != "huge" else kc
+    return c
+
+
+def _value_equal(got, want):
+    """fp16 arrays: NaN where the other is NaN, otherwise equal values (+0 == -0) and equal
+    bits except for the sign of a zero."""
+    g, w = got.astype(np.float32), want.astype(np.float32)
+    assert np.array_equal(np.isnan(g), np.isnan(w))
+    assert np.array_equal(g, w, equal_nan=True)
+    nz = (w != 0) & ~np.isnan(w)
+    assert np.array_equal(got.view(np.uint16)[nz], want.view(np.uint16)[nz])
+
+
+@settings(max_examples=150, deadline=None)
+@given(kernel_case(), st.sampled_from([a for a in AnchorType if a is not AnchorType.DYNAMIC]),
+       st.booleans(), st.booleans())
+def test_compiled_anchors_match_the_numpy_reference(c, anchor_type, shared, empty):
+    """compute_anchors' compiled path (_anchor_rows) == its NumPy reference bit for bit: sums in
+    the same order, the same roundings (nearest and directed), the same NaN of an empty
+    CUBOID_MEAN block; only the sign of a zero maximum / minimum may differ (the two
+    compare equal and score the same). Per-kv-head and per-query-head storage."""
+    A = max(c["A"], 2) if anchor_type in (AnchorType.QUEST, AnchorType.CUBOID_MEAN) else c["A"]
+    Ha = c["Hkv"] if shared else c["Hq"]
+    phys, n_valid = block_spans(c["bt"], c["n_ctx"], c["B"])
+    if empty:                                    # a spare physical block with no valid token
+        spare = np.setdiff1d(np.arange(c["NB"]), phys)[:1]
+        phys, n_valid = np.append(phys, spare), np.append(n_valid, np.zeros(spare.size, int))
+    got = np.full((c["NB"], A, Ha, c["D"]), 7.0, np.float16)
+    want = got.copy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        compute_anchors(anchor_type, c["kc"], phys, n_valid, got, c["imp"])
+        compute_anchors(anchor_type, c["kc"], phys, n_valid, want, c["imp"], backend="numpy")
+    _value_equal(got, want)
+
+
+def test_value_equal_catches_a_one_ulp_move():
+    a = np.float16([1.0, -0.0, np.nan, 65504])
+    _value_equal(a, np.float16([1.0, 0.0, np.nan, 65504]))
+    with pytest.raises(AssertionError):
+        _value_equal(a, np.float16([np.nextafter(np.float16(1), np.float16(2)), 0, np.nan, 65504]))
+    with pytest.raises(AssertionError):
+        _value_equal(a, np.float16([1.0, 0.0, 0.0, 65504]))
+
+
+def test_compute_anchors_refuses_an_unknown_backend():
+    kc = np.zeros((1, 2, 8), np.float16)
+    with pytest.raises(ValueError, match="backend"):
+        compute_anchors(AnchorType.QUEST, kc, [0], [2], np.zeros((2, 2, 1, 4), np.float16),
+                        backend="cuda")

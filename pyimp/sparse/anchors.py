@@ -42,7 +42,12 @@ import enum
 
 import numpy as np
 
+from loaders import jit
+from pyimp import attn_kernels
+from pyimp.attn_kernels import f32_to_half_bits, half_bits_to_f32
 from pyimp.sparse import checks
+
+jit.kernel_module(__file__, attn_kernels)
 
 
 class AnchorType(enum.Enum):
@@ -96,8 +101,115 @@ def _round_down_f16(x: np.ndarray) -> np.ndarray:
     return y
 
 
+# --------------------------------------------------------------------------
+# the anchors of every type but DYNAMIC, compiled (the NumPy code in compute_anchors is the
+# reference): one pass over a block's keys per kv head, in the reference's order
+# --------------------------------------------------------------------------
+
+_FIXED, _QUEST, _MEAN, _MAX, _CUBOID = 0, 1, 2, 3, 4
+_KIND = {AnchorType.FIXED: _FIXED, AnchorType.QUEST: _QUEST, AnchorType.BLOCK_MEAN: _MEAN,
+         AnchorType.BLOCK_MAX: _MAX, AnchorType.CUBOID_MEAN: _CUBOID}
+
+
+@jit.njit
+def _f16_up_bits(x):
+    """fp16 bits of the smallest fp16 >= x (x float32; NaN stays NaN): _round_up_f16."""
+    h = f32_to_half_bits(x)
+    if half_bits_to_f32(h) < x:          # never for NaN or +inf
+        if h == 0 or h == 0x8000:
+            return np.uint16(1)
+        return np.uint16(h - 1) if h & 0x8000 else np.uint16(h + 1)
+    return h
+
+
+@jit.njit
+def _f16_down_bits(x):
+    """fp16 bits of the largest fp16 <= x: _round_down_f16."""
+    h = f32_to_half_bits(x)
+    if half_bits_to_f32(h) > x:
+        if h == 0 or h == 0x8000:
+            return np.uint16(0x8001)
+        return np.uint16(h + 1) if h & 0x8000 else np.uint16(h - 1)
+    return h
+
+
+@jit.njit
+def _anchor_rows(kind, K, n_valid, out):
+    """out[i, a, kvh*rep + g, :] = fp16 bits of slot a of block i's anchor for kv head kvh
+    (rep = out heads / kv heads), from K float32 [Hkv][n][B*D] (the blocks' keys, token-major)
+    and n_valid [n]. Reductions run over the tokens in order, the first token's value (or the
+    masked fill) first, as NumPy reduces the token axis of the reference, masked tokens
+    included: so the sums are the same float32 values (a -0 sum turns +0 as there); a maximum
+    or minimum among keys of both zero signs may keep either sign."""
+    Hkv, n, BD = K.shape
+    A, Ha, D = out.shape[1], out.shape[2], out.shape[3]
+    B = BD // D
+    rep = Ha // Hkv
+    inf = np.float32(np.inf)
+    s0 = np.empty(D, np.float32)
+    s1 = np.empty(D, np.float32)
+    b0 = np.empty(D, np.uint16)
+    b1 = np.empty(D, np.uint16)
+    for i in range(n):
+        nv = n_valid[i]
+        for kvh in range(Hkv):
+            k = K[kvh, i]
+            if kind == _MEAN or kind == _FIXED:
+                ns = 0
+                for t in range(B):
+                    take = t < nv
+                    if kind == _FIXED and take:
+                        a = (t * A + B - 1) // B          # smallest a with a*B//A >= t
+                        take = a < A and (a * B) // A == t
+                    ns += take
+                    for d in range(D):
+                        x = k[t * D + d] if take else np.float32(0.0)
+                        s0[d] = x if t == 0 else s0[d] + x
+                c = np.float32(max(ns, 1) if kind == _FIXED else max(nv, 1))
+                for d in range(D):
+                    b0[d] = f32_to_half_bits(s0[d] / c)
+                    b1[d] = b0[d]
+            else:
+                for t in range(B):
+                    take = t < nv
+                    for d in range(D):
+                        x = k[t * D + d]
+                        hi = x if take else -inf
+                        lo = x if take else inf
+                        if t == 0:
+                            s0[d], s1[d] = hi, lo
+                        else:
+                            s0[d] = max(s0[d], hi)
+                            s1[d] = min(s1[d], lo)
+                if kind == _MAX:
+                    for d in range(D):
+                        b0[d] = f32_to_half_bits(s0[d])
+                        b1[d] = b0[d]
+                elif kind == _QUEST:
+                    for d in range(D):
+                        b0[d] = _f16_up_bits(s0[d])
+                        b1[d] = _f16_down_bits(s1[d])
+                else:                                   # CUBOID_MEAN
+                    cnt = np.float32(max(nv, 1))
+                    for d in range(D):
+                        c = (s0[d] + s1[d]) * np.float32(0.5)
+                        r = np.float32(0.0)
+                        for t in range(B):
+                            x = abs(k[t * D + d] - c) if t < nv else np.float32(0.0)
+                            r = x if t == 0 else r + x
+                        r = r / cnt
+                        b0[d] = _f16_up_bits(c + r)
+                        b1[d] = _f16_down_bits(c - r)
+            for a in range(A):
+                src = b1 if a == 1 else b0
+                for g in range(rep):
+                    for d in range(D):
+                        out[i, a, kvh * rep + g, d] = src[d]
+
+
 def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_valid,
-                    anchor: np.ndarray, importance: np.ndarray | None = None) -> None:
+                    anchor: np.ndarray, importance: np.ndarray | None = None,
+                    backend: str = "numba") -> None:
     """(Re)compute the anchors of the given physical blocks, in place.
 
     k_cache: float16/float32 [Hkv][NB][B*D] or a quantized K layer
@@ -105,8 +217,11 @@ def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_vali
     (distinct); n_valid: int [n] valid tokens of each block (0..B);
     anchor: float16 [NB][A][Ha][D], rows ``blocks`` written, ``Ha`` = Hq or (shared
     types) Hkv, see the module docstring; importance: float16 [NB][B][Hq], required
-    for DYNAMIC. Bad arguments raise ValueError naming the argument.
+    for DYNAMIC. Bad arguments raise ValueError naming the argument. backend "numba": the
+    compiled :func:`_anchor_rows` for every type but DYNAMIC; "numpy": the reference below.
     """
+    if backend not in ("numba", "numpy"):
+        raise ValueError(f"backend must be 'numba' or 'numpy', got {backend!r}")
     from pyimp.kvcache import QuantizedKV
     quantized = isinstance(k_cache, QuantizedKV)
     if not quantized:
@@ -153,6 +268,12 @@ def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_vali
     n = blocks.size
     K = (k_cache.blocks_f32(blocks) if quantized else
          k_cache[:, blocks].astype(np.float32)).reshape(Hkv, n, B, D)
+    if backend == "numba" and anchor_type is not AnchorType.DYNAMIC:
+        out = np.empty((n, A, Ha, D), np.uint16)
+        _anchor_rows(_KIND[anchor_type], np.ascontiguousarray(K.reshape(Hkv, n, B * D)),
+                     n_valid, out)
+        anchor[blocks] = out.view(np.float16)
+        return
     valid = np.arange(B)[None, :] < n_valid[:, None]  # [n, B]
     vmask = valid[None, :, :, None]  # [1, n, B, 1]
     cnt = np.maximum(n_valid, 1).astype(np.float32)[None, :, None]  # [1, n, 1]

@@ -104,7 +104,8 @@ def compute_anchors(anchor_type: str, k_cache, blocks, n_valid, anchor, importan
     type's name: block_mean, block_max, fixed, dynamic, quest, cuboid_mean (formulas and
     fp16 rounding: :mod:`pyimp.sparse.anchors`; every type but dynamic repeats kv head j's
     vector into query-head slots j*G..j*G+G-1). ``importance`` fp16: for dynamic."""
-    _compute_anchors(AnchorType(anchor_type), k_cache, blocks, n_valid, anchor, importance)
+    _compute_anchors(AnchorType(anchor_type), k_cache, blocks, n_valid, anchor, importance,
+                     backend="numpy")
 
 
 def block_scores(q, anchor, block_table, lb_start: int, lb_end: int, n_slots: int,

@@ -2,9 +2,9 @@
 
 Each function is a call of the dispatcher the engine uses, with ``backend="numba"``; the
 arguments arrive as the interface gives them (fp16 as float16: the dispatchers make their
-own uint16 views). Anchors have no Numba kernel on the CPU (they are computed in NumPy, a
-block at a time, off the decode path): :func:`compute_anchors` is that code, so its check
-passes by construction there and is meaningful for the other backends.
+own uint16 views). Anchors: the compiled path of :func:`pyimp.sparse.anchors.compute_anchors`
+for every type but DYNAMIC, whose anchors stay in NumPy (the reference's code, so that check
+passes by construction here and is meaningful for the other backends).
 """
 from __future__ import annotations
 
