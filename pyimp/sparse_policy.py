@@ -40,10 +40,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .kvcache import KVCache
+from .kvcache import KVCache, QuantizedKV
 from .sparse import AnchorType, RetrievalType, compute_anchors, retrieve_blocks, sparse_attention_decode
 from .sparse.sparse_attention import decode_over_blocks, every_block
-from .sparse.anchors import group_shared, min_anchor_num
+from .sparse.anchors import block_anchors, group_shared, min_anchor_num
 from .sparse.importance import decay_importance
 from .sparse.retrieval import (block_center_logits, n_sets, recent_blocks, select_blocks,
                                select_for_recall)
@@ -457,8 +457,12 @@ class SparseState:
         lbs = np.flatnonzero(d[:-(-n_ctx // self.cache.block_len)])
         if lbs.size:
             blocks, n_valid = self._blocks_upto(il, n_ctx, lbs)
-            compute_anchors(self.anchor_type, self.cache.k_layer(il), blocks, n_valid,
-                            self.anchor_.storage(il), self.importance_[il])
+            kc = self.cache.k_layer(il)
+            if self.anchor_type is AnchorType.DYNAMIC or isinstance(kc, QuantizedKV):
+                compute_anchors(self.anchor_type, kc, blocks, n_valid, self.anchor_.storage(il),
+                                self.importance_[il])
+            else:                  # the cache's own blocks: no argument checks on this path
+                block_anchors(self.anchor_type, kc, blocks, n_valid, self.anchor_.storage(il))
             d[:] = False
         return self.anchor_.storage(il)
 

@@ -44,7 +44,7 @@ import numpy as np
 
 from loaders import jit
 from pyimp import attn_kernels
-from pyimp.attn_kernels import f32_to_half_bits, half_bits_to_f32
+from pyimp.attn_kernels import f32_to_half_bits, half_bits_to_f32, load_f32
 from pyimp.sparse import checks
 
 jit.kernel_module(__file__, attn_kernels)
@@ -134,18 +134,21 @@ def _f16_down_bits(x):
 
 
 @jit.njit
-def _anchor_rows(kind, K, n_valid, out):
-    """out[i, a, kvh*rep + g, :] = fp16 bits of slot a of block i's anchor for kv head kvh
-    (rep = out heads / kv heads), from K float32 [Hkv][n][B*D] (the blocks' keys, token-major)
-    and n_valid [n]. Reductions run over the tokens in order, the first token's value (or the
-    masked fill) first, as NumPy reduces the token axis of the reference, masked tokens
-    included: so the sums are the same float32 values (a -0 sum turns +0 as there); a maximum
-    or minimum among keys of both zero signs may keep either sign."""
-    Hkv, n, BD = K.shape
+def _anchor_rows(kind, k_cache, blocks, n_valid, out):
+    """out[i, a, kvh*rep + g, :] = fp16 bits of slot a of block blocks[i]'s anchor for kv head
+    kvh (rep = out heads / kv heads), from k_cache [Hkv][NB][B*D] (fp16 bits as uint16, or
+    float32; token-major blocks) and n_valid [n]. Reductions run over the tokens in order, the
+    first token's value (or the masked fill) first, as NumPy reduces the token axis of the
+    reference, masked tokens included: so the sums are the same float32 values (a -0 sum
+    turns +0 as there); a maximum or minimum among keys of both zero signs may keep either
+    sign."""
+    Hkv, _, BD = k_cache.shape
+    n = blocks.shape[0]
     A, Ha, D = out.shape[1], out.shape[2], out.shape[3]
     B = BD // D
     rep = Ha // Hkv
     inf = np.float32(np.inf)
+    k = np.empty(BD, np.float32)
     s0 = np.empty(D, np.float32)
     s1 = np.empty(D, np.float32)
     b0 = np.empty(D, np.uint16)
@@ -153,7 +156,7 @@ def _anchor_rows(kind, K, n_valid, out):
     for i in range(n):
         nv = n_valid[i]
         for kvh in range(Hkv):
-            k = K[kvh, i]
+            load_f32(k_cache[kvh, blocks[i]], 0, BD, k, k)
             if kind == _MEAN or kind == _FIXED:
                 ns = 0
                 for t in range(B):
@@ -205,6 +208,18 @@ def _anchor_rows(kind, K, n_valid, out):
                 for g in range(rep):
                     for d in range(D):
                         out[i, a, kvh * rep + g, d] = src[d]
+
+
+def block_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks: np.ndarray,
+                  n_valid: np.ndarray, anchor: np.ndarray) -> None:
+    """:func:`compute_anchors`' compiled path without its argument checks, for a caller whose
+    arguments are its own buffers, valid by construction (the sparse state's per-step refresh
+    of a block or two, where the checks cost more than the anchors): every type but DYNAMIC,
+    a float16 / float32 ``k_cache``, a float16 ``anchor``; blocks / n_valid int arrays."""
+    out = np.empty((blocks.shape[0],) + anchor.shape[1:], np.uint16)
+    kc = k_cache.view(np.uint16) if k_cache.dtype == np.float16 else k_cache
+    _anchor_rows(_KIND[anchor_type], kc, blocks, n_valid, out)
+    anchor[blocks] = out.view(np.float16)
 
 
 def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_valid,
@@ -266,14 +281,17 @@ def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_vali
                                            f" or per kv head ({Hkv})"))
     G = Hq // Hkv
     n = blocks.size
-    K = (k_cache.blocks_f32(blocks) if quantized else
-         k_cache[:, blocks].astype(np.float32)).reshape(Hkv, n, B, D)
     if backend == "numba" and anchor_type is not AnchorType.DYNAMIC:
+        if quantized:                 # the dequantized keys, blocks in the order listed
+            kc, ids = k_cache.blocks_f32(blocks).reshape(Hkv, n, BD), np.arange(n)
+        else:
+            kc, ids = (k_cache.view(np.uint16) if k_cache.dtype == np.float16 else k_cache), blocks
         out = np.empty((n, A, Ha, D), np.uint16)
-        _anchor_rows(_KIND[anchor_type], np.ascontiguousarray(K.reshape(Hkv, n, B * D)),
-                     n_valid, out)
+        _anchor_rows(_KIND[anchor_type], kc, ids, n_valid, out)
         anchor[blocks] = out.view(np.float16)
         return
+    K = (k_cache.blocks_f32(blocks) if quantized else
+         k_cache[:, blocks].astype(np.float32)).reshape(Hkv, n, B, D)
     valid = np.arange(B)[None, :] < n_valid[:, None]  # [n, B]
     vmask = valid[None, :, :, None]  # [1, n, B, 1]
     cnt = np.maximum(n_valid, 1).astype(np.float32)[None, :, None]  # [1, n, 1]
