@@ -218,7 +218,10 @@ def block_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks: np.ndarr
     a float16 / float32 ``k_cache``, a float16 ``anchor``; blocks / n_valid int arrays."""
     out = np.empty((blocks.shape[0],) + anchor.shape[1:], np.uint16)
     kc = k_cache.view(np.uint16) if k_cache.dtype == np.float16 else k_cache
-    _anchor_rows(_KIND[anchor_type], kc, blocks, n_valid, out)
+    # int64 ids and counts, as compute_anchors passes them: one compiled specialization
+    # (the one the sparse state's warmup compiles)
+    _anchor_rows(_KIND[anchor_type], kc, blocks.astype(np.int64, copy=False),
+                 n_valid.astype(np.int64, copy=False), out)
     anchor[blocks] = out.view(np.float16)
 
 
