@@ -408,3 +408,32 @@ def test_device_path_refuses_cpu_only_selection(kw, flag):
     with pytest.raises(ValueError, match=f"{flag} runs on the CPU only"):
         opts.validate()
     EngineOptions(device="cpu", sparse=SparseOptions(enabled=True, **kw)).validate()
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "f32"])
+def test_decode_anchor_refresh_uses_the_warmed_specialization(model, monkeypatch, kv_type):
+    """The compiled anchors (anchors._anchor_rows) see in a decode step only argument types that
+    Engine.warmup already gave them: a new specialization would be compiled or loaded inside
+    the first decode step after a prefill (5.7 ms at 16k when the block table's int32 ids
+    reached it)."""
+    import numba
+
+    from pyimp.sparse import anchors
+    seen = {"now": None, "warm": set(), "run": set()}
+    inner = anchors._anchor_rows
+
+    def recording(*args):
+        seen[seen["now"]].add(tuple(numba.typeof(a) for a in args))
+        return inner(*args)
+
+    monkeypatch.setattr(anchors, "_anchor_rows", recording)
+    eng = pyimp.load(model, n_ctx=128, block_len=B, kv_type=kv_type, sparse=True,
+                     anchor="block_mean", init_blocks=1, topk=2, local_blocks=1)
+    seen["now"] = "warm"
+    eng.warmup()
+    seen["now"] = "run"
+    ids = _ids(60, seed=7)
+    eng.eval(ids[:50])
+    for t in ids[50:]:
+        eng.eval([t])
+    assert seen["run"] and seen["run"] <= seen["warm"], (seen["run"], seen["warm"])
