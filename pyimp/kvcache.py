@@ -446,7 +446,9 @@ class KVCache:
                                        f"{n_tokens} new tokens exceed the {self.max_slots} slots "
                                        f"a layer holds")
             row = self.tables[seq, il]
-            for lb in range(-(-s_new // self.block_len)):
+            # the blocks below the one the layer's next slot falls in hold its tokens: mapped
+            for lb in range(int(self.n_slots[seq, il]) // self.block_len,
+                            -(-s_new // self.block_len)):
                 if row[lb] < 0:
                     if not self._free[il]:
                         raise ContextFullError(f"layer {il}: KV block pool exhausted")
