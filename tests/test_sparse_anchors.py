@@ -6,6 +6,7 @@ from hypothesis import given, settings, strategies as st
 from pyimp.sparse.anchors import (AnchorType, anchor_slots, block_spans, compute_anchors,
                                   group_shared)
 from pyimp.sparse.retrieval import block_scores
+from pyimp.testing import suite
 
 
 def _up(x):
@@ -242,16 +243,6 @@ def kernel_case(draw):
     return c
 
 
-def _value_equal(got, want):
-    """fp16 arrays: NaN where the other is NaN, otherwise equal values (+0 == -0) and equal
-    bits except for the sign of a zero."""
-    g, w = got.astype(np.float32), want.astype(np.float32)
-    assert np.array_equal(np.isnan(g), np.isnan(w))
-    assert np.array_equal(g, w, equal_nan=True)
-    nz = (w != 0) & ~np.isnan(w)
-    assert np.array_equal(got.view(np.uint16)[nz], want.view(np.uint16)[nz])
-
-
 @settings(max_examples=150, deadline=None)
 @given(kernel_case(), st.sampled_from([a for a in AnchorType if a is not AnchorType.DYNAMIC]),
        st.booleans(), st.booleans())
@@ -271,16 +262,9 @@ def test_compiled_anchors_match_the_numpy_reference(c, anchor_type, shared, empt
     with np.errstate(invalid="ignore", over="ignore"):
         compute_anchors(anchor_type, c["kc"], phys, n_valid, got, c["imp"])
         compute_anchors(anchor_type, c["kc"], phys, n_valid, want, c["imp"], backend="numpy")
-    _value_equal(got, want)
-
-
-def test_value_equal_catches_a_one_ulp_move():
-    a = np.float16([1.0, -0.0, np.nan, 65504])
-    _value_equal(a, np.float16([1.0, 0.0, np.nan, 65504]))
-    with pytest.raises(AssertionError):
-        _value_equal(a, np.float16([np.nextafter(np.float16(1), np.float16(2)), 0, np.nan, 65504]))
-    with pytest.raises(AssertionError):
-        _value_equal(a, np.float16([1.0, 0.0, 0.0, 65504]))
+    # 0 fp16 steps apart, +0 == -0, a NaN only where the other has one (the conformance
+    # suite's comparison, tested in tests/test_conformance.py)
+    suite._ulps16("compute_anchors", got, want, 0)
 
 
 def test_compute_anchors_refuses_an_unknown_backend():

@@ -18,6 +18,7 @@ thread sums all of ``red`` after one barrier (block sizes are powers of two, <= 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 
@@ -98,6 +99,7 @@ def _configured(kernel, grid, block, shared: int):
     return cfg
 
 
+@functools.cache
 def _performance_warnings() -> tuple:
     """numba-cuda's performance-warning class (its own ``numba.cuda.core.errors`` since it
     left numba's tree; ``numba.core.errors`` before)."""

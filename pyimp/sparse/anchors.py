@@ -210,19 +210,25 @@ def _anchor_rows(kind, k_cache, blocks, n_valid, out):
                         out[i, a, kvh * rep + g, d] = src[d]
 
 
+def _compiled_anchors(anchor_type: AnchorType, k_cache: np.ndarray, ids: np.ndarray,
+                      n_valid: np.ndarray, anchor: np.ndarray, blocks: np.ndarray) -> None:
+    """anchor[blocks] = the anchors of k_cache's blocks ``ids`` (_anchor_rows)."""
+    out = np.empty((ids.shape[0],) + anchor.shape[1:], np.uint16)
+    kc = k_cache.view(np.uint16) if k_cache.dtype == np.float16 else k_cache
+    # int64 ids and counts whatever the caller's: one compiled specialization per cache type
+    # (the one the sparse state's warmup compiles)
+    _anchor_rows(_KIND[anchor_type], kc, ids.astype(np.int64, copy=False),
+                 n_valid.astype(np.int64, copy=False), out)
+    anchor[blocks] = out.view(np.float16)
+
+
 def block_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks: np.ndarray,
                   n_valid: np.ndarray, anchor: np.ndarray) -> None:
     """:func:`compute_anchors`' compiled path without its argument checks, for a caller whose
     arguments are its own buffers, valid by construction (the sparse state's per-step refresh
     of a block or two, where the checks cost more than the anchors): every type but DYNAMIC,
-    a float16 / float32 ``k_cache``, a float16 ``anchor``; blocks / n_valid int arrays."""
-    out = np.empty((blocks.shape[0],) + anchor.shape[1:], np.uint16)
-    kc = k_cache.view(np.uint16) if k_cache.dtype == np.float16 else k_cache
-    # int64 ids and counts, as compute_anchors passes them: one compiled specialization
-    # (the one the sparse state's warmup compiles)
-    _anchor_rows(_KIND[anchor_type], kc, blocks.astype(np.int64, copy=False),
-                 n_valid.astype(np.int64, copy=False), out)
-    anchor[blocks] = out.view(np.float16)
+    a float16 / float32 ``k_cache``; blocks / n_valid int arrays."""
+    _compiled_anchors(anchor_type, k_cache, blocks, n_valid, anchor, blocks)
 
 
 def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_valid,
@@ -286,12 +292,10 @@ def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_vali
     n = blocks.size
     if backend == "numba" and anchor_type is not AnchorType.DYNAMIC:
         if quantized:                 # the dequantized keys, blocks in the order listed
-            kc, ids = k_cache.blocks_f32(blocks).reshape(Hkv, n, BD), np.arange(n)
+            _compiled_anchors(anchor_type, k_cache.blocks_f32(blocks).reshape(Hkv, n, BD),
+                              np.arange(n), n_valid, anchor, blocks)
         else:
-            kc, ids = (k_cache.view(np.uint16) if k_cache.dtype == np.float16 else k_cache), blocks
-        out = np.empty((n, A, Ha, D), np.uint16)
-        _anchor_rows(_KIND[anchor_type], kc, ids, n_valid, out)
-        anchor[blocks] = out.view(np.float16)
+            block_anchors(anchor_type, k_cache, blocks, n_valid, anchor)
         return
     K = (k_cache.blocks_f32(blocks) if quantized else
          k_cache[:, blocks].astype(np.float32)).reshape(Hkv, n, B, D)
