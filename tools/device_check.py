@@ -15,7 +15,9 @@ whole output). ``--steps`` picks the steps and their order. Steps:
    with f32 KV: greedy tokens on a few prompts (identical or not) and the mean KL(cpu || gpu)
    of the next-token distributions along the CPU's greedy path. ``agreement_qkv``: the same
    with q8_0 and q4_0 KV caches, one prompt each (``--dry``: q8_0, head dim 32).
-3. ``attention``: the decode attention kernel alone at long context, dense vs block-sparse at
+3. ``launch_cost``: host microseconds per launch of kernels that do nothing (1 argument, and
+   8 arrays + 4 scalars as a decode kernel takes), through ``device.launch`` and directly.
+   ``attention``: the decode attention kernel alone at long context, dense vs block-sparse at
    a 1/8 block budget (Gemma's and TinyLlama's head shapes).
 4. ``decode``: end-to-end decode tok/s at 1k / 4k / 16k / 32k context, dense vs sparse (1/8
    budget), on a cache filled on the device with random keys and values; kernel launches per
@@ -313,6 +315,34 @@ def attention_kernel(check: Check) -> dict:
     return res
 
 
+@cuda.jit
+def _empty_1(a):
+    """Does nothing: a launch's own cost."""
+
+
+@cuda.jit
+def _empty_12(a0, a1, a2, a3, a4, a5, a6, a7, i0, i1, f0, f1):
+    """Does nothing, with 8 array and 4 scalar arguments (a decode kernel's count)."""
+
+
+def launch_cost(check: Check) -> dict:
+    """Host time per launch of kernels that do nothing (one launch after another, synchronized
+    at the end, so the GPU's own time overlaps): through pyimp's device.launch with 1 array
+    argument and with 8 arrays and 4 scalars, and numba-cuda's kernel[...] directly. Said
+    against the decode step's launches per token (step ``decode``), this tells how much of a
+    token is launching."""
+    from pyimp.cuda import device
+    n = 20 if check.dry else 2000
+    a = device.zeros(32, np.float32)
+    arrs = [device.zeros(32, np.float32) for _ in range(8)]
+    scal = (np.int32(1), np.int32(2), np.float32(0.5), np.float32(1.5))
+    one = _timed(lambda: device.launch(_empty_1, 1, 32, a), n)
+    twelve = _timed(lambda: device.launch(_empty_12, 1, 32, *arrs, *scal), n)
+    raw = _timed(lambda: _empty_1[1, 32](a), n)
+    return {"us_per_launch_1_array": one * 1e6, "us_per_launch_8_arrays_4_scalars": twelve * 1e6,
+            "us_per_launch_numba_cuda_direct_1_array": raw * 1e6, "launches_timed": n}
+
+
 def _decode_rate(engine, n_ctx: int, steps: int) -> tuple[float, float]:
     from pyimp.cuda import device
     _fill(engine, n_ctx)
@@ -413,7 +443,8 @@ def tinyllama(check: Check) -> dict:
 
 # name: (step, seconds it needs left to start), in the default order
 STEPS = {"kernel_tests": (kernel_tests, 60), "agreement": (agreement, 40),
-         "agreement_qkv": (agreement_qkv, 40), "attention": (attention_kernel, 20),
+         "agreement_qkv": (agreement_qkv, 40), "launch_cost": (launch_cost, 10),
+         "attention": (attention_kernel, 20),
          "decode": (decode, 40), "prefill": (prefill, 15), "tinyllama": (tinyllama, 40)}
 
 

@@ -13,4 +13,6 @@ def test_device_check_dry(tmp_path):
     assert rc == 0 and not bad, bad
     assert data["steps"]["agreement"]["mean_kl"] < 1e-3
     assert data["steps"]["agreement_qkv"]["q8_0"]["mean_kl"] < 1e-3      # quantized KV
+    cost = data["steps"]["launch_cost"]
+    assert cost["launches_timed"] > 0 and cost["us_per_launch_8_arrays_4_scalars"] > 0
     assert (tmp_path / "device_check.md").read_text().startswith("# device_check")
