@@ -461,8 +461,8 @@ def main(argv=None) -> int:
     steps = [s.strip() for s in a.steps.split(",") if s.strip()]
     unknown = [s for s in steps if s not in STEPS]
     if unknown or not steps:
-        ap.error(f"--steps: unknown step {', '.join(unknown) or '(none given)'}; "
-                 f"the steps are {', '.join(STEPS)}")
+        what = f"unknown step {', '.join(unknown)}" if unknown else "no step given"
+        ap.error(f"--steps: {what}; the steps are {', '.join(STEPS)}")
     if a.budget_s is None:
         a.budget_s = float("inf") if a.dry else 225.0
     if ROOT not in sys.path:
