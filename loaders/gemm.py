@@ -27,7 +27,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import jit, quants_legacy
-from .quants_legacy import ir_splat
+from .quants_legacy import ir_ptr, ir_splat
 
 jit.kernel_module(__file__, quants_legacy)      # its IR helpers: a change there recompiles
 
@@ -52,17 +52,15 @@ def _tile_6x32(typingctx, W, wo, ldw, XT, xo, ldx, kc, CT, co, ldc):
         vf = ir.VectorType(f32, 16)
         wty, _, _, xty, _, _, _, cty, _, _ = signature.args
 
-        def data(ty, v):
-            return builder.bitcast(context.make_array(ty)(context, builder, v).data, f32.as_pointer())
-
         def as64(v):
             return builder.sext(v, i64) if v.type.width < 64 else v
 
         def const(v):
             return ir.Constant(i64, v)
 
-        wp, xp, cp = data(wty, args[0]), data(xty, args[3]), data(cty, args[7])
         wo_, ldw_, xo_, ldx_, kc_, co_, ldc_ = (as64(args[i]) for i in (1, 2, 4, 5, 6, 8, 9))
+        wp, xp, cp = (ir_ptr(context, builder, ty, args[i], const(0), f32)
+                      for ty, i in ((wty, 0), (xty, 3), (cty, 7)))
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
                                              "llvm.fma.v16f32")
         nv = COLS // 16
