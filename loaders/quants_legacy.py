@@ -306,18 +306,55 @@ def ir_u4_lanes(context, builder, sig_args, args):
     return out
 
 
-@intrinsic
-def _fma_u4x32(typingctx, w, wo, qh, d, m, off, x, xo, acc):
-    """acc[L] = fma(weight[U4_LANE_ELEMENT[L]], x[xo + L], acc[L]) over the 32 weights of one
-    Q4_0 / Q4_1 / Q5_0 / Q5_1 block (arguments w..off as :func:`ir_u4_weights`): x holds the
-    block's activations in lane order (:func:`_permute_blocks`); acc float32[32]."""
-    sig = types.void(w, wo, qh, d, m, off, x, xo, acc)
+def ir_u4_lanes_wide(context, builder, sig_args, args):
+    """:func:`ir_u4_lanes`' two vectors (the same values, lane for lane) for hosts with 512-bit
+    vectors and 32 registers (U4_WIDE): the four qs words broadcast to all 16 lanes of a vector,
+    so each output vector takes its nibbles by one per-lane shift and a mask, with no lane
+    inserts; bit 4 of each quant by one per-lane rotate of ``qh`` (``llvm.fshr``, VPRORVD) and
+    a mask; and the integer q - off made a float by its bits: 0x4B000000 | q is 2^23 + q
+    exactly, less 2^23 + off is q - off exactly (what sitofp gives), then times d. Measured on
+    the znver5 host, one thread, a 4096 x 4096 Q5_0 matrix: 11.1 -> 17.4 GB/s (the 256-bit
+    step's lane inserts and shifts had filled the shift / shuffle pipes: without any unpack
+    the loop ran at 27 GB/s)."""
+    wty, _, qhty, _, mty, offty = sig_args
+    w, wo, qh, d, m, off = args
+    i32 = ir.IntType(32)
+    v4, v16 = ir.VectorType(i32, 4), ir.VectorType(i32, 16)
+    vf = ir.VectorType(ir.FloatType(), 16)
+    words = builder.load(ir_ptr(context, builder, wty, w, wo, v4), align=1)
+    w16 = builder.shuffle_vector(words, ir.Constant(v4, ir.Undefined), ir.Constant(v16, [0, 1, 2, 3] * 4))
+    fshr = None
+    if not isinstance(qhty, types.NoneType):
+        h16 = ir_splat(builder, _arg_i32(builder, qhty, qh), v16)
+        fshr = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]),
+                                              "llvm.fshr.v16i32")
+    magic = builder.fadd(ir_splat(builder, ir.Constant(ir.FloatType(), 8388608.0), vf),
+                         builder.sitofp(ir_splat(builder, _arg_i32(builder, offty, off), v16), vf))
+    dv = ir_splat(builder, d, vf)
+    out = []
+    for k in range(2):
+        shifts = [16 * (j // 8) + 4 * k + 8 * ((j % 8) // 4) for j in range(16)]
+        q = builder.and_(builder.lshr(w16, ir.Constant(v16, shifts)), ir.Constant(v16, [15] * 16))
+        if fshr is not None:
+            rot = [(int(e) - 4) % 32 for e in U4_LANE_ELEMENT[16 * k:16 * k + 16]]
+            hb = builder.call(fshr, [h16, h16, ir.Constant(v16, rot)])
+            q = builder.or_(q, builder.and_(hb, ir.Constant(v16, [16] * 16)))
+        q = builder.or_(q, ir.Constant(v16, [0x4B000000] * 16))
+        r = builder.fmul(dv, builder.fsub(builder.bitcast(q, vf), magic))
+        if not isinstance(mty, types.NoneType):
+            r = builder.fadd(r, ir_splat(builder, m, vf))
+        out.append(r)
+    return out
 
+
+
+
+def _fma_u4x32_codegen(lanes):
     def codegen(context, builder, signature, args):
         vf = ir.VectorType(ir.FloatType(), 16)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
                                              "llvm.fma.v16f32")
-        ws = ir_u4_lanes(context, builder, signature.args[:6], args[:6])
+        ws = lanes(context, builder, signature.args[:6], args[:6])
         xp = ir_ptr(context, builder, signature.args[6], args[6], args[7], vf)
         ap = ir_ptr(context, builder, signature.args[8], args[8], ir.Constant(ir.IntType(64), 0), vf)
         for k, wv in enumerate(ws):
@@ -326,8 +363,22 @@ def _fma_u4x32(typingctx, w, wo, qh, d, m, off, x, xo, acc):
             r = builder.call(fma, [wv, builder.load(xk, align=4), builder.load(ak, align=4)])
             builder.store(r, ak, align=4)
         return context.get_dummy_value()
+    return codegen
 
-    return sig, codegen
+
+@intrinsic
+def _fma_u4x32(typingctx, w, wo, qh, d, m, off, x, xo, acc):
+    """acc[L] = fma(weight[U4_LANE_ELEMENT[L]], x[xo + L], acc[L]) over the 32 weights of one
+    Q4_0 / Q4_1 / Q5_0 / Q5_1 block (arguments w..off as :func:`ir_u4_weights`): x holds the
+    block's activations in lane order (:func:`_permute_blocks`); acc float32[32]. The weights
+    unpacked by :func:`ir_u4_lanes` (256-bit groups)."""
+    return types.void(w, wo, qh, d, m, off, x, xo, acc), _fma_u4x32_codegen(ir_u4_lanes)
+
+
+@intrinsic
+def _fma_u4x32_wide(typingctx, w, wo, qh, d, m, off, x, xo, acc):
+    """:func:`_fma_u4x32` with the weights unpacked by :func:`ir_u4_lanes_wide`: the same bits."""
+    return types.void(w, wo, qh, d, m, off, x, xo, acc), _fma_u4x32_codegen(ir_u4_lanes_wide)
 
 
 @jit.njit(inline="always")
@@ -654,6 +705,26 @@ def _fma_q5_0(w, o, f16, x, xo, acc):
 @jit.njit(inline="always")
 def _fma_q5_1(w, o, f16, x, xo, acc):
     _fma_u4x32(w, o + 8, _u32(w, o + 4), f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, x, xo, acc)
+
+
+@jit.njit(inline="always")
+def _fma_q4_0_wide(w, o, f16, x, xo, acc):
+    _fma_u4x32_wide(w, o + 2, None, f16[_u16(w, o)], None, 8, x, xo, acc)
+
+
+@jit.njit(inline="always")
+def _fma_q4_1_wide(w, o, f16, x, xo, acc):
+    _fma_u4x32_wide(w, o + 4, None, f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, x, xo, acc)
+
+
+@jit.njit(inline="always")
+def _fma_q5_0_wide(w, o, f16, x, xo, acc):
+    _fma_u4x32_wide(w, o + 6, _u32(w, o + 2), f16[_u16(w, o)], None, 16, x, xo, acc)
+
+
+@jit.njit(inline="always")
+def _fma_q5_1_wide(w, o, f16, x, xo, acc):
+    _fma_u4x32_wide(w, o + 8, _u32(w, o + 4), f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, x, xo, acc)
 
 
 @jit.njit(inline="always")
@@ -1024,6 +1095,10 @@ I8_DOT = ("vnni" if "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
 # prefill tiles on 512-bit vectors (_step8 in _prefill_tile_i8): two activation rows per VPDPBUSD
 # (AVX-512 VNNI on zmm registers, byte shuffles of AVX-512 BW)
 I8_WIDE = I8_DOT == "vnni" and {"avx512f", "avx512bw"} <= _FEATURES
+# the fp32 matvec of Q4_0 / Q4_1 / Q5_0 / Q5_1 with the 512-bit block step (_fma_u4x32_wide) and
+# by far row pairs: hosts with AVX-512 (32 vector registers hold two rows' accumulators and the
+# step's constants); elsewhere the 256-bit step, one row at a time (tuned on znver3, AVX2)
+U4_WIDE = "avx512f" in _FEATURES
 
 
 def _v(t, n):
@@ -1536,6 +1611,29 @@ def _quant_kernels(ns: dict, qtype: QT, act_type: QT, split_act, deq_call: str, 
     return _named(t, TypeKernels(dequantize, matvec, act_type, matmul_ggml, matvec_group=matvec_group))
 
 
+def _matvec_call(qtype: QT, wide: bool) -> str:
+    """The fp32 matvec driver call of a block type: for Q4_0 / Q4_1 / Q5_0 / Q5_1 with the
+    512-bit block step by far row pairs (``wide``, see U4_WIDE) or the 256-bit step row by
+    row; Q8_0 by far row pairs (FAR_PAIR_MATVEC). The same bits either way."""
+    _, _, bsz, _, _, _, vec = _BLOCK_TYPES[qtype]
+    u4 = vec in _U4_STEPS
+    far = qtype in _FAR_PAIR_ALWAYS or (u4 and wide)
+    driver = "_matvec_blocks_far_pairs" if far else "_matvec_blocks"
+    return f"{driver}(raw, raw1, raw2, x, out, f16, {bsz}, {vec}{'_wide' if u4 and wide else ''}, {u4})"
+
+
+def u4_matvec(qtype: QT, wide: bool):
+    """The fp32 matvec kernel ``(raw, raw1, raw2, x, out, f16)`` of a Q4_0 / Q4_1 / Q5_0 / Q5_1
+    with the block step and driver ``wide`` picks (:func:`_matvec_call`), whatever the host's
+    choice (U4_WIDE): the tests hold both to the same bits on any host."""
+    qtype = QT(qtype)
+    if _BLOCK_TYPES[qtype][-1] not in _U4_STEPS:
+        raise ValueError(f"{qtype.name} has no 4/5-bit block step")
+    name = f"_matvec_{qtype.name.lower()}_{'wide' if wide else 'narrow'}"
+    return globals().get(name) or jit.specialize(globals(), name, "raw, raw1, raw2, x, out, f16",
+                                                 _matvec_call(qtype, wide), parallel=True)
+
+
 def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off: int,
                    act_type: QT, vec: str) -> TypeKernels:
     """A block type's kernels; ggml activations are Q8_0 or Q8_1 blocks. Where the host has
@@ -1543,10 +1641,9 @@ def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off
     stays in PORTABLE_GGML (the tests compare the two)."""
     dec = f"{head}, {pair}, {bsz}, {has_min}"
     with_sum = act_type == QT.Q8_1
-    driver = "_matvec_blocks_far_pairs" if qtype in FAR_PAIR_MATVEC else "_matvec_blocks"
-    mv = f"{driver}(raw, raw1, raw2, x, out, f16, {bsz}, {vec}, {vec in _U4_STEPS})"
     k = _quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
-                       f"_dequantize_blocks(raw, out, f16, _deq_{qtype.name.lower()}, {bsz})", mv,
+                       f"_dequantize_blocks(raw, out, f16, _deq_{qtype.name.lower()}, {bsz})",
+                       _matvec_call(qtype, U4_WIDE),
                        "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
     PORTABLE_GGML[qtype] = k.matmul_ggml
     variant = ("vnni512" if I8_WIDE else I8_DOT) if I8_DOT is not None and I8_DOT in i8_variants(qtype) else None
@@ -1602,11 +1699,19 @@ def i8_matmul_ggml(qtype: QT, variant: str):
 
 
 # fp32 matvec by far row pairs, prefetched: Q8_0 (Gemma 3 270M's 262144 x 640 output head, two
-# threads, AMD EPYC znver4: 14.3-18.8 -> 10.2-12.2 ms, bit-identical); Q5_0 gained nothing on
-# its 81 layer matrices (6.6-7.0 ms either way: its block step, not memory, is the limit)
-FAR_PAIR_MATVEC = frozenset({QT.Q8_0})
+# threads, AMD EPYC znver4: 14.3-18.8 -> 10.2-12.2 ms, bit-identical); Q5_0 with the 256-bit
+# step gained nothing on its 81 layer matrices (6.6-7.0 ms either way: its block step, not
+# memory, was the limit). With the 512-bit step (U4_WIDE), two threads, AMD EPYC znver5, the
+# four 4/5-bit types run by far pairs too: Gemma's 81 Q5_0 matrices 16.6-17.0 -> 23.3 GB/s (22.0
+# with the wide step alone), TinyLlama-shape layer matrices Q4_0 23.5 -> 31.0-31.5, Q4_1
+# 22.5-23.3 -> 30.1-30.3, Q5_1 17.9-18.1 -> 25.6-27.5 GB/s (the wide step alone: 23.6-25.0,
+# 20.4-21.4, 21.5-22.2): its lighter step leaves each row's one FMA chain a block the limit
+_FAR_PAIR_ALWAYS = frozenset({QT.Q8_0})
 # the block steps whose lanes hold U4_LANE_ELEMENT order (the driver permutes x for them)
 _U4_STEPS = frozenset({"_fma_q4_0", "_fma_q4_1", "_fma_q5_0", "_fma_q5_1"})
+# the types whose fp32 matvec runs by far row pairs on this host
+FAR_PAIR_MATVEC = _FAR_PAIR_ALWAYS | (frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1}) if U4_WIDE
+                                     else frozenset())
 # block type -> (bits of the unsigned quants ir_unpack_u8x32 makes, offset of the quants in the
 # block, offset subtracted from them to get ggml's signed quants)
 _I8_LAYOUT = {QT.Q4_0: (4, 2, 8), QT.Q4_1: (4, 4, 0), QT.Q5_0: (5, 6, 16), QT.Q5_1: (5, 8, 0),

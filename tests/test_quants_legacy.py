@@ -202,6 +202,8 @@ def _scalar_lanes(head, pair, bsz, has_min):
 @given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 5), nblocks=st.integers(1, 24),
        x_exp=st.integers(-30, 30))
 def test_matvec_fp32_block_step_bit_exact(qtype, seed, rows, nblocks, x_exp):
+    """Both block steps (the 256-bit one row by row, the 512-bit one by far row pairs: either
+    compiles on any x86-64 host) and the host's own dispatch give the scalar lanes' bits."""
     assert sorted(L.U4_LANE_ELEMENT) == list(range(32))          # a permutation of a block
     rng = np.random.default_rng(seed)
     n = 32 * nblocks
@@ -211,6 +213,41 @@ def test_matvec_fp32_block_step_bit_exact(qtype, seed, rows, nblocks, x_exp):
     want = np.empty(rows, np.float32)
     _scalar_lanes(*_SCALAR_DECODERS[qtype])(raw, x, want, L.F16_TO_F32)
     assert bits_equal(run_matvec(qtype, raw, x), want)
+    for wide in (False, True):
+        got = np.full(rows, np.nan, np.float32)
+        L.u4_matvec(qtype, wide)(raw, L.NO_ROWS, L.NO_ROWS, x, got, L.F16_TO_F32)
+        assert bits_equal(got, want), f"wide={wide}"
+
+
+@pytest.mark.parametrize("qtype", list(_SCALAR_DECODERS), ids=lambda t: t.name)
+def test_matvec_fp32_wide_step_extreme_quants(qtype):
+    """The 512-bit step's float-by-bits conversion at the quants' ends: every quant 0 or every
+    quant 15 / 31 (all qh bits set or clear), against the scalar lanes, both steps."""
+    head, _, bsz, _ = _SCALAR_DECODERS[qtype]
+    raw = np.empty((4, 3 * bsz), np.uint8)
+    for r, (qs, qh) in enumerate(((0x00, 0x00), (0xFF, 0xFF), (0x0F, 0xFF), (0xF0, 0x00))):
+        blk = raw[r].reshape(3, bsz)
+        blk[:] = qs
+        blk[:, 0:2] = np.frombuffer(np.float16(-0.375).tobytes(), np.uint8)
+        if qtype in (QT.Q4_1, QT.Q5_1):
+            blk[:, 2:4] = np.frombuffer(np.float16(1.5).tobytes(), np.uint8)
+        if qtype in (QT.Q5_0, QT.Q5_1):
+            o = 4 if qtype == QT.Q5_1 else 2
+            blk[:, o:o + 4] = qh
+    x = np.random.default_rng(5).standard_normal(96).astype(np.float32)
+    want = np.empty(4, np.float32)
+    _scalar_lanes(*_SCALAR_DECODERS[qtype])(raw, x, want, L.F16_TO_F32)
+    w = L.dequantize_reference(qtype, raw)
+    assert np.all(np.abs(want - L.matvec_reference(qtype, raw, x)) <= fp32_bound(96, w, x))
+    for wide in (False, True):
+        got = np.full(4, np.nan, np.float32)
+        L.u4_matvec(qtype, wide)(raw, L.NO_ROWS, L.NO_ROWS, x, got, L.F16_TO_F32)
+        assert bits_equal(got, want), f"wide={wide}"
+
+
+def test_u4_matvec_refuses_other_types():
+    with pytest.raises(ValueError, match="Q8_0"):
+        L.u4_matvec(QT.Q8_0, True)
 
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
