@@ -308,7 +308,7 @@ def ir_u4_lanes(context, builder, sig_args, args):
 
 def ir_u4_lanes_wide(context, builder, sig_args, args):
     """:func:`ir_u4_lanes`' two vectors (the same values, lane for lane) for hosts with 512-bit
-    vectors and 32 registers (U4_WIDE): the four qs words broadcast to all 16 lanes of a vector,
+    vectors and 32 registers (WIDE_STEPS): the four qs words broadcast to all 16 lanes of a vector,
     so each output vector takes its nibbles by one per-lane shift and a mask, with no lane
     inserts; bit 4 of each quant by one per-lane rotate of ``qh`` (``llvm.fshr``, VPRORVD) and
     a mask; and the integer q - off made a float by its bits: 0x4B000000 | q is 2^23 + q
@@ -1095,10 +1095,11 @@ I8_DOT = ("vnni" if "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
 # prefill tiles on 512-bit vectors (_step8 in _prefill_tile_i8): two activation rows per VPDPBUSD
 # (AVX-512 VNNI on zmm registers, byte shuffles of AVX-512 BW)
 I8_WIDE = I8_DOT == "vnni" and {"avx512f", "avx512bw"} <= _FEATURES
-# the fp32 matvec of Q4_0 / Q4_1 / Q5_0 / Q5_1 with the 512-bit block step (_fma_u4x32_wide) and
-# by far row pairs: hosts with AVX-512 (32 vector registers hold two rows' accumulators and the
-# step's constants); elsewhere the 256-bit step, one row at a time (tuned on znver3, AVX2)
-U4_WIDE = "avx512f" in _FEATURES
+# hosts with AVX-512 (32 vector registers hold two rows' accumulators and a step's constants):
+# the fp32 matvec of Q4_0 / Q4_1 / Q5_0 / Q5_1 takes the 512-bit block step (_fma_u4x32_wide) by
+# far row pairs, and Q4_K's block unpacks on 512-bit vectors (quants_k._block_q4k_wide);
+# elsewhere the 256-bit steps, one row at a time (tuned on znver3, AVX2)
+WIDE_STEPS = "avx512f" in _FEATURES
 
 
 def _v(t, n):
@@ -1613,7 +1614,7 @@ def _quant_kernels(ns: dict, qtype: QT, act_type: QT, split_act, deq_call: str, 
 
 def _matvec_call(qtype: QT, wide: bool) -> str:
     """The fp32 matvec driver call of a block type: for Q4_0 / Q4_1 / Q5_0 / Q5_1 with the
-    512-bit block step by far row pairs (``wide``, see U4_WIDE) or the 256-bit step row by
+    512-bit block step by far row pairs (``wide``, see WIDE_STEPS) or the 256-bit step row by
     row; Q8_0 by far row pairs (FAR_PAIR_MATVEC). The same bits either way."""
     _, _, bsz, _, _, _, vec = _BLOCK_TYPES[qtype]
     u4 = vec in _U4_STEPS
@@ -1625,7 +1626,7 @@ def _matvec_call(qtype: QT, wide: bool) -> str:
 def u4_matvec(qtype: QT, wide: bool):
     """The fp32 matvec kernel ``(raw, raw1, raw2, x, out, f16)`` of a Q4_0 / Q4_1 / Q5_0 / Q5_1
     with the block step and driver ``wide`` picks (:func:`_matvec_call`), whatever the host's
-    choice (U4_WIDE): the tests hold both to the same bits on any host."""
+    choice (WIDE_STEPS): the tests hold both to the same bits on any host."""
     qtype = QT(qtype)
     if _BLOCK_TYPES[qtype][-1] not in _U4_STEPS:
         raise ValueError(f"{qtype.name} has no 4/5-bit block step")
@@ -1643,7 +1644,7 @@ def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off
     with_sum = act_type == QT.Q8_1
     k = _quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
                        f"_dequantize_blocks(raw, out, f16, _deq_{qtype.name.lower()}, {bsz})",
-                       _matvec_call(qtype, U4_WIDE),
+                       _matvec_call(qtype, WIDE_STEPS),
                        "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
     PORTABLE_GGML[qtype] = k.matmul_ggml
     variant = ("vnni512" if I8_WIDE else I8_DOT) if I8_DOT is not None and I8_DOT in i8_variants(qtype) else None
@@ -1701,7 +1702,7 @@ def i8_matmul_ggml(qtype: QT, variant: str):
 # fp32 matvec by far row pairs, prefetched: Q8_0 (Gemma 3 270M's 262144 x 640 output head, two
 # threads, AMD EPYC znver4: 14.3-18.8 -> 10.2-12.2 ms, bit-identical); Q5_0 with the 256-bit
 # step gained nothing on its 81 layer matrices (6.6-7.0 ms either way: its block step, not
-# memory, was the limit). With the 512-bit step (U4_WIDE), two threads, AMD EPYC znver5, the
+# memory, was the limit). With the 512-bit step (WIDE_STEPS), two threads, AMD EPYC znver5, the
 # four 4/5-bit types run by far pairs too: Gemma's 81 Q5_0 matrices 16.6-17.0 -> 23.3 GB/s (22.0
 # with the wide step alone), TinyLlama-shape layer matrices Q4_0 23.5 -> 31.0-31.5, Q4_1
 # 22.5-23.3 -> 30.1-30.3, Q5_1 17.9-18.1 -> 25.6-27.5 GB/s (the wide step alone: 23.6-25.0,
@@ -1710,7 +1711,7 @@ _FAR_PAIR_ALWAYS = frozenset({QT.Q8_0})
 # the block steps whose lanes hold U4_LANE_ELEMENT order (the driver permutes x for them)
 _U4_STEPS = frozenset({"_fma_q4_0", "_fma_q4_1", "_fma_q5_0", "_fma_q5_1"})
 # the types whose fp32 matvec runs by far row pairs on this host
-FAR_PAIR_MATVEC = _FAR_PAIR_ALWAYS | (frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1}) if U4_WIDE
+FAR_PAIR_MATVEC = _FAR_PAIR_ALWAYS | (frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1}) if WIDE_STEPS
                                      else frozenset())
 # block type -> (bits of the unsigned quants ir_unpack_u8x32 makes, offset of the quants in the
 # block, offset subtracted from them to get ggml's signed quants)
