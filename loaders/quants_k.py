@@ -104,7 +104,7 @@ from numba.extending import intrinsic
 
 from . import jit, quants_legacy
 from .ggml_types import TypeKernels
-from .quants_legacy import (_I32, I8_DOT, PREFETCH_BYTES, WIDE_STEPS, _ROW_CHUNKS, _far_pair, _fma32, _hsum8, _i8,
+from .quants_legacy import (_I32, I8_DOT, PREFETCH_BYTES, _ROW_CHUNKS, _far_pair, _fma32, _hsum8, _i8,
                             _stack_f32,
                             _I8T as _I8, _group_row, _lanes_sum32, _permute_blocks, _prefetch,
                             _quant_kernels, _u16, _v, ir_lane_sums, ir_ptr, ir_splat)
@@ -407,7 +407,7 @@ def _emit_mac4(context, builder, xty, xb, xo, quants, scales, aty, acc):
     builder.store(a, ap, align=4)
 
 
-def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, acc, wide=False):
+def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, acc):
     """:func:`_emit_mac4` for Q4_K: q0, q1 the low and high nibbles of bytes q[p0:p0 + 32],
     q2, q3 those of q[p1:p1 + 32]; ``scales`` four float IR values (one per sub-block).
 
@@ -415,30 +415,19 @@ def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, ac
     words and byte t of every word is shifted down and masked (lane 8t + i holds element
     4i + t), so the quants reach 32-bit lanes without byte shuffles (zero-extending the bytes
     in order took a shuffle instruction per conversion; one znver3 core, a matrix in L2:
-    38 -> 28 ns a block). xb holds the block's activations in that order.
-
-    ``wide`` (hosts with 512-bit vectors, quants_legacy.WIDE_STEPS): the eight words are
-    broadcast to both halves of a 16-lane vector and each 16 lanes take their bytes by one
-    per-lane shift and a mask, with no lane inserts (the same values in the same lanes)."""
+    38 -> 28 ns a block). xb holds the block's activations in that order."""
     v8 = ir.VectorType(ir.IntType(32), 8)
-    v16 = ir.VectorType(ir.IntType(32), 16)
     vf = ir.VectorType(ir.FloatType(), 32)
-    cat16 = ir.Constant(v16, list(range(16)))
+    cat16 = ir.Constant(ir.VectorType(ir.IntType(32), 16), list(range(16)))
     cat32 = ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32)))
     quants = []
     for p in (p0, p1):
         w = builder.load(ir_ptr(context, builder, qty, q, p, v8), align=1)
-        if wide:
-            w16 = builder.shuffle_vector(w, ir.Constant(v8, ir.Undefined), ir.Constant(v16, list(range(8)) * 2))
         for nib in (0, 4):                  # low nibbles: sub-block 2j; high: 2j + 1
-            if wide:                        # lanes 16h + 8u + i: byte 2h + u of word i
-                lo, hi = (builder.and_(builder.lshr(w16, ir.Constant(v16, [nib + 16 * h] * 8 + [nib + 16 * h + 8] * 8)),
-                                       ir.Constant(v16, [15] * 16)) for h in range(2))
-            else:
-                parts = [builder.and_(builder.lshr(w, ir.Constant(v8, [nib + 8 * t] * 8)) if nib + 8 * t else w,
-                                      ir.Constant(v8, [15] * 8)) for t in range(4)]
-                lo = builder.shuffle_vector(parts[0], parts[1], cat16)
-                hi = builder.shuffle_vector(parts[2], parts[3], cat16)
+            parts = [builder.and_(builder.lshr(w, ir.Constant(v8, [nib + 8 * t] * 8)) if nib + 8 * t else w,
+                                  ir.Constant(v8, [15] * 8)) for t in range(4)]
+            lo = builder.shuffle_vector(parts[0], parts[1], cat16)
+            hi = builder.shuffle_vector(parts[2], parts[3], cat16)
             quants.append(builder.sitofp(builder.shuffle_vector(lo, hi, cat32), vf))
     _emit_mac4(context, builder, xty, xb, xo, quants, [ir_splat(builder, a, vf) for a in scales], aty, acc)
 
@@ -482,8 +471,15 @@ def _block_q6k(typingctx, q, d, xb, acc):
     return sig, codegen
 
 
-def _block_q4k_codegen(wide: bool):
-    """The codegen of :func:`_block_q4k` (``wide`` False) and :func:`_block_q4k_wide`."""
+@intrinsic
+def _block_q4k(typingctx, q, d, dmin, xb, xs, xso, acc, accm):
+    """One whole Q4_K block of the fp32 matvec as vector IR, the scalar driver's operations
+    lane for lane (so the same bits): the eight 6-bit scales and mins decoded from bytes 4-15
+    as <8 x i32> vectors (the scalar head took as long as the block's 256 products), the min
+    terms ``accm[t] += (dmin * mn[t]) * xs[xso + t]`` as one 8-lane step, and the scales
+    ``d * sc[t]`` fed to :func:`_emit_mac_q4k`'s step for the two halves of the block."""
+    sig = types.void(q, d, dmin, xb, xs, xso, acc, accm)
+
     def codegen(context, builder, signature, args):
         qty, _, _, xty, xsty, _, aty, mty = signature.args
         q_, d_, dmin_, xb_, xs_, xso_, acc_, accm_ = args
@@ -518,27 +514,10 @@ def _block_q4k_codegen(wide: bool):
         for j in range(2):
             a = [builder.extract_element(scales, ir.Constant(i32, 4 * j + k)) for k in range(4)]
             _emit_mac_q4k(context, builder, qty, q_, ir.Constant(i64, 16 + 64 * j),
-                          ir.Constant(i64, 48 + 64 * j), xty, xb_, ir.Constant(i64, 128 * j), a, aty, acc_,
-                          wide)
+                          ir.Constant(i64, 48 + 64 * j), xty, xb_, ir.Constant(i64, 128 * j), a, aty, acc_)
         return context.get_dummy_value()
 
-    return codegen
-
-
-@intrinsic
-def _block_q4k(typingctx, q, d, dmin, xb, xs, xso, acc, accm):
-    """One whole Q4_K block of the fp32 matvec as vector IR, the scalar driver's operations
-    lane for lane (so the same bits): the eight 6-bit scales and mins decoded from bytes 4-15
-    as <8 x i32> vectors (the scalar head took as long as the block's 256 products), the min
-    terms ``accm[t] += (dmin * mn[t]) * xs[xso + t]`` as one 8-lane step, and the scales
-    ``d * sc[t]`` fed to :func:`_emit_mac_q4k`'s step for the two halves of the block."""
-    return types.void(q, d, dmin, xb, xs, xso, acc, accm), _block_q4k_codegen(False)
-
-
-@intrinsic
-def _block_q4k_wide(typingctx, q, d, dmin, xb, xs, xso, acc, accm):
-    """:func:`_block_q4k` with :func:`_emit_mac_q4k`'s 512-bit unpacking: the same bits."""
-    return types.void(q, d, dmin, xb, xs, xso, acc, accm), _block_q4k_codegen(True)
+    return sig, codegen
 
 
 # ------------------------------------------------------------------ generic drivers (inlined into the per-type kernels)
@@ -577,13 +556,6 @@ def _dequantize_k(raw, out, f16, head, quad, bsz, sub):
 def _vblock_q4k(q, f16, xb, xs, xso, acc, accm):
     """The Q4_K block of :func:`_matvec_k` as vector IR (:func:`_block_q4k`); True: done."""
     _block_q4k(q, f16[_u16(q, 0)], f16[_u16(q, 2)], xb, xs, xso, acc, accm)
-    return True
-
-
-@jit.njit(inline="always")
-def _vblock_q4k_wide(q, f16, xb, xs, xso, acc, accm):
-    """:func:`_vblock_q4k` with the 512-bit unpacking (:func:`_block_q4k_wide`)."""
-    _block_q4k_wide(q, f16[_u16(q, 0)], f16[_u16(q, 2)], xb, xs, xso, acc, accm)
     return True
 
 
@@ -935,9 +907,7 @@ _TYPES = {
 
 
 # the K types whose fp32 matvec runs each block as vector IR (_matvec_k's ``vblock``)
-_VECTOR_IR = {QT.Q4_K: "_vblock_q4k_wide" if WIDE_STEPS else "_vblock_q4k", QT.Q6_K: "_vblock_q6k"}
-# both Q4_K blocks, whatever the host's choice (the tests hold each to the scalar loop)
-Q4K_VBLOCKS = ("_vblock_q4k", "_vblock_q4k_wide")
+_VECTOR_IR = {QT.Q4_K: "_vblock_q4k", QT.Q6_K: "_vblock_q6k"}
 # the K types whose fp32 matvec lanes hold a sub-block's elements in _lane(b, True) order
 PERMUTED_LANES = frozenset({QT.Q4_K})
 

@@ -1095,10 +1095,11 @@ I8_DOT = ("vnni" if "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
 # prefill tiles on 512-bit vectors (_step8 in _prefill_tile_i8): two activation rows per VPDPBUSD
 # (AVX-512 VNNI on zmm registers, byte shuffles of AVX-512 BW)
 I8_WIDE = I8_DOT == "vnni" and {"avx512f", "avx512bw"} <= _FEATURES
-# hosts with AVX-512 (32 vector registers hold two rows' accumulators and a step's constants):
+# hosts with AVX-512 (32 vector registers hold two rows' accumulators and the step's constants):
 # the fp32 matvec of Q4_0 / Q4_1 / Q5_0 / Q5_1 takes the 512-bit block step (_fma_u4x32_wide) by
-# far row pairs, and Q4_K's block unpacks on 512-bit vectors (quants_k._block_q4k_wide);
-# elsewhere the 256-bit steps, one row at a time (tuned on znver3, AVX2)
+# far row pairs; elsewhere the 256-bit step, one row at a time (tuned on znver3, AVX2; llvm-mca's
+# znver3 model agrees: the 512-bit step split in two 256-bit halves there costs Q5_0 5.8 -> 7.7
+# cycles a block, tools.mca_steps)
 WIDE_STEPS = "avx512f" in _FEATURES
 
 

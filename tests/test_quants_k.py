@@ -370,18 +370,17 @@ def test_kernel_table():
         assert kern.matmul_ggml.__name__ == f"matmul_ggml_{qtype.name.lower()}"
 
 
-def _scalar_matvec(qtype: QT, vblock: str = "_vblock_none"):
+def _scalar_matvec(qtype: QT):
     """The fp32 matvec of a vector-IR K type compiled from the same driver with its scalar head
-    and loop (``vblock`` :func:`_vblock_none`), or with the named vector-IR block."""
+    and loop (``vblock`` :func:`_vblock_none`), compiled once per type."""
     from numba import njit
     head, quad, bsz, sub, nmin, _ = K._TYPES[qtype]
     head, quad, has_min = getattr(K, head), getattr(K, quad), nmin > 0
     perm = qtype in K.PERMUTED_LANES
-    vb = getattr(K, vblock)
 
     @njit
     def scalar(raw, x, out, f16):
-        K._matvec_k(raw, L.NO_ROWS, L.NO_ROWS, x, out, f16, head, quad, bsz, sub, has_min, vb, perm)
+        K._matvec_k(raw, L.NO_ROWS, L.NO_ROWS, x, out, f16, head, quad, bsz, sub, has_min, K._vblock_none, perm)
     return scalar
 
 
@@ -414,11 +413,6 @@ def test_matvec_vector_ir_block_is_the_scalar_loop_bit_for_bit(qtype, rows, nb, 
     got = np.empty(rows, np.float32)
     K.KERNELS[qtype].matvec(raw, x, got)
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
-    if qtype == QT.Q4_K:         # both blocks (256- and 512-bit unpacking), whatever the host's
-        for vb in K.Q4K_VBLOCKS:
-            got = np.full(rows, np.nan, np.float32)
-            _SCALAR_MATVEC.setdefault(vb, _scalar_matvec(qtype, vb))(raw, x, got, K.quants_legacy.F16_TO_F32)
-            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), vb
 
 
 # ------------------------------------------------------------------ integer dot-product path
