@@ -1,0 +1,79 @@
+"""tools.mca_steps: the hot-loop extraction, the block count, and llvm-mca's reading."""
+import shutil
+
+import pytest
+
+from tools import mca_steps as M
+
+_ASM = """\
+_kernel:
+\tpushq\t%rbp
+\tvfmadd231ps\t%zmm1, %zmm2, %zmm3
+.LBB0_2:
+\tvmovups\t(%rax), %zmm1
+\t#APP
+\t#NO_APP
+\tvfmadd231ps\t(%rcx), %zmm1, %zmm4
+\tvfmadd231ps\t64(%rcx), %zmm1, %zmm5
+\t.p2align\t4, 0x90
+\tdecq\t%r9
+\tjne\t.LBB0_2
+.LBB0_3:
+\tvaddps\t%zmm4, %zmm5, %zmm4
+\tretq
+"""
+
+
+def test_hot_loop_takes_the_block_with_most_fmas_without_markers():
+    ins, fmas = M.hot_loop(_ASM)
+    assert fmas == 2
+    assert ins == ["vmovups\t(%rax), %zmm1", "vfmadd231ps\t(%rcx), %zmm1, %zmm4",
+                   "vfmadd231ps\t64(%rcx), %zmm1, %zmm5", "decq\t%r9", "jne\t.LBB0_2"]
+
+
+def test_blocks_per_iteration_counts_lanes_by_register_width():
+    # 32-weight blocks: a zmm FMA covers 16 weights, a ymm one 8
+    assert M.blocks_per_iteration(["vfmadd231ps %zmm1, %zmm2, %zmm3"], 4, 32) == 2.0
+    assert M.blocks_per_iteration(["vfmadd231ps %ymm1, %ymm2, %ymm3"], 4, 32) == 1.0
+    assert M.blocks_per_iteration(["vfmadd231ps %zmm1, %zmm2, %zmm3"], 16, 256) == 1.0
+
+
+@pytest.mark.parametrize("argv, word", [(["--targets", "znver9"], "znver9"),
+                                        (["--kernels", "Q9_0"], "Q9_0")])
+def test_bad_names_are_one_line_errors(argv, word, capsys):
+    with pytest.raises(SystemExit) as e:
+        M.main(argv)
+    assert e.value.code == 2
+    assert word in capsys.readouterr().err
+
+
+def test_missing_mca_is_one_line_error():
+    with pytest.raises(SystemExit, match="not found"):
+        M.find_mca("/nonexistent/llvm-mca")
+
+
+_MCA = shutil.which("llvm-mca") or next(
+    (shutil.which(f"llvm-mca-{v}") for v in range(30, 10, -1) if shutil.which(f"llvm-mca-{v}")), None)
+
+
+@pytest.mark.skipif(_MCA is None, reason="llvm-mca not installed (Debian package llvm)")
+def test_mca_cycles_see_a_dependency_chain():
+    """Four FMAs into one accumulator wait on each other; into four they do not: llvm-mca's
+    cycles as read here must tell the two apart (by at least the chain's length, 4 FMA
+    latencies against ~1 cycle of issue per FMA on znver3's two FMA pipes)."""
+    chain = ["vfmadd231ps %ymm1, %ymm2, %ymm0"] * 4
+    free = [f"vfmadd231ps %ymm1, %ymm2, %ymm{r}" for r in (0, 3, 4, 5)]
+    c_chain, c_free = M.mca_cycles(_MCA, "znver3", chain), M.mca_cycles(_MCA, "znver3", free)
+    assert c_chain >= 4 * 3 > 2 * c_free > 0, (c_chain, c_free)
+
+
+@pytest.mark.skipif(_MCA is None, reason="llvm-mca not installed (Debian package llvm)")
+def test_one_kernel_for_one_target_end_to_end(capsys):
+    """A kernel compiled for another CPU's ISA (Sapphire Rapids' AVX-512 on any x86-64 host:
+    compiling needs no such CPU) gives a row with a positive cost."""
+    assert M.main(["--targets", "sapphirerapids", "--kernels", "Q4_0 512-bit pairs", "--mca", _MCA]) == 0
+    row = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("Q4_0 512-bit pairs")]
+    assert len(row) == 1
+    instr, cycles, per_cycle = (float(v) for v in row[0].split()[-3:])
+    # a 32-weight block takes at least its 2 zmm FMAs and loads; bytes / cycle is 18 / cycles
+    assert instr >= 4 and cycles > 0 and abs(per_cycle - 18 / cycles) < 0.01
