@@ -687,44 +687,19 @@ def _mac_q8_0(w, o, f16, x, xo, acc):
         acc[j] += (d * np.float32(_s8(w[o + 2 + j]))) * x[xo + j]
 
 
-@jit.njit(inline="always")
-def _fma_q4_0(w, o, f16, x, xo, acc):
-    _fma_u4x32(w, o + 2, None, f16[_u16(w, o)], None, 8, x, xo, acc)
-
-
-@jit.njit(inline="always")
-def _fma_q4_1(w, o, f16, x, xo, acc):
-    _fma_u4x32(w, o + 4, None, f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, x, xo, acc)
-
-
-@jit.njit(inline="always")
-def _fma_q5_0(w, o, f16, x, xo, acc):
-    _fma_u4x32(w, o + 6, _u32(w, o + 2), f16[_u16(w, o)], None, 16, x, xo, acc)
-
-
-@jit.njit(inline="always")
-def _fma_q5_1(w, o, f16, x, xo, acc):
-    _fma_u4x32(w, o + 8, _u32(w, o + 4), f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, x, xo, acc)
-
-
-@jit.njit(inline="always")
-def _fma_q4_0_wide(w, o, f16, x, xo, acc):
-    _fma_u4x32_wide(w, o + 2, None, f16[_u16(w, o)], None, 8, x, xo, acc)
-
-
-@jit.njit(inline="always")
-def _fma_q4_1_wide(w, o, f16, x, xo, acc):
-    _fma_u4x32_wide(w, o + 4, None, f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, x, xo, acc)
-
-
-@jit.njit(inline="always")
-def _fma_q5_0_wide(w, o, f16, x, xo, acc):
-    _fma_u4x32_wide(w, o + 6, _u32(w, o + 2), f16[_u16(w, o)], None, 16, x, xo, acc)
-
-
-@jit.njit(inline="always")
-def _fma_q5_1_wide(w, o, f16, x, xo, acc):
-    _fma_u4x32_wide(w, o + 8, _u32(w, o + 4), f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, x, xo, acc)
+# the fp32 block steps of the 4/5-bit types, ``_fma_q4_0(w, o, f16, x, xo, acc)`` etc. and their
+# 512-bit twins ``_fma_q4_0_wide``: one block at w[o:] into acc (_fma_u4x32, _fma_u4x32_wide)
+# from the block's fields (qs offset, qh, d, m, quant offset) as the table gives them
+_U4_FIELDS = {
+    "q4_0": "o + 2, None, f16[_u16(w, o)], None, 8",
+    "q4_1": "o + 4, None, f16[_u16(w, o)], f16[_u16(w, o + 2)], 0",
+    "q5_0": "o + 6, _u32(w, o + 2), f16[_u16(w, o)], None, 16",
+    "q5_1": "o + 8, _u32(w, o + 4), f16[_u16(w, o)], f16[_u16(w, o + 2)], 0",
+}
+for _t, _fields in _U4_FIELDS.items():
+    for _suffix, _fma in (("", "_fma_u4x32"), ("_wide", "_fma_u4x32_wide")):
+        jit.specialize(globals(), f"_fma_{_t}{_suffix}", "w, o, f16, x, xo, acc",
+                       f"{_fma}(w, {_fields}, x, xo, acc)", inline="always", cache=False)
 
 
 @jit.njit(inline="always")
