@@ -347,9 +347,9 @@ def ir_u4_lanes_wide(context, builder, sig_args, args):
     return out
 
 
-
-
 def _fma_u4x32_codegen(lanes):
+    """The codegen of :func:`_fma_u4x32` / :func:`_fma_u4x32_wide`: the block's two weight
+    vectors from ``lanes``, each into an FMA with 16 activations and 16 accumulators."""
     def codegen(context, builder, signature, args):
         vf = ir.VectorType(ir.FloatType(), 16)
         fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
@@ -1073,7 +1073,7 @@ I8_WIDE = I8_DOT == "vnni" and {"avx512f", "avx512bw"} <= _FEATURES
 # hosts with AVX-512 (32 vector registers hold two rows' accumulators and the step's constants):
 # the fp32 matvec of Q4_0 / Q4_1 / Q5_0 / Q5_1 takes the 512-bit block step (_fma_u4x32_wide) by
 # far row pairs; elsewhere the 256-bit step, one row at a time (tuned on znver3, AVX2; llvm-mca's
-# znver3 model agrees: the 512-bit step split in two 256-bit halves there costs Q5_0 5.8 -> 7.7
+# znver3 model agrees: the 512-bit step split in two 256-bit halves there costs Q5_0 11.6 -> 15.4
 # cycles a block, tools.mca_steps)
 WIDE_STEPS = "avx512f" in _FEATURES
 
