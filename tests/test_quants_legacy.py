@@ -223,7 +223,7 @@ def test_matvec_fp32_block_step_bit_exact(qtype, seed, rows, nblocks, x_exp):
 def test_matvec_fp32_wide_step_extreme_quants(qtype):
     """The 512-bit step's float-by-bits conversion at the quants' ends: every quant 0 or every
     quant 15 / 31 (all qh bits set or clear), against the scalar lanes, both steps."""
-    head, _, bsz, _ = _SCALAR_DECODERS[qtype]
+    bsz = _SCALAR_DECODERS[qtype][2]
     raw = np.empty((4, 3 * bsz), np.uint8)
     for r, (qs, qh) in enumerate(((0x00, 0x00), (0xFF, 0xFF), (0x0F, 0xFF), (0xF0, 0x00))):
         blk = raw[r].reshape(3, bsz)
