@@ -72,3 +72,16 @@ def test_decode_profile_counts_grouped_matvecs_as_layer_matvecs(monkeypatch):
     on["active"] = True
     assert model_mod.LinearGroup.__call__(group, 7) == [7] and calls == [7]
     assert set(spent) == {"layer matvecs Q5_0"}
+
+
+def test_startup_wrapper_reports_the_cli_process_peak_rss():
+    """--startup runs pyimp-run inside a wrapper that prints the process's own peak RSS as it
+    exits, also when the CLI leaves by SystemExit (here --help)."""
+    from tools.bench import _RUN_CLI
+    r = subprocess.run([sys.executable, "-c", _RUN_CLI, "--help"], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "pyimp-run" in r.stdout
+    peak = [float(ln.split()[1]) for ln in r.stderr.splitlines() if ln.startswith("PEAK_RSS_MB ")]
+    # a Python that imports NumPy and the CLI is tens of MB resident; far below 2 GB
+    assert len(peak) == 1 and 10 < peak[0] < 2000, r.stderr

@@ -118,8 +118,11 @@ def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numer
     toks = None if tokens_file is None else [int(t) for t in np.load(tokens_file)[:ctx + n_decode]]
     extra = {}
     if engine == "pyimp":
-        from pyimp.engine import Engine, EngineOptions
+        from pyimp.engine import Engine, EngineOptions, numba_cache_has_kernels
         from pyimp.sparse_policy import SparseOptions
+        # a run that compiles its kernels is no warm run: LLVM's memory counts in its peak RSS
+        # (about 200 MB for Gemma) and its prefill shares the cores with nothing else of it
+        extra["compiled"] = numba_cache_has_kernels() is False
         sparse = SparseOptions()
         if sparse_budget > 0:
             # sinks + topk + locals (+ tail) ~ budget * ctx tokens, block length 32
@@ -236,19 +239,30 @@ def read_bandwidth() -> float:
     return float(r.stdout.split()[-1])
 
 
-def startup(model: str, threads: int, cold: bool) -> float:
-    """Seconds from process start to the first generated token of ``pyimp-run -n 1``: with
-    ``cold`` an empty Numba cache (every kernel compiled), else the cache as it is."""
+# pyimp-run in a process that reports its own peak RSS (peak_rss_mb) on stderr as it exits
+_RUN_CLI = ("import atexit, runpy, sys\n"
+            "from tools.bench import peak_rss_mb\n"
+            "atexit.register(lambda: print(f'PEAK_RSS_MB {peak_rss_mb()}', file=sys.stderr))\n"
+            "sys.argv = ['pyimp-run'] + sys.argv[1:]\n"
+            "runpy.run_module('pyimp.cli', run_name='__main__')\n")
+
+
+def startup(model: str, threads: int, cold: bool) -> tuple[float, float]:
+    """(seconds from process start to the first generated token of ``pyimp-run -n 1``, its
+    peak RSS in MB): with ``cold`` an empty Numba cache (every kernel compiled), else the cache
+    as it is."""
     import tempfile
     env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
     with tempfile.TemporaryDirectory() as d:
         if cold:
             env["NUMBA_CACHE_DIR"] = d
         t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "pyimp.cli", model, "-p", "Hello", "-n", "1", "--temp", "0",
-                        "-t", str(threads)], capture_output=True, text=True, env=env, check=True,
-                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        return time.perf_counter() - t
+        r = subprocess.run([sys.executable, "-c", _RUN_CLI, model, "-p", "Hello", "-n", "1", "--temp", "0",
+                            "-t", str(threads)], capture_output=True, text=True, env=env, check=True,
+                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        seconds = time.perf_counter() - t
+    peak = [float(ln.split()[1]) for ln in r.stderr.splitlines() if ln.startswith("PEAK_RSS_MB ")]
+    return seconds, (peak[-1] if peak else float("nan"))
 
 
 def _best(runs: list[dict]) -> dict:
@@ -302,10 +316,10 @@ def main(argv=None) -> int:
     print(f"threads {a.threads}, decode {a.decode} tokens after the prefill, numerics {a.numerics}, "
           f"llama.cpp with flash_attn, both f16 KV, best of {a.repeat} run(s) per engine")
     if a.startup:
-        cold = startup(paths[a.models[0]], a.threads, cold=True)
-        warm = min(startup(paths[a.models[0]], a.threads, cold=False) for _ in range(3))
+        cold, cold_rss = startup(paths[a.models[0]], a.threads, cold=True)
+        warm, warm_rss = min(startup(paths[a.models[0]], a.threads, cold=False) for _ in range(3))
         print(f"pyimp-run start to first token ({a.models[0]}): cold (empty Numba cache) {cold:.1f} s, "
-              f"warm {warm:.2f} s")
+              f"peak RSS {cold_rss:.0f} MB; warm {warm:.2f} s, peak RSS {warm_rss:.0f} MB")
     hdr = (f"{'model':10} {'ctx':>5} | {'pyimp pf':>9} {'llama pf':>9} {'ratio':>6} | {'pyimp dec':>9} "
            f"{'llama dec':>9} {'ratio':>6} | {'pyimp RSS':>9} {'llama RSS':>9} {'GGUF+KV+400':>11}")
     print(hdr)
@@ -324,6 +338,12 @@ def main(argv=None) -> int:
             if ids is not None:
                 tf = os.path.join(tmp, f"{name}.npy")
                 np.save(tf, np.asarray(ids, np.int64))
+            if ctxs:
+                # an untimed pyimp run first fills Numba's cache with every kernel the rows use,
+                # so that no timed run compiles (a first run's figures are --startup's)
+                for budget in sorted({0.0, a.sparse_budget}):
+                    _spawn("pyimp", path, min(ctxs), 1, a.threads, a.numerics, budget,
+                           a.synthetic_cache, tf)
             for ctx in ctxs:
                 runs_p, runs_q = [], []
                 for _ in range(a.repeat):
@@ -339,13 +359,15 @@ def main(argv=None) -> int:
                       f"{p['prefill_tok_s'] / q['prefill_tok_s']:6.2f} | {p['decode_tok_s']:9.2f} "
                       f"{q['decode_tok_s']:9.2f} {p['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
                       f"{p['peak_rss_mb']:8.0f}M {q['peak_rss_mb']:8.0f}M {gguf_mb + kv_mb + 400:10.0f}M"
-                      + ("" if tf else "  (random token ids)"), flush=True)
+                      + ("" if tf else "  (random token ids)")
+                      + ("  (pyimp compiled kernels in this run)" if p.get("compiled") else ""), flush=True)
                 if a.sparse_budget > 0:
                     s = _best([_spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics, a.sparse_budget,
                                       a.synthetic_cache, tf) for _ in range(a.repeat)])
                     print(f"{'  sparse':10} {ctx:5d} | {'':9} {'':9} {'':6} | {s['decode_tok_s']:9.2f} "
                           f"{q['decode_tok_s']:9.2f} {s['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
-                          f"{s['peak_rss_mb']:8.0f}M   (pyimp block-sparse, budget {a.sparse_budget:g})",
+                          f"{s['peak_rss_mb']:8.0f}M   (pyimp block-sparse, budget {a.sparse_budget:g})"
+                          + ("  (pyimp compiled kernels in this run)" if s.get("compiled") else ""),
                           flush=True)
     for name, ctx, parts, total in profiles:
         print(f"\npyimp decode profile, {name} at {ctx}: {total:.1f} ms per token (best run)")
