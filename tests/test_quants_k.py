@@ -433,7 +433,7 @@ def test_host_k_kernels_take_the_integer_path():
 @pytest.mark.skipif(not I8_CASES, reason=f"no integer dot products on this host ({L.I8_DOT})")
 @pytest.mark.parametrize("qtype,variant", I8_CASES, ids=lambda c: getattr(c, "name", c))
 @settings(max_examples=10, deadline=None)
-@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 7), nb=st.integers(1, 3), m=st.integers(1, 3),
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 7), nb=st.integers(1, 3), m=st.integers(1, 10),
        extreme=st.sampled_from([None, 0x00, 0xFF]))
 def test_k_i8_path_bit_identical_to_portable(qtype, variant, seed, rows, nb, m, extreme):
     """Bit for bit the portable kernel's results (which equal libggml's): any row count, any
