@@ -120,8 +120,8 @@ def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numer
     if engine == "pyimp":
         from pyimp.engine import Engine, EngineOptions, numba_cache_has_kernels
         from pyimp.sparse_policy import SparseOptions
-        # a run that compiles its kernels is no warm run: LLVM's memory counts in its peak RSS
-        # (about 200 MB for Gemma) and its prefill shares the cores with nothing else of it
+        # a run that compiles its kernels (in warmup, before the timings) is no warm run all the
+        # same: LLVM's memory counts in its peak RSS, about 200 MB for Gemma
         extra["compiled"] = numba_cache_has_kernels() is False
         sparse = SparseOptions()
         if sparse_budget > 0:
