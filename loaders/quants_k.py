@@ -730,13 +730,16 @@ def _k_lanes_codegen(k6: bool, use_vnni: bool, nrows: int):
         def ld(ty, arr, off, vty):
             return builder.load(ir_ptr(context, builder, ty, arr, off, vty), align=1)
 
+        if nrows:
+            a0_64 = builder.sext(a0_, _I64) if a0_.type.width < 64 else a0_
+            a_arr = context.make_array(aty)(context, builder, a_)
+
         def a_group(row, g):                  # Q8_K quants of 32-element group g of a row
             off = builder.add(ao64, c(_I64, 32 * g))
             if not nrows:
                 return ld(aty, a_, off, v32)
-            r = builder.add(builder.sext(a0_, _I64) if a0_.type.width < 64 else a0_, c(_I64, row))
-            arr = context.make_array(aty)(context, builder, a_)
-            p = cgutils.get_item_pointer(context, builder, aty, arr, [r, off], wraparound=False)
+            p = cgutils.get_item_pointer(context, builder, aty, a_arr, [builder.add(a0_64, c(_I64, row)), off],
+                                         wraparound=False)
             return builder.load(builder.bitcast(p, v32.as_pointer()), align=1)
 
         scv = ld(scty, sc_, c(_I64, 0), _v(_I32, 16))

@@ -77,3 +77,12 @@ def test_one_kernel_for_one_target_end_to_end(capsys):
     instr, cycles, per_cycle = (float(v) for v in row[0].split()[-3:])
     # a 32-weight block takes at least its 2 zmm FMAs and loads; bytes / cycle is 18 / cycles
     assert instr >= 4 and cycles > 0 and abs(per_cycle - 18 / cycles) < 0.01
+
+
+def test_a_failing_mca_is_one_line_error():
+    """An llvm-mca that fails (here /bin/false, which prints nothing) ends the tool with one line
+    naming it, not a traceback."""
+    if shutil.which("false") is None:
+        pytest.skip("no false(1)")
+    with pytest.raises(SystemExit, match=r"error: .*false -mcpu=znver3 failed: exit status 1"):
+        M.main(["--mca", shutil.which("false"), "--targets", "znver3", "--kernels", "Q4_0 256-bit"])

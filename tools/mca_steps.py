@@ -99,7 +99,8 @@ def mca_cycles(mca: str, cpu: str, ins: list[str], iterations: int = 200) -> flo
                        capture_output=True, text=True)
     m = re.search(r"Total Cycles:\s+(\d+)", p.stdout)
     if p.returncode or not m:
-        raise RuntimeError(f"llvm-mca -mcpu={cpu} failed: {(p.stderr or p.stdout).strip()[:300]}")
+        why = (p.stderr or p.stdout).strip()[:300] or f"exit status {p.returncode}, no output"
+        raise RuntimeError(f"{mca} -mcpu={cpu} failed: {why}")
     return int(m.group(1)) / iterations
 
 
@@ -148,12 +149,21 @@ def main(argv=None) -> int:
         if k not in KERNELS:
             ap.error(f"--kernels {k!r}: unknown kernel (known: {', '.join(KERNELS)})")
     mca = find_mca(args.mca)
+    try:
+        _table(mca, args.targets, args.kernels)
+    except RuntimeError as e:
+        raise SystemExit(f"error: {e}") from None
+    return 0
+
+
+def _table(mca: str, targets: list[str], kernels: list[str]) -> None:
+    """Print the table: each kernel compiled for each target, timed by llvm-mca."""
     print(f"llvm-mca: {mca}; cycles per weight block of each kernel's hot loop (model estimates)")
     print(f"{'kernel':<20s} {'target':<16s} {'mca model':<16s} {'instr/block':>11s} "
           f"{'cycles/block':>12s} {'bytes/cycle':>11s}")
-    for target in args.targets:
-        asms = compile_asm(target, args.kernels)
-        for name in args.kernels:
+    for target in targets:
+        asms = compile_asm(target, kernels)
+        for name in kernels:
             ins, fmas = hot_loop(asms[name])
             nblk = blocks_per_iteration(ins, fmas, KERNELS[name][1])
             if nblk <= 0:
@@ -161,7 +171,6 @@ def main(argv=None) -> int:
             cyc = mca_cycles(mca, TARGETS[target][2], ins) / nblk
             print(f"{name:<20s} {target:<16s} {TARGETS[target][2]:<16s} {len(ins) / nblk:11.1f} "
                   f"{cyc:12.2f} {KERNELS[name][0] / cyc:11.2f}")
-    return 0
 
 
 if __name__ == "__main__":
