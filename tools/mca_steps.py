@@ -41,14 +41,17 @@ TARGETS = {
                        "skylake-avx512"),
 }
 
-# kernel -> (weight bytes per block, weights per block)
-KERNELS = {
-    "Q4_0 256-bit": (18, 32), "Q4_0 512-bit pairs": (18, 32),
-    "Q5_0 256-bit": (22, 32), "Q5_0 512-bit pairs": (22, 32),
-    "Q4_1 256-bit": (20, 32), "Q4_1 512-bit pairs": (20, 32),
-    "Q5_1 256-bit": (24, 32), "Q5_1 512-bit pairs": (24, 32),
-    "Q4_K": (144, 256), "Q6_K": (210, 256),
-}
+# the kernels, named by type (and step: quants_legacy.u4_matvec's two)
+KERNELS = tuple(f"{t} {step}" for t in ("Q4_0", "Q5_0", "Q4_1", "Q5_1")
+                for step in ("256-bit", "512-bit pairs")) + ("Q4_K", "Q6_K")
+
+
+def block_shape(kernel: str) -> tuple[int, int]:
+    """(weight bytes per block, weights per block) of a kernel's type (loaders.ggml_types)."""
+    from gguf import GGMLQuantizationType as QT
+    from loaders.ggml_types import block_size, row_bytes
+    qt = QT[kernel.split()[0]]
+    return row_bytes(qt, block_size(qt)), block_size(qt)
 
 # run in the target's subprocess: every kernel's assembly, as JSON
 _COMPILE = r"""
@@ -164,13 +167,14 @@ def _table(mca: str, targets: list[str], kernels: list[str]) -> None:
     for target in targets:
         asms = compile_asm(target, kernels)
         for name in kernels:
+            nbytes, weights = block_shape(name)
             ins, fmas = hot_loop(asms[name])
-            nblk = blocks_per_iteration(ins, fmas, KERNELS[name][1])
+            nblk = blocks_per_iteration(ins, fmas, weights)
             if nblk <= 0:
                 raise RuntimeError(f"{name} for {target}: no FMA loop found in its assembly")
             cyc = mca_cycles(mca, TARGETS[target][2], ins) / nblk
             print(f"{name:<20s} {target:<16s} {TARGETS[target][2]:<16s} {len(ins) / nblk:11.1f} "
-                  f"{cyc:12.2f} {KERNELS[name][0] / cyc:11.2f}")
+                  f"{cyc:12.2f} {nbytes / cyc:11.2f}")
 
 
 if __name__ == "__main__":
