@@ -265,6 +265,11 @@ def startup(model: str, threads: int, cold: bool) -> tuple[float, float]:
     return seconds, (peak[-1] if peak else float("nan"))
 
 
+def _compiled_mark(run: dict) -> str:
+    """A row's note when its pyimp run compiled kernels (not a warm run: see worker)."""
+    return "  (pyimp compiled kernels in this run)" if run.get("compiled") else ""
+
+
 def _best(runs: list[dict]) -> dict:
     """The run with the fastest decode, with the fastest prefill of all runs."""
     best = dict(max(runs, key=lambda r: r["decode_tok_s"]))
@@ -360,14 +365,14 @@ def main(argv=None) -> int:
                       f"{q['decode_tok_s']:9.2f} {p['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
                       f"{p['peak_rss_mb']:8.0f}M {q['peak_rss_mb']:8.0f}M {gguf_mb + kv_mb + 400:10.0f}M"
                       + ("" if tf else "  (random token ids)")
-                      + ("  (pyimp compiled kernels in this run)" if p.get("compiled") else ""), flush=True)
+                      + _compiled_mark(p), flush=True)
                 if a.sparse_budget > 0:
                     s = _best([_spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics, a.sparse_budget,
                                       a.synthetic_cache, tf) for _ in range(a.repeat)])
                     print(f"{'  sparse':10} {ctx:5d} | {'':9} {'':9} {'':6} | {s['decode_tok_s']:9.2f} "
                           f"{q['decode_tok_s']:9.2f} {s['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
                           f"{s['peak_rss_mb']:8.0f}M   (pyimp block-sparse, budget {a.sparse_budget:g})"
-                          + ("  (pyimp compiled kernels in this run)" if s.get("compiled") else ""),
+                          + _compiled_mark(s),
                           flush=True)
     for name, ctx, parts, total in profiles:
         print(f"\npyimp decode profile, {name} at {ctx}: {total:.1f} ms per token (best run)")
