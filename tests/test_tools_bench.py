@@ -85,3 +85,64 @@ def test_startup_wrapper_reports_the_cli_process_peak_rss():
     peak = [float(ln.split()[1]) for ln in r.stderr.splitlines() if ln.startswith("PEAK_RSS_MB ")]
     # a Python that imports NumPy and the CLI is tens of MB resident; far below 2 GB
     assert len(peak) == 1 and 10 < peak[0] < 2000, r.stderr
+
+
+def _row(model, ctx, pf, dec, peer_pf=100.0, peer_dec=10.0, sparse_dec=None, rss=500.0,
+         limit=600.0, compiled=False):
+    run = lambda p, d: {"prefill_tok_s": p, "decode_tok_s": d, "peak_rss_mb": rss,  # noqa: E731
+                        "compiled": compiled}
+    return {"model": model, "ctx": ctx, "pyimp": run(pf, dec), "peer": run(peer_pf, peer_dec),
+            "sparse": None if sparse_dec is None else run(0.0, sparse_dec), "rss_limit_mb": limit}
+
+
+def _goal(vs, start):
+    hits = [v for v in vs if v[0].startswith(start)]
+    assert len(hits) == 1, (start, vs)
+    return hits[0]
+
+
+def test_verdicts_hold_every_row_to_its_goal():
+    """--goals says a goal is met only when every row it names reaches the threshold of
+    tools.bench.GOALS (ratios against llama.cpp in the same row), not met when one row falls
+    short, and not measured (not met) when no row measured it."""
+    from tools.bench import GOALS, verdicts
+    g = GOALS["gemma_decode"]
+    rows = [_row("gemma", 128, 90.0, 10.0 * g), _row("gemma", 1024, 59.0, 10.0 * g + 1),
+            _row("gemma", 16384, 100.0, 10.0 * GOALS["long_dense_decode"],
+                 sparse_dec=10.0 * GOALS["long_sparse_decode"] - 0.01),
+            _row("tinyllama", 128, 100.0 * GOALS["tinyllama_prefill"], 10.0)]
+    vs = verdicts(rows, startup_s=(GOALS["cold_start_s"] + 0.1, GOALS["warm_start_s"]),
+                  shares={"Q8_0": 1.2, "Q5_0": GOALS["matvec_share"]})
+    assert _goal(vs, "Gemma decode")[2] is True          # exactly at the threshold counts as met
+    pf = _goal(vs, "Gemma prefill")
+    assert pf[2] is False and pf[1] == "0.90x at 128, 0.59x at 1024"
+    assert _goal(vs, "Gemma long-context dense")[2] is True
+    assert _goal(vs, "Gemma long-context block-sparse")[2] is False
+    assert _goal(vs, "TinyLlama-shape prefill")[2] is True
+    assert _goal(vs, "warm start")[2] is True and _goal(vs, "cold first run")[2] is False
+    assert _goal(vs, "every type's matvec")[2] is True
+    assert _goal(vs, "peak RSS")[2] is True
+
+
+def test_verdicts_name_the_runs_over_the_rss_limit_and_what_was_not_measured():
+    from tools.bench import verdicts
+    rows = [_row("gemma", 128, 100.0, 10.0, rss=700.0, limit=650.0, compiled=True),
+            _row("gemma", 4096, 100.0, 10.0, rss=600.0, limit=650.0)]
+    vs = verdicts(rows)
+    rss = _goal(vs, "peak RSS")
+    assert rss[2] is False and "gemma 128: 700 > 650 MB (compiled kernels)" in rss[1]
+    assert "4096" not in rss[1]
+    for start in ("Gemma long-context dense", "Gemma long-context block-sparse",
+                  "TinyLlama-shape decode", "warm start", "cold first run", "every type's matvec"):
+        assert _goal(vs, start)[1:] == ("not measured", None)
+    # a long row measured without block-sparse leaves that goal unmeasured, not met
+    vs = verdicts([_row("gemma", 32000, 100.0, 10.0)])
+    assert _goal(vs, "Gemma long-context block-sparse")[1:] == ("not measured", None)
+    assert _goal(vs, "Gemma long-context dense")[2] is True
+
+
+def test_goals_refuses_its_own_grid_overridden(capsys):
+    from tools.bench import main
+    with pytest.raises(SystemExit):
+        main(["--goals", "--ctx", "128"])
+    assert "--goals runs the goals' own rows" in capsys.readouterr().err

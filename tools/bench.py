@@ -11,6 +11,12 @@ models with a real vocabulary, random ids for the synthetic TinyLlama.
     python -m tools.bench --models gemma --ctx 128 1024
     python -m tools.bench --models gemma --ctx 16384 32000 --sparse-budget 0.125
     python -m tools.bench --models gemma --startup --profile   # start-up times, decode profile
+    python -m tools.bench --goals          # the speed goals' grid, then each goal met or not
+
+The speed goals (:data:`GOALS`) live here, not in timed tests: ``--goals`` runs
+the rows they name (:data:`GOAL_PLAN`), the start-up times and the matvecs'
+share of read bandwidth (``tools.bench_kernels``), and ends with one line per
+goal: the figure measured on this machine and whether it meets the goal.
 """
 from __future__ import annotations
 
@@ -265,6 +271,120 @@ def startup(model: str, threads: int, cold: bool) -> tuple[float, float]:
     return seconds, (peak[-1] if peak else float("nan"))
 
 
+# The speed goals, all measured in one run of this benchmark on one machine: ratios are pyimp
+# over llama.cpp (flash attention, f16 KV) in the same run, 2 threads, fp32 numerics.
+GOALS = {
+    "gemma_decode": 0.6,          # Gemma 3 270M decode at 128, 1024 and 4096 context
+    "gemma_prefill": 0.6,         # ... and prefill at those rows
+    "long_dense_decode": 0.8,     # Gemma at 16384 and 32000 after a real prefill: dense decode
+    "long_sparse_decode": 1.3,    # ... and block-sparse decode, budget 1/8 of the context
+    "tinyllama_decode": 0.5,      # TinyLlama-1.1B-shape Q4_0 (random ids) decode
+    "tinyllama_prefill": 0.4,     # ... and prefill
+    "warm_start_s": 3.0,          # pyimp-run process start to first token, warm Numba cache
+    "cold_start_s": 20.0,         # ... with an empty Numba cache (every kernel compiled)
+    "matvec_share": 0.5,          # fp32 matvec over the default model's real matrices, per
+                                  # type, as a share of single-thread read bandwidth
+    "rss_margin_mb": 400.0,       # peak RSS of every pyimp run <= GGUF + KV + this
+}
+LONG_CTX = 16384                  # rows from here on are the long-context goals' rows
+# (model, context lengths, block-sparse budget) of the rows --goals runs
+GOAL_PLAN = (("gemma", (128, 1024, 4096), 0.0), ("gemma", (16384, 32000), 0.125),
+             ("tinyllama", (128, 1024), 0.0))
+
+
+def verdicts(rows: list[dict], startup_s: tuple | None = None,
+             shares: dict | None = None) -> list[tuple[str, str, bool | None]]:
+    """(goal, figure measured, met: True / False, None where nothing measured it) for each goal
+    of :data:`GOALS`, from the bench's rows (dicts with model, ctx, pyimp, peer, sparse: the
+    worker results, sparse None when not run; rss_limit_mb), the start-up seconds (cold, warm)
+    and the matvec shares of read bandwidth by type name. Each goal holds at every row it
+    names: a row under its threshold fails it, and a goal no row measured is not met."""
+    G = GOALS
+    out = []
+
+    def ratio(r, key, run="pyimp"):
+        return r[run][key] / r["peer"][key]
+
+    def each(label, sel, key, least, run="pyimp"):
+        rs = [r for r in rows if sel(r) and (run != "sparse" or r.get("sparse"))]
+        if not rs:
+            out.append((label, "not measured", None))
+            return
+        vals = [(r["ctx"], ratio(r, key, run)) for r in rs]
+        out.append((label, ", ".join(f"{v:.2f}x at {c}" for c, v in vals),
+                    all(v >= least for _, v in vals)))
+
+    short = lambda r: r["model"] == "gemma" and r["ctx"] < LONG_CTX   # noqa: E731
+    long_ = lambda r: r["model"] == "gemma" and r["ctx"] >= LONG_CTX  # noqa: E731
+    tiny = lambda r: r["model"].startswith("tinyllama")               # noqa: E731
+    each(f"Gemma decode >= {G['gemma_decode']}x llama.cpp", short, "decode_tok_s", G["gemma_decode"])
+    each(f"Gemma prefill >= {G['gemma_prefill']}x", short, "prefill_tok_s", G["gemma_prefill"])
+    each(f"Gemma long-context dense decode >= {G['long_dense_decode']}x", long_, "decode_tok_s",
+         G["long_dense_decode"])
+    each(f"Gemma long-context block-sparse decode >= {G['long_sparse_decode']}x", long_,
+         "decode_tok_s", G["long_sparse_decode"], run="sparse")
+    each(f"TinyLlama-shape decode >= {G['tinyllama_decode']}x", tiny, "decode_tok_s",
+         G["tinyllama_decode"])
+    each(f"TinyLlama-shape prefill >= {G['tinyllama_prefill']}x", tiny, "prefill_tok_s",
+         G["tinyllama_prefill"])
+    if startup_s is None:
+        out += [(f"warm start <= {G['warm_start_s']:g} s", "not measured", None),
+                (f"cold first run <= {G['cold_start_s']:g} s", "not measured", None)]
+    else:
+        cold, warm = startup_s
+        out += [(f"warm start <= {G['warm_start_s']:g} s", f"{warm:.2f} s", warm <= G["warm_start_s"]),
+                (f"cold first run <= {G['cold_start_s']:g} s", f"{cold:.1f} s", cold <= G["cold_start_s"])]
+    label = f"every type's matvec >= {G['matvec_share']:.0%} of read bandwidth"
+    if not shares:
+        out.append((label, "not measured", None))
+    else:
+        out.append((label, ", ".join(f"{t} {v:.0%}" for t, v in shares.items()),
+                    all(v >= G["matvec_share"] for v in shares.values())))
+    runs = [(r, run) for r in rows for run in ("pyimp", "sparse") if r.get(run)]
+    label = f"peak RSS <= GGUF + KV + {G['rss_margin_mb']:.0f} MB"
+    if not runs:
+        out.append((label, "not measured", None))
+    else:
+        over = [f"{r['model']} {r['ctx']}{' sparse' if run == 'sparse' else ''}: "
+                f"{r[run]['peak_rss_mb']:.0f} > {r['rss_limit_mb']:.0f} MB"
+                + (" (compiled kernels)" if r[run].get("compiled") else "")
+                for r, run in runs if r[run]["peak_rss_mb"] > r["rss_limit_mb"]]
+        worst = max(r[run]["peak_rss_mb"] - r["rss_limit_mb"] for r, run in runs)
+        out.append((label, "; ".join(over) if over else
+                    f"{len(runs)} runs, the closest {-worst:.0f} MB under", not over))
+    return out
+
+
+def kernel_shares(threads: int, reps: int = 9) -> dict:
+    """Each weight type's fp32 matvec over the default model's real matrices as a share of
+    single-thread read bandwidth (``tools.bench_kernels``), measured in a subprocess with
+    pyimp's process settings and ``threads`` Numba threads."""
+    code = ("import json, numba\n"
+            "from tools.bench_kernels import layer_rate, read_bandwidth, real_matrix_rates, resolve_model\n"
+            f"numba.set_num_threads({threads})\n"
+            f"entries, _ = real_matrix_rates(resolve_model(None), {reps})\n"
+            "bw = read_bandwidth()\n"
+            "print(json.dumps({e['qtype'].name: layer_rate(e) / bw for e in entries}))\n")
+    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
+    from pyimp.runtime import configure_process
+    configure_process(env)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if r.returncode:
+        raise RuntimeError(f"kernel bandwidth subprocess failed: {r.stderr.strip().splitlines()[-1:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def print_verdicts(vs: list[tuple[str, str, bool | None]]) -> int:
+    """The goals' table; returns how many are not met (unmeasured ones included)."""
+    print("\ngoals (this machine, this run):")
+    w = max(len(g) for g, _, _ in vs)
+    for goal, figure, met in vs:
+        word = "met" if met else ("NOT MET" if met is False else "not measured")
+        print(f"  {word:12} {goal:{w}}  {figure}")
+    return sum(1 for _, _, met in vs if not met)
+
+
 def _compiled_mark(run: dict) -> str:
     """A row's note when its pyimp run compiled kernels (not a warm run: see worker)."""
     return "  (pyimp compiled kernels in this run)" if run.get("compiled") else ""
@@ -279,9 +399,9 @@ def _best(runs: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--models", nargs="+", default=["gemma", "tinyllama"],
-                    choices=["gemma", "tinyllama", "tinyllama-32k"])
-    ap.add_argument("--ctx", nargs="+", type=int, default=[128, 1024, 4096])
+    ap.add_argument("--models", nargs="+", choices=["gemma", "tinyllama", "tinyllama-32k"],
+                    help="default: gemma tinyllama")
+    ap.add_argument("--ctx", nargs="+", type=int, help="default: 128 1024 4096")
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--numerics", default="fp32", choices=["fp32", "ggml"])
@@ -297,12 +417,23 @@ def main(argv=None) -> int:
                          "and with a warm Numba cache")
     ap.add_argument("--profile", action="store_true",
                     help="also show where a pyimp decode token's time goes (ms per token by part)")
+    ap.add_argument("--goals", action="store_true",
+                    help="run the rows of the speed goals (GOAL_PLAN), the start-up times and the "
+                         "kernels' share of read bandwidth, then say of each goal whether this "
+                         "machine meets it (exit status 1 if any is not met)")
     ap.add_argument("--worker", choices=["pyimp", "llama.cpp"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {a.repeat}")
+    if a.goals and (a.models or a.ctx or a.sparse_budget or a.synthetic_cache):
+        ap.error("--goals runs the goals' own rows: leave out --models, --ctx, --sparse-budget "
+                 "and --synthetic-cache")
+    if a.goals:
+        a.models, a.startup = sorted({m for m, _, _ in GOAL_PLAN}), True
+    a.models = a.models or ["gemma", "tinyllama"]
+    a.ctx = a.ctx or [128, 1024, 4096]
     if a.worker:
         print(json.dumps(worker(a.worker, a.model, a.ctx[0], a.decode, a.threads, a.numerics,
                                 a.sparse_budget, a.synthetic_cache, a.tokens, a.profile)))
@@ -320,65 +451,82 @@ def main(argv=None) -> int:
     print(host_kernels())
     print(f"threads {a.threads}, decode {a.decode} tokens after the prefill, numerics {a.numerics}, "
           f"llama.cpp with flash_attn, both f16 KV, best of {a.repeat} run(s) per engine")
+    startup_s = None
     if a.startup:
         cold, cold_rss = startup(paths[a.models[0]], a.threads, cold=True)
         warm, warm_rss = min(startup(paths[a.models[0]], a.threads, cold=False) for _ in range(3))
+        startup_s = (cold, warm)
         print(f"pyimp-run start to first token ({a.models[0]}): cold (empty Numba cache) {cold:.1f} s, "
               f"peak RSS {cold_rss:.0f} MB; warm {warm:.2f} s, peak RSS {warm_rss:.0f} MB")
     hdr = (f"{'model':10} {'ctx':>5} | {'pyimp pf':>9} {'llama pf':>9} {'ratio':>6} | {'pyimp dec':>9} "
            f"{'llama dec':>9} {'ratio':>6} | {'pyimp RSS':>9} {'llama RSS':>9} {'GGUF+KV+400':>11}")
     print(hdr)
     print("-" * len(hdr))
-    profiles = []
+    profiles, rows = [], []
+    plan = GOAL_PLAN if a.goals else tuple((m, tuple(a.ctx), a.sparse_budget) for m in a.models)
     with tempfile.TemporaryDirectory() as tmp:
-        for name in a.models:
-            path = paths[name]
-            gguf_mb = os.path.getsize(path) / 2**20
-            from loaders.config import read_config
-            from loaders.gguf_file import GGUFFile
-            cfg = read_config(GGUFFile(path))
-            ctxs = [c for c in a.ctx if c + a.decode + 8 <= cfg.n_ctx_train]
-            tf = None
-            ids = text_tokens(path, max(ctxs, default=0) + a.decode) if ctxs else None
-            if ids is not None:
-                tf = os.path.join(tmp, f"{name}.npy")
-                np.save(tf, np.asarray(ids, np.int64))
-            if ctxs:
-                # an untimed pyimp run first fills Numba's cache with every kernel the rows use,
-                # so that no timed run compiles (a first run's figures are --startup's)
-                for budget in sorted({0.0, a.sparse_budget}):
-                    _spawn("pyimp", path, min(ctxs), 1, a.threads, a.numerics, budget,
-                           a.synthetic_cache, tf)
-            for ctx in ctxs:
-                runs_p, runs_q = [], []
-                for _ in range(a.repeat):
-                    runs_p.append(_spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics, 0.0,
-                                         a.synthetic_cache, tf, a.profile))
-                    runs_q.append(_spawn("llama.cpp", path, ctx, a.decode, a.threads, a.numerics,
-                                         tokens_file=tf))
-                p, q = _best(runs_p), _best(runs_q)
-                if a.profile:
-                    profiles.append((name, ctx, p["profile_ms_per_token"], 1e3 / p["decode_tok_s"]))
-                kv_mb = cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 2 * 2 * (ctx + a.decode + 8) / 2**20
-                print(f"{name:10} {ctx:5d} | {p['prefill_tok_s']:9.1f} {q['prefill_tok_s']:9.1f} "
-                      f"{p['prefill_tok_s'] / q['prefill_tok_s']:6.2f} | {p['decode_tok_s']:9.2f} "
-                      f"{q['decode_tok_s']:9.2f} {p['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
-                      f"{p['peak_rss_mb']:8.0f}M {q['peak_rss_mb']:8.0f}M {gguf_mb + kv_mb + 400:10.0f}M"
-                      + ("" if tf else "  (random token ids)")
-                      + _compiled_mark(p), flush=True)
-                if a.sparse_budget > 0:
-                    s = _best([_spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics, a.sparse_budget,
-                                      a.synthetic_cache, tf) for _ in range(a.repeat)])
-                    print(f"{'  sparse':10} {ctx:5d} | {'':9} {'':9} {'':6} | {s['decode_tok_s']:9.2f} "
-                          f"{q['decode_tok_s']:9.2f} {s['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
-                          f"{s['peak_rss_mb']:8.0f}M   (pyimp block-sparse, budget {a.sparse_budget:g})"
-                          + _compiled_mark(s),
-                          flush=True)
+        for name, ctxs, budget in plan:
+            rows += _model_rows(name, paths[name], ctxs, budget, a, tmp, profiles)
     for name, ctx, parts, total in profiles:
         print(f"\npyimp decode profile, {name} at {ctx}: {total:.1f} ms per token (best run)")
         for k, v in sorted(parts.items(), key=lambda kv: -kv[1]):
             print(f"  {v:7.2f} ms  {k}")
+    if a.goals:
+        shares = kernel_shares(a.threads)
+        return 1 if print_verdicts(verdicts(rows, startup_s, shares)) else 0
     return 0
+
+
+def _model_rows(name: str, path: str, ctxs, budget: float, a, tmp: str, profiles: list) -> list[dict]:
+    """Run and print one model's rows (each context length: pyimp and llama.cpp, alternating
+    ``a.repeat`` times, then block-sparse pyimp when ``budget`` > 0); returns them as
+    :func:`verdicts` reads them. Context lengths past the model's trained context are left out."""
+    from loaders.config import read_config
+    from loaders.gguf_file import GGUFFile
+    gguf_mb = os.path.getsize(path) / 2**20
+    cfg = read_config(GGUFFile(path))
+    ctxs = [c for c in ctxs if c + a.decode + 8 <= cfg.n_ctx_train]
+    if not ctxs:
+        return []
+    tf = None
+    ids = text_tokens(path, max(ctxs) + a.decode)
+    if ids is not None:
+        tf = os.path.join(tmp, f"{name}-{max(ctxs)}.npy")
+        np.save(tf, np.asarray(ids, np.int64))
+    # an untimed pyimp run first fills Numba's cache with every kernel the rows use, so that no
+    # timed run compiles (a first run's figures are --startup's)
+    for b in sorted({0.0, budget}):
+        _spawn("pyimp", path, min(ctxs), 1, a.threads, a.numerics, b, a.synthetic_cache, tf)
+    rows = []
+    for ctx in ctxs:
+        runs_p, runs_q = [], []
+        for _ in range(a.repeat):
+            runs_p.append(_spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics, 0.0,
+                                 a.synthetic_cache, tf, a.profile))
+            runs_q.append(_spawn("llama.cpp", path, ctx, a.decode, a.threads, a.numerics,
+                                 tokens_file=tf))
+        p, q = _best(runs_p), _best(runs_q)
+        if a.profile:
+            profiles.append((name, ctx, p["profile_ms_per_token"], 1e3 / p["decode_tok_s"]))
+        kv_mb = cfg.n_layer * cfg.n_head_kv * cfg.head_dim * 2 * 2 * (ctx + a.decode + 8) / 2**20
+        row = {"model": name, "ctx": ctx, "pyimp": p, "peer": q, "sparse": None,
+               "rss_limit_mb": gguf_mb + kv_mb + GOALS["rss_margin_mb"]}
+        print(f"{name:10} {ctx:5d} | {p['prefill_tok_s']:9.1f} {q['prefill_tok_s']:9.1f} "
+              f"{p['prefill_tok_s'] / q['prefill_tok_s']:6.2f} | {p['decode_tok_s']:9.2f} "
+              f"{q['decode_tok_s']:9.2f} {p['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
+              f"{p['peak_rss_mb']:8.0f}M {q['peak_rss_mb']:8.0f}M {row['rss_limit_mb']:10.0f}M"
+              + ("" if tf else "  (random token ids)")
+              + _compiled_mark(p), flush=True)
+        if budget > 0:
+            sp = _best([_spawn("pyimp", path, ctx, a.decode, a.threads, a.numerics, budget,
+                               a.synthetic_cache, tf) for _ in range(a.repeat)])
+            row["sparse"] = sp
+            print(f"{'  sparse':10} {ctx:5d} | {'':9} {'':9} {'':6} | {sp['decode_tok_s']:9.2f} "
+                  f"{q['decode_tok_s']:9.2f} {sp['decode_tok_s'] / q['decode_tok_s']:6.2f} | "
+                  f"{sp['peak_rss_mb']:8.0f}M   (pyimp block-sparse, budget {budget:g})"
+                  + _compiled_mark(sp), flush=True)
+        rows.append(row)
+    return rows
 
 
 if __name__ == "__main__":

@@ -124,6 +124,41 @@ def synthetic(qtype, rows: int = 4096, n: int = 4096) -> np.ndarray:
     return raw
 
 
+def real_matrix_rates(model: str, reps: int) -> tuple[list[dict], list[str]]:
+    """Per weight type of ``model`` (its matrices; 1-D tensors are listed apart): the largest
+    matrix timed in both numerics (:func:`bench_matrix`) and, for a type with more than one,
+    fp32 over all its matrices but the token embedding in sequence (:func:`bench_sequence`).
+    Returns (one dict per type, the names of the types with only 1-D tensors)."""
+    from loaders.gguf_file import GGUFError, GGUFFile
+    try:
+        f = GGUFFile(model)
+    except GGUFError as e:
+        raise SystemExit(f"error: {e}") from None
+    by_type: dict = {}
+    for name, info in f.tensors.items():
+        if len(info.shape) >= 2:
+            by_type.setdefault(info.qtype, []).append(name)
+    skipped = sorted({info.type_name for info in f.tensors.values() if info.qtype not in by_type})
+    out = []
+    for qt in sorted(by_type, key=int):
+        tensors = [f.tensor(nm) for nm in by_type[qt]]
+        big = max(tensors, key=lambda t: t.raw.nbytes)
+        e = {"qtype": big.qtype, "name": big.name, "shape": f"{big.n_rows}x{big.n_per_row}",
+             "big": bench_matrix(big.raw, big.qtype, big.n_per_row, reps), "seq": None}
+        mats = [(t.raw, t.n_per_row) for t in tensors if t.name != "token_embd.weight"]
+        if len(tensors) > 1 and mats:
+            e["seq"] = bench_sequence(mats, big.qtype, reps)
+            e["seq_n"], e["seq_mb"] = len(mats), sum(m[0].nbytes for m in mats) / 1e6
+        out.append(e)
+    return out, skipped
+
+
+def layer_rate(entry: dict) -> float:
+    """The fp32 GB/s a type's entry of :func:`real_matrix_rates` stands for: over all its layer
+    matrices in sequence where it has several, else its one matrix."""
+    return entry["seq"][0] if entry["seq"] is not None else entry["big"]["fp32"][0]
+
+
 # ----------------------------------------------------------------------------- compile time
 
 _COMPILE_SNIPPET = r"""
@@ -199,32 +234,17 @@ def main(argv=None) -> int:
 
     real_types: set = set()
     if model is not None:
-        from loaders.gguf_file import GGUFError, GGUFFile
-        try:
-            f = GGUFFile(model)
-        except GGUFError as e:
-            raise SystemExit(f"error: {e}") from None
-        by_type: dict = {}
-        for name, info in f.tensors.items():
-            if len(info.shape) >= 2:
-                by_type.setdefault(info.qtype, []).append(name)
-        skipped = sorted({info.type_name for info in f.tensors.values() if info.qtype not in by_type})
-        real_types = set(by_type)
+        entries, skipped = real_matrix_rates(model, args.reps)
+        real_types = {int(e["qtype"]) for e in entries}
         print(f"real tensors: {os.path.basename(model)}")
         print(header)
-        for qt in sorted(by_type, key=int):
-            names = by_type[qt]
-            tensors = [f.tensor(nm) for nm in names]
-            big = max(tensors, key=lambda t: t.raw.nbytes)
-            r = bench_matrix(big.raw, big.qtype, big.n_per_row, args.reps)
-            row(f"{big.qtype.name} {big.name}", f"{big.n_rows}x{big.n_per_row}", r)
-            if len(tensors) > 1:
-                mats = [(t.raw, t.n_per_row) for t in tensors if t.name != "token_embd.weight"]
-                if mats:
-                    sb, sm = bench_sequence(mats, big.qtype, args.reps)
-                    mb = sum(m[0].nbytes for m in mats) / 1e6
-                    label = f"{big.qtype.name} all {len(mats)} (seq, fp32)"
-                    print(f"{label:<34s} {'':>13s} {mb:9.2f} {sb:7.2f} ({sm:6.2f}) {100 * sb / bw:5.0f}%")
+        for e in entries:
+            row(f"{e['qtype'].name} {e['name']}", e["shape"], e["big"])
+            if e["seq"] is not None:
+                sb, sm = e["seq"]
+                label = f"{e['qtype'].name} all {e['seq_n']} (seq, fp32)"
+                print(f"{label:<34s} {'':>13s} {e['seq_mb']:9.2f} {sb:7.2f} ({sm:6.2f}) "
+                      f"{100 * sb / bw:5.0f}%")
         if skipped:
             print(f"(types with only 1-D tensors, not timed: {', '.join(skipped)})")
         print()
