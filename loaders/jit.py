@@ -107,6 +107,16 @@ class _Cache(caching.FunctionCache):
     _impl_class = _Impl
 
 
+def target_features() -> frozenset:
+    """The CPU features Numba compiles for, as LLVM names them: ``NUMBA_CPU_FEATURES`` when set
+    (``NUMBA_CPU_NAME=generic`` alone sets it empty: a portable cache), else the host's, less
+    the AVX family under ``NUMBA_ENABLE_AVX=0``. Kernels that emit target intrinsics choose by
+    these, not by the host's: LLVM aborts the process on an intrinsic its target lacks."""
+    from numba.core import codegen, config
+    flat = config.CPU_FEATURES if config.CPU_FEATURES is not None else codegen.get_host_cpu_features()
+    return frozenset(f[1:] for f in flat.split(",") if f.startswith("+"))
+
+
 def njit(*args, cache: bool = True, **options):
     """``numba.njit`` (lazy, no explicit signatures) whose cache is keyed by :func:`sources_stamp`."""
     if "fastmath" in options and options["fastmath"] is True:

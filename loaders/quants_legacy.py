@@ -239,14 +239,22 @@ U4_ELEMENT_LANE = np.argsort(U4_LANE_ELEMENT)
 
 
 _X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+# the features Numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES honoured), not the host's
+_FEATURES = jit.target_features()
+# the widest vector an x86 register ("x" constraint) holds on that target, in bits
+_X86_VECTOR_BITS = 512 if "avx512f" in _FEATURES else 256 if "avx" in _FEATURES else 128
 
 
 def ir_opaque(builder, v):
-    """``v``, hidden from LLVM's optimizer: an empty inline asm on x86-64 (``v`` itself
-    elsewhere). Shifts by constants that follow a per-lane shift then stay one instruction
-    each, with no register of counts; LLVM would otherwise merge each into a per-lane shift
-    of its own (a register of counts apiece, and AVX2 has 16)."""
-    if not _X86_64:
+    """``v``, hidden from LLVM's optimizer: an empty inline asm on x86-64 where one register
+    holds ``v`` (``v`` itself elsewhere: a 256-bit vector on a target without AVX, e.g.
+    NUMBA_CPU_NAME=generic, has no register for the asm and LLVM would refuse to compile it).
+    Shifts by constants that follow a per-lane shift then stay one instruction each, with no
+    register of counts; LLVM would otherwise merge each into a per-lane shift of its own (a
+    register of counts apiece, and AVX2 has 16)."""
+    t = v.type
+    bits = t.count * t.element.width if isinstance(t, ir.VectorType) else t.width
+    if not _X86_64 or bits > _X86_VECTOR_BITS:
         return v
     asm = ir.InlineAsm(ir.FunctionType(v.type, [v.type]), "", "=x,0")
     return builder.call(asm, [v])
@@ -1053,16 +1061,6 @@ _ROW_CHUNKS = 64
 # Q8_0 takes this path only with VNNI (whose sums are int32).
 
 
-def _host_features() -> frozenset:
-    """The host CPU's features as LLVM names them (what Numba compiles for)."""
-    try:
-        from llvmlite import binding as llb
-        return frozenset(k for k, v in llb.get_host_cpu_features().items() if v)
-    except Exception:       # pragma: no cover - a platform where LLVM cannot tell
-        return frozenset()
-
-
-_FEATURES = _host_features()
 # "vnni": VPDPBUSD on 256-bit vectors (AVX-512 VNNI with VL; an AVX-VNNI-only host takes "avx2",
 # the encoding not tried here); "avx2": VPMADDUBSW + VPMADDWD; None: no integer path
 I8_DOT = ("vnni" if "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES

@@ -1,0 +1,169 @@
+"""fp16 <-> fp32 conversions of the attention kernels (pyimp.attn_kernels): the hardware IR
+(fpext / fptrunc of half) and the integer IR that x86 targets without F16C compile instead
+(a NUMBA_CPU_NAME=generic cache), both held to NumPy's conversions."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from llvmlite import ir as llvm_ir
+from numba import njit, types
+from numba.extending import intrinsic
+
+from pyimp import attn_kernels as ak
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@intrinsic
+def _soft_h2f(typingctx, h):
+    sig = types.float32(types.uint16)
+    return sig, lambda context, builder, signature, args: ak._half_to_float_soft(builder, args[0])
+
+
+@intrinsic
+def _soft_f2h(typingctx, f):
+    sig = types.uint16(types.float32)
+    return sig, lambda context, builder, signature, args: ak._float_to_half_soft(builder, args[0])
+
+
+@intrinsic
+def _soft_h2f_x8(typingctx, src, i, dst):
+    """dst[i:i+8] = the 8 fp16 values of src[i:i+8], converted as one <8 x i16> vector."""
+    sig = types.void(src, i, dst)
+
+    def codegen(context, builder, signature, args):
+        def ptr(k, vty):
+            aryty = signature.args[k]
+            ary = context.make_array(aryty)(context, builder, args[k])
+            return builder.bitcast(builder.gep(ary.data, [args[1]]), vty.as_pointer())
+        hv = builder.load(ptr(0, llvm_ir.VectorType(llvm_ir.IntType(16), 8)), align=2)
+        builder.store(ak._half_to_float_soft(builder, hv),
+                      ptr(2, llvm_ir.VectorType(llvm_ir.FloatType(), 8)), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit
+def _h2f_all(h, soft, vector):
+    out = np.empty(h.shape[0], np.float32)
+    if vector:
+        for i in range(0, h.shape[0], 8):
+            _soft_h2f_x8(h, i, out)
+    else:
+        for i in range(h.shape[0]):
+            out[i] = _soft_h2f(h[i]) if soft else ak.half_bits_to_f32(h[i])
+    return out
+
+
+@njit
+def _f2h_all(f, soft):
+    out = np.empty(f.shape[0], np.uint16)
+    for i in range(f.shape[0]):
+        out[i] = _soft_f2h(f[i]) if soft else ak.f32_to_half_bits(f[i])
+    return out
+
+
+def _assert_same_floats(got, want):
+    """Bit for bit, except NaN: any NaN for a NaN (payloads and the quiet bit are the
+    conversion instruction's business, not NumPy's)."""
+    gn, wn = np.isnan(got), np.isnan(want)
+    np.testing.assert_array_equal(gn, wn)
+    np.testing.assert_array_equal(got.view(np.uint32)[~wn], want.view(np.uint32)[~wn])
+
+
+def _float_samples() -> np.ndarray:
+    """float32 patterns around every place fp16 rounding can go wrong: each exponent, with
+    mantissas at and beside the 13-bit rounding boundary (ties to even both ways), the top and
+    bottom of the mantissa, random ones, both signs; and the fp16 range's edges."""
+    rng = np.random.default_rng(0)
+    mant = np.array([0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x2FFF, 0x3000, 0x3001,
+                     0x7FE000, 0x7FEFFF, 0x7FF000, 0x7FF001, 0x7FFFFF], np.uint32)
+    mant = np.concatenate([mant, rng.integers(0, 1 << 23, 48, dtype=np.uint32)])
+    exp = np.arange(256, dtype=np.uint32) << 23
+    bits = (exp[:, None] | mant[None, :]).ravel()
+    edges = np.array([65504.0, 65519.99, 65520.0, 65536.0, 2.0 ** -14, 2.0 ** -24, 2.0 ** -25,
+                      3 * 2.0 ** -26, 2.0 ** -25 + 2.0 ** -40, 1.0, 0.1, 1e-30], np.float32)
+    bits = np.concatenate([bits, edges.view(np.uint32),
+                           rng.integers(0, 1 << 32, 20000, dtype=np.uint64).astype(np.uint32)])
+    return np.concatenate([bits, bits | np.uint32(0x80000000)]).view(np.float32)
+
+
+ALL_HALVES = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+
+
+@pytest.mark.parametrize("soft,vector", [(False, False), (True, False), (True, True)],
+                         ids=["as compiled here", "integer IR", "integer IR, 8 lanes"])
+def test_every_fp16_pattern_converts_as_numpy(soft, vector):
+    """All 65536 fp16 patterns (subnormals, both zeros, inf, NaN) give NumPy's float32."""
+    want = ALL_HALVES.view(np.float16).astype(np.float32)
+    _assert_same_floats(_h2f_all(ALL_HALVES, soft, vector), want)
+
+
+@pytest.mark.parametrize("soft", [False, True], ids=["as compiled here", "integer IR"])
+def test_float_to_fp16_rounds_as_numpy(soft):
+    """float32 -> fp16 bits as NumPy's astype(float16): round to nearest even, overflow to inf
+    from 65520 on, fp16 subnormals, zeros with their sign; NaN to a NaN."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = _float_samples()
+        want = f.astype(np.float16)
+    got = _f2h_all(f, soft)
+    _assert_same_floats(got.view(np.float16).astype(np.float32), want.astype(np.float32))
+    finite = ~np.isnan(f)
+    np.testing.assert_array_equal(got[finite], want.view(np.uint16)[finite])
+
+
+_GENERIC_RUN = r"""
+import json, sys
+sys.path.insert(0, {root!r})
+from pyimp import attn_kernels as ak
+from loaders import quants_legacy
+from tests.test_half_convert import _logits
+print("RESULT" + json.dumps({{"hardware": ak.HALF_IN_HARDWARE, "i8": quants_legacy.I8_DOT,
+                              "logits": {{n: _logits({model!r}, n).tolist() for n in ("fp32", "ggml")}}}}))
+"""
+
+
+def _logits(model: str, numerics: str) -> np.ndarray:
+    """The last logits of an 8-token prefill and of one decode step after it."""
+    from pyimp.engine import Engine, EngineOptions
+    with Engine(model, EngineOptions(n_ctx=64, block_len=16, numerics=numerics)) as eng:
+        pre = eng.eval([1, 17, 42, 99, 5, 250, 31, 77], all_logits=False)[-1]
+        return np.stack([pre, eng.eval([3], all_logits=False)[-1]])
+
+
+def test_generic_x86_target_runs_the_engine(tmp_path):
+    """With NUMBA_CPU_NAME=generic (Numba then compiles for baseline x86-64: no AVX, no F16C)
+    the engine's kernels use neither the F16C conversions nor the AVX2 / VNNI integer dot
+    products, and no 256-bit vector in an inline asm's register (LLVM aborted the process on
+    the integer dot products, refused the asm, and the conversions crashed it on a KV write),
+    and a prefill and a decode step give the logits this process gets, in both numerics (fp16
+    KV cache, Q5_0 layer matrices, a Q4_0 embedding and output head)."""
+    import json
+    import platform
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the generic x86-64 target is an x86 question")
+    from tools.write_synthetic_gguf import SynthSpec, write
+    model = str(write(tmp_path / "m.gguf", SynthSpec(arch="gemma3", n_layer=2, n_embd=64, n_head=4,
+                                                     n_head_kv=1, head_dim=32, n_ff=128,
+                                                     vocab_size=256, weight_type="Q5_0",
+                                                     embd_type="Q4_0", seed=3)))
+    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("NUMBA_CPU_FEATURES", None)
+    r = subprocess.run([sys.executable, "-c", _GENERIC_RUN.format(root=ROOT, model=model)],
+                       capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
+    assert r.returncode == 0 and line, (r.returncode, r.stderr[-3000:])
+    got = json.loads(line[0][len("RESULT"):])
+    assert got["hardware"] is False and got["i8"] is None
+    for numerics in ("fp32", "ggml"):
+        want = _logits(model, numerics)
+        # the same operations in another order: the generic target's loops are vectorized
+        # differently (sum order of the fp32 dot products), so the logits agree to float32
+        # rounding of sums, not bit for bit (measured: fp32 2.1e-6 of logits up to 3.9, ggml
+        # exact); a wrong conversion or dot product moves them by O(1)
+        scale = max(float(np.abs(want).max()), 1.0)
+        np.testing.assert_allclose(np.array(got["logits"][numerics]), want, rtol=0,
+                                   atol=2e-5 * scale, err_msg=numerics)
