@@ -198,6 +198,11 @@ class Engine:
 
     def __init__(self, path: str | os.PathLike, options: EngineOptions | None = None):
         t0 = time.perf_counter()
+        from numba.core import config as numba_config
+        if numba_config.DISABLE_JIT:
+            raise ValueError("NUMBA_DISABLE_JIT=1 is set in the environment: pyimp's kernels are "
+                             "compiled Numba code (LLVM intrinsics, with no pure-Python form); "
+                             "unset it to run a model")
         self.options = opts = options or EngineOptions()
         opts.validate()
         self.path = os.fspath(path)

@@ -387,3 +387,15 @@ def test_kv_policy_stats_line(capsys, tiny):
     lines = err.strip().splitlines()
     assert lines[-2].startswith("kv cache: ") and "evicted by --kv-policy streaming" in lines[-2]
     assert lines[-1].startswith("load ")
+
+
+def test_disabled_jit_is_one_error(tiny):
+    """NUMBA_DISABLE_JIT=1 (Numba's debugging switch) cannot run pyimp's kernels, whose LLVM
+    intrinsics have no pure-Python form: one line naming the variable, not a traceback from
+    the first kernel."""
+    env = dict(os.environ, NUMBA_DISABLE_JIT="1")
+    r = subprocess.run([sys.executable, "-m", "pyimp.cli", str(tiny), "-p", "abc", "-n", "2"],
+                       capture_output=True, text=True, env=env, timeout=300,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    _one_line_error(r.returncode, r.stderr, "NUMBA_DISABLE_JIT=1 is set")
+    assert r.stdout == ""
