@@ -572,9 +572,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    from .runtime import configure_process
+    from .runtime import configure_process, numba_env_error
     configure_process()   # before NumPy / Numba start threads
     args = build_parser().parse_args(argv)
+    bad = numba_env_error()
+    if bad:
+        return _error(bad)
     try:
         return run(args)
     except KeyboardInterrupt:

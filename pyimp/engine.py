@@ -193,16 +193,29 @@ class Timings:
                 "decode_tok_s": rate(self.decode_tokens, self.decode_s)}
 
 
+def _check_numba() -> None:
+    """ValueError, one line naming the variable, when this process's Numba settings cannot run
+    pyimp's kernels (instead of a traceback from the first kernel)."""
+    import numba
+    from numba.core import config
+    if config.DISABLE_JIT:
+        raise ValueError("NUMBA_DISABLE_JIT=1 is set in the environment: pyimp's kernels are "
+                         "compiled Numba code (LLVM intrinsics, with no pure-Python form); "
+                         "unset it to run a model")
+    try:
+        numba.get_num_threads()       # loads the threading layer the parallel kernels run on
+    except (ValueError, ImportError) as e:
+        why = " ".join(ln.strip() for ln in str(e).splitlines() if ln.strip() and ln.strip() != "HINT:")
+        raise ValueError(f"NUMBA_THREADING_LAYER={config.THREADING_LAYER}: Numba cannot start a "
+                         f"threading layer ({why})") from None
+
+
 class Engine:
     """A loaded model with its KV cache. Not thread-safe; one sequence."""
 
     def __init__(self, path: str | os.PathLike, options: EngineOptions | None = None):
         t0 = time.perf_counter()
-        from numba.core import config as numba_config
-        if numba_config.DISABLE_JIT:
-            raise ValueError("NUMBA_DISABLE_JIT=1 is set in the environment: pyimp's kernels are "
-                             "compiled Numba code (LLVM intrinsics, with no pure-Python form); "
-                             "unset it to run a model")
+        _check_numba()
         self.options = opts = options or EngineOptions()
         opts.validate()
         self.path = os.fspath(path)

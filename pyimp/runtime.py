@@ -46,3 +46,19 @@ def configure_process(environ=None) -> None:
     """Set the thread-pool defaults above (a value the user already set wins)."""
     env = os.environ if environ is None else environ
     env.update(_defaults(env))
+
+
+def numba_env_error(environ=None) -> str | None:
+    """Why Numba would refuse this environment at import (one line naming the variable), or
+    None. NUMBA_NUM_THREADS below 1 makes ``import numba`` raise; a value that is not a number
+    Numba itself ignores, with a warning."""
+    env = os.environ if environ is None else environ
+    v = env.get("NUMBA_NUM_THREADS")
+    if v is not None and v.strip():
+        try:
+            n = int(v)
+        except ValueError:
+            return None
+        if n < 1:
+            return f"NUMBA_NUM_THREADS={v}: Numba needs at least 1 thread (set it higher or unset it)"
+    return None

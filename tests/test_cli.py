@@ -389,13 +389,19 @@ def test_kv_policy_stats_line(capsys, tiny):
     assert lines[-1].startswith("load ")
 
 
-def test_disabled_jit_is_one_error(tiny):
-    """NUMBA_DISABLE_JIT=1 (Numba's debugging switch) cannot run pyimp's kernels, whose LLVM
-    intrinsics have no pure-Python form: one line naming the variable, not a traceback from
-    the first kernel."""
-    env = dict(os.environ, NUMBA_DISABLE_JIT="1")
+@pytest.mark.parametrize("var,value,needle", [
+    ("NUMBA_DISABLE_JIT", "1", "NUMBA_DISABLE_JIT=1 is set"),
+    ("NUMBA_THREADING_LAYER", "bogus", "NUMBA_THREADING_LAYER=bogus: Numba cannot start"),
+    ("NUMBA_NUM_THREADS", "0", "NUMBA_NUM_THREADS=0: Numba needs at least 1 thread"),
+])
+def test_numba_settings_that_cannot_run_are_one_error(tiny, var, value, needle):
+    """Numba settings under which pyimp's kernels cannot run: one line naming the variable,
+    not a traceback (from the first kernel: NUMBA_DISABLE_JIT, whose pure-Python mode has no
+    form for the kernels' LLVM intrinsics, and a threading layer Numba cannot load; from
+    ``import numba`` itself: NUMBA_NUM_THREADS below 1)."""
+    env = dict(os.environ, **{var: value})
     r = subprocess.run([sys.executable, "-m", "pyimp.cli", str(tiny), "-p", "abc", "-n", "2"],
                        capture_output=True, text=True, env=env, timeout=300,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    _one_line_error(r.returncode, r.stderr, "NUMBA_DISABLE_JIT=1 is set")
+    _one_line_error(r.returncode, r.stderr, needle)
     assert r.stdout == ""
