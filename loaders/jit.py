@@ -117,6 +117,26 @@ def target_features() -> frozenset:
     return frozenset(f[1:] for f in flat.split(",") if f.startswith("+"))
 
 
+def host_features() -> frozenset:
+    """The host CPU's features as LLVM names them (empty where LLVM cannot tell)."""
+    from llvmlite import binding as llb
+    try:
+        return frozenset(k for k, v in llb.get_host_cpu_features().items() if v)
+    except RuntimeError:
+        return frozenset()
+
+
+# features whose absence from the target (while the host has them) costs the kernels most
+SPEED_FEATURES = ("avx2", "fma", "f16c", "avx512f")
+
+
+def unused_host_features() -> list[str]:
+    """SPEED_FEATURES the host has and Numba's target lacks (NUMBA_CPU_NAME=generic, a
+    NUMBA_CPU_FEATURES list, NUMBA_ENABLE_AVX=0), in that order."""
+    host, target = host_features(), target_features()
+    return [f for f in SPEED_FEATURES if f in host and f not in target]
+
+
 def njit(*args, cache: bool = True, **options):
     """``numba.njit`` (lazy, no explicit signatures) whose cache is keyed by :func:`sources_stamp`."""
     if "fastmath" in options and options["fastmath"] is True:
