@@ -146,3 +146,23 @@ def test_goals_refuses_its_own_grid_overridden(capsys):
     with pytest.raises(SystemExit):
         main(["--goals", "--ctx", "128"])
     assert "--goals runs the goals' own rows" in capsys.readouterr().err
+
+
+def test_a_failing_measurement_is_one_line_naming_it(tmp_path):
+    """A measurement subprocess that fails (here pyimp-run on a file that is not there) ends
+    the bench with one line carrying the subprocess's own last line, not a traceback."""
+    from tools.bench import BenchError, startup
+    missing = str(tmp_path / "absent.gguf")
+    with pytest.raises(BenchError, match=r"pyimp-run \(warm cache\) failed: .*absent\.gguf"):
+        startup(missing, 1, cold=False)
+
+
+def test_the_bench_ends_with_that_line(monkeypatch, capsys):
+    from tools import bench
+
+    def fail(*a, **k):
+        raise bench.BenchError("pyimp-run (empty cache) failed: x")
+    monkeypatch.setattr(bench, "startup", fail)
+    monkeypatch.setattr(bench, "read_bandwidth", lambda: 1.0)
+    assert bench.cli(["--startup", "--models", "gemma", "--ctx", "128"]) == 1
+    assert capsys.readouterr().err == "tools.bench: error: pyimp-run (empty cache) failed: x\n"

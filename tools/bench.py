@@ -31,6 +31,15 @@ import time
 import numpy as np
 
 
+class BenchError(RuntimeError):
+    """A measurement subprocess failed; the message ends with its last line of stderr."""
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "no output"
+
+
 def _tokens(n: int, n_vocab: int, seed: int = 0) -> list[int]:
     rng = np.random.default_rng(seed)
     return [int(t) for t in rng.integers(10, min(n_vocab, 32000), n)]
@@ -191,7 +200,8 @@ def _spawn(engine, model, ctx, n_decode, threads, numerics, sparse_budget=0.0, s
     r = subprocess.run(cmd, capture_output=True, text=True, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if r.returncode:
-        raise RuntimeError(f"{engine} worker failed: {r.stderr.strip().splitlines()[-1:]}")
+        raise BenchError(f"{engine} worker ({os.path.basename(model)}, context {ctx}) failed: "
+                         f"{_last_line(r.stderr)}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -264,9 +274,12 @@ def startup(model: str, threads: int, cold: bool) -> tuple[float, float]:
             env["NUMBA_CACHE_DIR"] = d
         t = time.perf_counter()
         r = subprocess.run([sys.executable, "-c", _RUN_CLI, model, "-p", "Hello", "-n", "1", "--temp", "0",
-                            "-t", str(threads)], capture_output=True, text=True, env=env, check=True,
+                            "-t", str(threads)], capture_output=True, text=True, env=env,
                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         seconds = time.perf_counter() - t
+    if r.returncode:       # its own last line, not the wrapper's peak RSS after it
+        why = _last_line("\n".join(ln for ln in r.stderr.splitlines() if not ln.startswith("PEAK_RSS_MB ")))
+        raise BenchError(f"pyimp-run ({'empty' if cold else 'warm'} cache) failed: {why}")
     peak = [float(ln.split()[1]) for ln in r.stderr.splitlines() if ln.startswith("PEAK_RSS_MB ")]
     return seconds, (peak[-1] if peak else float("nan"))
 
@@ -371,7 +384,7 @@ def kernel_shares(threads: int, reps: int = 9) -> dict:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if r.returncode:
-        raise RuntimeError(f"kernel bandwidth subprocess failed: {r.stderr.strip().splitlines()[-1:]}")
+        raise BenchError(f"kernel bandwidth subprocess failed: {_last_line(r.stderr)}")
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -529,7 +542,16 @@ def _model_rows(name: str, path: str, ctxs, budget: float, a, tmp: str, profiles
     return rows
 
 
+def cli(argv=None) -> int:
+    """:func:`main`, with a failed measurement subprocess one line on stderr (exit status 1)."""
+    try:
+        return main(argv)
+    except BenchError as e:
+        print(f"tools.bench: error: {e}", file=sys.stderr)
+        return 1
+
+
 if __name__ == "__main__":
     # no configure_process here: the workers get their environments from _spawn (pyimp's
     # thread-pool defaults for pyimp, the caller's plain environment for the peer)
-    sys.exit(main())
+    sys.exit(cli())
