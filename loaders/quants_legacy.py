@@ -253,7 +253,8 @@ def ir_opaque(builder, v):
     register of counts; LLVM would otherwise merge each into a per-lane shift of its own (a
     register of counts apiece, and AVX2 has 16)."""
     t = v.type
-    bits = t.count * t.element.width if isinstance(t, ir.VectorType) else t.width
+    el, n = (t.element, t.count) if isinstance(t, ir.VectorType) else (t, 1)
+    bits = n * (el.width if isinstance(el, ir.IntType) else 32 if isinstance(el, ir.FloatType) else 64)
     if not _X86_64 or bits > _X86_VECTOR_BITS:
         return v
     asm = ir.InlineAsm(ir.FunctionType(v.type, [v.type]), "", "=x,0")
