@@ -144,9 +144,10 @@ def test_verdicts_name_the_runs_over_the_rss_limit_and_what_was_not_measured():
 
 def test_goals_refuses_its_own_grid_overridden(capsys):
     from tools.bench import main
-    with pytest.raises(SystemExit):
-        main(["--goals", "--ctx", "128"])
-    assert "--goals runs the goals' own rows" in capsys.readouterr().err
+    for extra in (["--ctx", "128"], ["--numerics", "ggml"]):
+        with pytest.raises(SystemExit):
+            main(["--goals"] + extra)
+        assert "--goals runs the goals' own rows" in capsys.readouterr().err
 
 
 def test_a_failing_measurement_is_one_line_naming_it(tmp_path):

@@ -442,9 +442,9 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.repeat < 1:
         ap.error(f"--repeat must be at least 1, got {a.repeat}")
-    if a.goals and (a.models or a.ctx or a.sparse_budget or a.synthetic_cache):
-        ap.error("--goals runs the goals' own rows: leave out --models, --ctx, --sparse-budget "
-                 "and --synthetic-cache")
+    if a.goals and (a.models or a.ctx or a.sparse_budget or a.synthetic_cache or a.numerics != "fp32"):
+        ap.error("--goals runs the goals' own rows (fp32 numerics): leave out --models, --ctx, "
+                 "--sparse-budget, --synthetic-cache and --numerics")
     if a.goals:
         a.models, a.startup = sorted({m for m, _, _ in GOAL_PLAN}), True
     a.models = a.models or ["gemma", "tinyllama"]
