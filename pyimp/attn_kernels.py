@@ -26,8 +26,6 @@ kernel runs its outer loop with ``prange`` or serially (no thread-pool wake-up).
 """
 from __future__ import annotations
 
-import platform
-
 import llvmlite.binding as llvm_binding
 import numpy as np
 from llvmlite import ir as llvm_ir
@@ -76,8 +74,7 @@ def prefetch(typingctx, arr, idx):
 # instruction: LLVM calls a runtime helper that Numba's JIT does not provide, and the process
 # crashed on its first KV write. There the conversions are integer IR (_half_to_float_soft,
 # _float_to_half_soft: the same values, tested against NumPy on every fp16 pattern).
-HALF_IN_HARDWARE = (platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
-                    or "f16c" in jit.target_features())
+HALF_IN_HARDWARE = not quants_legacy._X86_64 or "f16c" in quants_legacy._FEATURES
 
 
 def _splat(ty, value):
