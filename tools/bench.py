@@ -184,19 +184,29 @@ def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numer
             "peak_rss_mb": peak_rss_mb(), **extra}
 
 
+def _thread_env(threads: int) -> dict:
+    """This environment with every thread pool (Numba, OpenMP, OpenBLAS) at ``threads``."""
+    return dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                OPENBLAS_NUM_THREADS=str(threads))
+
+
+def _pyimp_env(threads: int) -> dict:
+    """:func:`_thread_env` with pyimp's thread-pool defaults (pyimp.runtime)."""
+    from pyimp.runtime import configure_process
+    env = _thread_env(threads)
+    configure_process(env)
+    return env
+
+
 def _spawn(engine, model, ctx, n_decode, threads, numerics, sparse_budget=0.0, synthetic_cache=False,
            tokens_file=None, profile=False) -> dict:
     cmd = [sys.executable, "-m", "tools.bench", "--worker", engine, "--model", model, "--ctx", str(ctx),
            "--decode", str(n_decode), "--threads", str(threads), "--numerics", numerics,
            "--sparse-budget", str(sparse_budget)] + (["--synthetic-cache"] if synthetic_cache else []) \
         + (["--tokens", tokens_file] if tokens_file else []) + (["--profile"] if profile else [])
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-               OPENBLAS_NUM_THREADS=str(threads))
-    if engine == "pyimp":
-        # a pyimp program's thread-pool defaults; the peer runs in the environment a llama.cpp
-        # user has (its OpenMP pool tuned by libgomp's own defaults, as llama-cli would run)
-        from pyimp.runtime import configure_process
-        configure_process(env)
+    # a pyimp program's thread-pool defaults; the peer runs in the environment a llama.cpp user
+    # has (its OpenMP pool tuned by libgomp's own defaults, as llama-cli would run)
+    env = _pyimp_env(threads) if engine == "pyimp" else _thread_env(threads)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if r.returncode:
@@ -373,17 +383,15 @@ def verdicts(rows: list[dict], startup_s: tuple | None = None,
 def kernel_shares(threads: int, reps: int = 9) -> dict:
     """Each weight type's fp32 matvec over the default model's real matrices as a share of
     single-thread read bandwidth (``tools.bench_kernels``), measured in a subprocess with
-    pyimp's process settings and ``threads`` Numba threads."""
+    the environment of the bench's pyimp workers (:func:`_pyimp_env`)."""
     code = ("import json, numba\n"
             "from tools.bench_kernels import layer_rate, read_bandwidth, real_matrix_rates, resolve_model\n"
             f"numba.set_num_threads({threads})\n"
             f"entries, _ = real_matrix_rates(resolve_model(None), {reps})\n"
             "bw = read_bandwidth()\n"
             "print(json.dumps({e['qtype'].name: layer_rate(e) / bw for e in entries}))\n")
-    env = dict(os.environ, NUMBA_NUM_THREADS=str(threads))
-    from pyimp.runtime import configure_process
-    configure_process(env)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       env=_pyimp_env(threads),
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if r.returncode:
         raise BenchError(f"kernel bandwidth subprocess failed: {_last_line(r.stderr)}")
