@@ -256,6 +256,50 @@ def host_kernels() -> str:
             + ("loaders.gemm (512-bit)" if quants.FP32_PRODUCTS == "gemm" else "BLAS"))
 
 
+def numba_target() -> str:
+    """What Numba compiles pyimp's kernels for: the host's CPU, or the ``NUMBA_CPU_NAME`` /
+    ``NUMBA_CPU_FEATURES`` target in the environment with the speed features of the host it
+    leaves out (loaders.jit.unused_host_features)."""
+    from numba.core import config
+
+    from loaders import jit
+    if config.CPU_NAME is None and config.CPU_FEATURES is None:
+        return "Numba compiles for this host"
+    missing = jit.unused_host_features()
+    return (f"Numba compiles for {config.CPU_NAME or 'host'}"
+            + (" with NUMBA_CPU_FEATURES" if config.CPU_FEATURES is not None else "")
+            + (f", without the host's {', '.join(missing)}" if missing else ""))
+
+
+def peer_build() -> str:
+    """The instruction sets llama.cpp was built with, from its system info ("AVX2 AVX512 ...")."""
+    from tools import llamacpp_peer
+    try:
+        info = llamacpp_peer.system_info()
+    except Exception as e:          # no peer here: the bench's first llama.cpp row says so
+        return f"unknown ({type(e).__name__})"
+    flags = [k.strip() for part in info.split("|") if "=" in part
+             for k, v in [part.rsplit("=", 1)] if v.strip() == "1"]
+    return " ".join(f.split(":")[-1].strip() for f in flags) or info
+
+
+def target_env(name: str) -> dict:
+    """NUMBA_CPU_NAME / NUMBA_CPU_FEATURES for one of tools.mca_steps.TARGETS, so that pyimp's
+    kernels are those that CPU would run (its instruction set, on this host's cores). Raises
+    BenchError when the target uses a feature this host lacks: its code could not run here.
+    (Reads the host through llvmlite: Numba must not be imported before the variables are set.)"""
+    from llvmlite import binding as llb
+
+    from tools.mca_steps import TARGETS
+    cpu, features, _ = TARGETS[name]
+    host = {k for k, v in llb.get_host_cpu_features().items() if v}
+    lacking = sorted(f[1:] for f in features.split(",") if f.startswith("+") and f[1:] not in host)
+    if lacking:
+        raise BenchError(f"--numba-target {name}: this CPU lacks {', '.join(lacking)}, which "
+                         f"that target's kernels may use")
+    return {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features}
+
+
 def read_bandwidth() -> float:
     """tools.bench_kernels.read_bandwidth in a subprocess, so that its 1 GB array does not stay
     in this process (which starts every worker)."""
@@ -444,6 +488,11 @@ def main(argv=None) -> int:
                     help="run the rows of the speed goals (GOAL_PLAN), the start-up times and the "
                          "kernels' share of read bandwidth, then say of each goal whether this "
                          "machine meets it (exit status 1 if any is not met)")
+    ap.add_argument("--numba-target", metavar="CPU", choices=sorted(_target_names()),
+                    help="compile pyimp's kernels for this CPU's instruction set instead of the "
+                         "host's (%(choices)s; NUMBA_CPU_NAME / NUMBA_CPU_FEATURES): the code a "
+                         "machine of that kind runs, timed on this one's cores; llama.cpp stays "
+                         "as built")
     ap.add_argument("--worker", choices=["pyimp", "llama.cpp"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", help=argparse.SUPPRESS)
@@ -455,6 +504,9 @@ def main(argv=None) -> int:
                  "--sparse-budget, --synthetic-cache and --numerics")
     if a.goals:
         a.models, a.startup = sorted({m for m, _, _ in GOAL_PLAN}), True
+    if a.numba_target and not a.worker:
+        # before Numba is imported here, and inherited by every pyimp subprocess
+        os.environ.update(target_env(a.numba_target))
     a.models = a.models or ["gemma", "tinyllama"]
     a.ctx = a.ctx or [128, 1024, 4096]
     if a.worker:
@@ -472,6 +524,7 @@ def main(argv=None) -> int:
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; single-thread read bandwidth "
           f"{read_bandwidth():.1f} GB/s (NumPy sum over 1 GB, best of 4)")
     print(host_kernels())
+    print(f"{numba_target()}; llama.cpp built with {peer_build()}")
     print(f"threads {a.threads}, decode {a.decode} tokens after the prefill, numerics {a.numerics}, "
           f"llama.cpp with flash_attn, both f16 KV, best of {a.repeat} run(s) per engine")
     startup_s = None
@@ -550,6 +603,11 @@ def _model_rows(name: str, path: str, ctxs, budget: float, a, tmp: str, profiles
                   + _compiled_mark(sp), flush=True)
         rows.append(row)
     return rows
+
+
+def _target_names():
+    from tools.mca_steps import TARGETS
+    return TARGETS
 
 
 def cli(argv=None) -> int:
