@@ -1,6 +1,7 @@
 """fp16 <-> fp32 conversions of the attention kernels (pyimp.attn_kernels): the hardware IR
 (fpext / fptrunc of half) and the integer IR that x86 targets without F16C compile instead
-(a NUMBA_CPU_NAME=generic cache), both held to NumPy's conversions."""
+(a NUMBA_CPU_NAME=generic cache), both held to NumPy's conversions; and the engine under
+targets below the host's (generic x86-64, AVX2 without AVX-512) against this process."""
 import os
 import subprocess
 import sys
@@ -115,14 +116,17 @@ def test_float_to_fp16_rounds_as_numpy(soft):
     np.testing.assert_array_equal(got[finite], want.view(np.uint16)[finite])
 
 
-_GENERIC_RUN = r"""
+_TARGET_RUN = r"""
 import json, sys
 sys.path.insert(0, {root!r})
 from pyimp import attn_kernels as ak
 from loaders import quants_legacy
 from tests.test_half_convert import _logits
 print("RESULT" + json.dumps({{"hardware": ak.HALF_IN_HARDWARE, "i8": quants_legacy.I8_DOT,
-                              "logits": {{n: _logits({model!r}, n).tolist() for n in ("fp32", "ggml")}}}}))
+                              "wide": quants_legacy.WIDE_STEPS,
+                              "vector_bits": quants_legacy._X86_VECTOR_BITS,
+                              "logits": [{{n: _logits(m, n).tolist() for n in ("fp32", "ggml")}}
+                                         for m in {models!r}]}}))
 """
 
 
@@ -134,39 +138,71 @@ def _logits(model: str, numerics: str) -> np.ndarray:
         return np.stack([pre, eng.eval([3], all_logits=False)[-1]])
 
 
-def test_generic_x86_target_runs_the_engine(tmp_path):
-    """With NUMBA_CPU_NAME=generic (Numba then compiles for baseline x86-64: no AVX, no F16C)
-    the engine's kernels use neither the F16C conversions nor the AVX2 / VNNI integer dot
-    products, and no 256-bit vector in an inline asm's register (LLVM aborted the process on
-    the integer dot products, refused the asm, and the conversions crashed it on a KV write),
-    and a prefill and a decode step give the logits this process gets, in both numerics (fp16
-    KV cache, Q5_0 layer matrices, a Q4_0 embedding and output head)."""
+def _avx2_target() -> dict:
+    """NUMBA_CPU_NAME / NUMBA_CPU_FEATURES of an AVX2 machine without AVX-512 (znver3's ISA,
+    tools.mca_steps.TARGETS), or {} where this host could not run its code."""
+    from loaders import jit
+    from tools.mca_steps import TARGETS
+    cpu, features, _ = TARGETS["znver3"]
+    needed = {f[1:] for f in features.split(",") if f.startswith("+")}
+    return {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features} if needed <= jit.host_features() else {}
+
+
+# target -> (its environment, HALF_IN_HARDWARE, I8_DOT, WIDE_STEPS, x86 vector bits there)
+_TARGETS = {"generic": (lambda: {"NUMBA_CPU_NAME": "generic"}, False, None, False, 128),
+            "avx2": (_avx2_target, True, "avx2", False, 256)}
+
+
+@pytest.mark.parametrize("target", sorted(_TARGETS))
+def test_an_x86_target_below_the_hosts_runs_the_engine(tmp_path, target):
+    """The engine under a Numba target with fewer features than this host, in both numerics,
+    gives the logits this process gets (a prefill and a decode step, fp16 KV cache).
+
+    ``generic`` (baseline x86-64: no AVX, no F16C): the kernels use neither the F16C
+    conversions nor the AVX2 / VNNI integer dot products, and no 256-bit vector in an inline
+    asm's register (LLVM aborted the process on the integer dot products, refused the asm, and
+    the conversions crashed it on a KV write). Model: Q5_0 layer matrices, a Q4_0 embedding
+    and output head.
+
+    ``avx2`` (znver3's instruction set: AVX2, FMA, F16C, no AVX-512): what an AVX2 machine
+    runs, which a host with AVX-512 never does: 256-bit block steps, the AVX2 integer dot
+    products of the ggml numerics, F16C conversions. Models: the one above, and Q4_K layers
+    with a Q6_K embedding and head (the default model's four types in all)."""
     import json
     import platform
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip("the generic x86-64 target is an x86 question")
+        pytest.skip("x86-64 targets are an x86 question")
+    make_env, hardware, i8, wide, bits = _TARGETS[target]
+    target_env = make_env()
+    if not target_env:
+        pytest.skip(f"this host lacks part of the {target} target's instruction set")
     from tools.write_synthetic_gguf import SynthSpec, write
-    model = str(write(tmp_path / "m.gguf", SynthSpec(arch="gemma3", n_layer=2, n_embd=64, n_head=4,
-                                                     n_head_kv=1, head_dim=32, n_ff=128,
-                                                     vocab_size=256, weight_type="Q5_0",
-                                                     embd_type="Q4_0", seed=3)))
-    env = dict(os.environ, NUMBA_CPU_NAME="generic", NUMBA_CACHE_DIR=str(tmp_path / "cache"))
-    env.pop("NUMBA_CPU_FEATURES", None)
-    r = subprocess.run([sys.executable, "-c", _GENERIC_RUN.format(root=ROOT, model=model)],
+    models = [str(write(tmp_path / "q5.gguf", SynthSpec(arch="gemma3", n_layer=2, n_embd=64, n_head=4,
+                                                        n_head_kv=1, head_dim=32, n_ff=128,
+                                                        vocab_size=256, weight_type="Q5_0",
+                                                        embd_type="Q4_0", seed=3)))]
+    if target == "avx2":
+        models.append(str(write(tmp_path / "k.gguf", SynthSpec(
+            arch="gemma3", n_layer=2, n_embd=256, n_head=4, n_head_kv=1, head_dim=64, n_ff=512,
+            vocab_size=256, weight_type="Q4_K", embd_type="Q6_K", seed=4, random_blocks=True))))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+    env.update(target_env, NUMBA_CACHE_DIR=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-c", _TARGET_RUN.format(root=ROOT, models=models)],
                        capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     line = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT")]
     assert r.returncode == 0 and line, (r.returncode, r.stderr[-3000:])
     got = json.loads(line[0][len("RESULT"):])
-    assert got["hardware"] is False and got["i8"] is None
-    for numerics in ("fp32", "ggml"):
-        want = _logits(model, numerics)
-        # the same operations in another order: the generic target's loops are vectorized
-        # differently (sum order of the fp32 dot products), so the logits agree to float32
-        # rounding of sums, not bit for bit (measured: fp32 2.1e-6 of logits up to 3.9, ggml
-        # exact); a wrong conversion or dot product moves them by O(1)
-        scale = max(float(np.abs(want).max()), 1.0)
-        np.testing.assert_allclose(np.array(got["logits"][numerics]), want, rtol=0,
-                                   atol=2e-5 * scale, err_msg=numerics)
+    assert (got["hardware"], got["i8"], got["wide"], got["vector_bits"]) == (hardware, i8, wide, bits)
+    for model, logits in zip(models, got["logits"]):
+        for numerics in ("fp32", "ggml"):
+            want = _logits(model, numerics)
+            # the same operations in another order: another target's loops are vectorized
+            # differently (sum order of the fp32 dot products), so the logits agree to float32
+            # rounding of sums, not bit for bit (measured: fp32 2.1e-6 of logits up to 3.9,
+            # ggml exact); a wrong conversion or dot product moves them by O(1)
+            scale = max(float(np.abs(want).max()), 1.0)
+            np.testing.assert_allclose(np.array(logits[numerics]), want, rtol=0, atol=2e-5 * scale,
+                                       err_msg=f"{os.path.basename(model)} {numerics}")
 
 
 def test_a_target_without_the_hosts_vector_features_is_named(tmp_path):

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tools import build_peer, llamacpp_peer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,3 +86,43 @@ def test_missing_peer_skips_outside_ci_and_fails_under_ci():
     r = _pytest_peer_test(ci=True)
     assert r.returncode == 1, r.stdout
     assert "CI=true and the llama.cpp peer cannot run: turned off by PYIMP_PEER=off" in r.stdout + r.stderr
+
+
+def test_a_target_build_takes_that_cpus_flags_and_only_ones_this_host_has(monkeypatch):
+    """``--target znver3``: AVX2 / FMA / F16C / BMI2, no AVX-512 or VNNI, whatever the host has
+    beyond it; a target this host could not run (it lacks one of its flags) is refused."""
+    monkeypatch.setattr(build_peer, "cpu_flags", lambda cpuinfo=None: set(SPR_FLAGS.split()))
+    assert build_peer.target_flags("znver3") == {"sse4_2", "avx", "avx2", "bmi2", "fma", "f16c"}
+    args = build_peer.cmake_args(build_peer.target_flags("znver3"), machine="x86_64")
+    assert "-DGGML_AVX2=ON" in args and "-DGGML_AVX512=OFF" in args and "-DGGML_AVX_VNNI=OFF" in args
+    monkeypatch.setattr(build_peer, "cpu_flags", lambda cpuinfo=None: {"sse4_2", "avx", "avx2", "fma", "f16c"})
+    with pytest.raises(ValueError, match="target znver3: this CPU lacks bmi2"):
+        build_peer.target_flags("znver3")
+    with pytest.raises(ValueError, match="unknown target 'zen9'"):
+        build_peer.target_flags("zen9")
+
+
+def test_a_target_build_goes_into_its_own_folder_whole_or_not_at_all(tmp_path, monkeypatch):
+    """The build lands in target_dir (under PYIMP_CACHE), stamped with its flags, through a
+    .part folder: a build that fails leaves no folder that passes for a build."""
+    monkeypatch.setenv("PYIMP_CACHE", str(tmp_path))
+    into = build_peer.target_dir("znver3")
+    assert into == tmp_path / "peer-znver3"
+    calls = []
+
+    def fake_pip(cmd, env, check):
+        calls.append(cmd)
+        dest = cmd[cmd.index("--target") + 1]
+        os.makedirs(os.path.join(dest, "llama_cpp"))
+        if len(calls) == 2:
+            raise subprocess.CalledProcessError(1, cmd)
+
+    monkeypatch.setattr(build_peer.subprocess, "run", fake_pip)
+    build_peer.build("-DGGML_NATIVE=OFF", into)
+    assert calls[0][-2:] == ["--target", str(into) + ".part"] and "--force-reinstall" in calls[0]
+    assert build_peer.installed_stamp(into) == {"version": build_peer.VERSION, "cmake_args": "-DGGML_NATIVE=OFF"}
+    with pytest.raises(subprocess.CalledProcessError):
+        build_peer.build("-DGGML_AVX2=ON", into)
+    # the failed rebuild left the first build in place, with its own stamp
+    assert build_peer.installed_stamp(into)["cmake_args"] == "-DGGML_NATIVE=OFF"
+    assert build_peer.installed_stamp(tmp_path / "elsewhere") is None

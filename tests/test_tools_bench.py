@@ -168,3 +168,49 @@ def test_the_bench_ends_with_that_line(monkeypatch, capsys):
     monkeypatch.setattr(bench, "read_bandwidth", lambda: 1.0)
     assert bench.cli(["--startup", "--models", "gemma", "--ctx", "128"]) == 1
     assert capsys.readouterr().err == "tools.bench: error: pyimp-run (empty cache) failed: x\n"
+
+
+def _host_runs(target: str) -> bool:
+    from llvmlite import binding as llb
+
+    from tools.mca_steps import TARGETS
+    host = {k for k, v in llb.get_host_cpu_features().items() if v}
+    return {f[1:] for f in TARGETS[target][1].split(",") if f.startswith("+")} <= host
+
+
+@pytest.mark.skipif(not _host_runs("znver3"), reason="this host cannot run znver3's instruction set")
+def test_target_names_numbas_target_and_wants_its_llama_cpp_build(tmp_path, monkeypatch, capsys):
+    """--target CPU: the header says what Numba compiles for (the host's speed features it
+    leaves out named), and without tools.build_peer's build for CPU the bench ends with one
+    line that says how to make it, before the environment is changed."""
+    from tools import bench
+    code = "from tools.bench import numba_target; print(numba_target())"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                       check=True)
+    assert r.stdout.strip() == "Numba compiles for this host"
+    env.update(bench.target_env("znver3"))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=env,
+                       check=True)
+    from loaders import jit
+    wanted = "Numba compiles for znver3 with NUMBA_CPU_FEATURES"
+    if "avx512f" in jit.host_features():
+        wanted += ", without the host's avx512f"
+    assert r.stdout.strip() == wanted
+    monkeypatch.setenv("PYIMP_CACHE", str(tmp_path))
+    monkeypatch.delenv("NUMBA_CPU_NAME", raising=False)
+    assert bench.cli(["--target", "znver3", "--models", "gemma", "--ctx", "128"]) == 1
+    assert capsys.readouterr().err == (f"tools.bench: error: --target znver3: no llama.cpp build for "
+                                       f"it in {tmp_path / 'peer-znver3'}; make one with python -m "
+                                       f"tools.build_peer --target znver3\n")
+    assert "NUMBA_CPU_NAME" not in os.environ and bench._PEER_DIR is None
+
+
+@pytest.mark.skipif(_host_runs("sapphirerapids"), reason="this host runs Sapphire Rapids' instruction set")
+def test_a_target_this_host_cannot_run_is_one_line(capsys):
+    """Sapphire Rapids' AVX512-FP16 on a host without it: its kernels could not run here."""
+    from tools import bench
+    assert bench.cli(["--target", "sapphirerapids", "--models", "gemma", "--ctx", "128"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tools.bench: error: --target sapphirerapids: this CPU lacks ")
+    assert "avx512fp16" in err and err.count("\n") == 1

@@ -206,7 +206,7 @@ def _spawn(engine, model, ctx, n_decode, threads, numerics, sparse_budget=0.0, s
         + (["--tokens", tokens_file] if tokens_file else []) + (["--profile"] if profile else [])
     # a pyimp program's thread-pool defaults; the peer runs in the environment a llama.cpp user
     # has (its OpenMP pool tuned by libgomp's own defaults, as llama-cli would run)
-    env = _pyimp_env(threads) if engine == "pyimp" else _thread_env(threads)
+    env = _pyimp_env(threads) if engine == "pyimp" else _peer_env(threads)
     r = subprocess.run(cmd, capture_output=True, text=True, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     if r.returncode:
@@ -271,13 +271,32 @@ def numba_target() -> str:
             + (f", without the host's {', '.join(missing)}" if missing else ""))
 
 
-def peer_build() -> str:
-    """The instruction sets llama.cpp was built with, from its system info ("AVX2 AVX512 ...")."""
-    from tools import llamacpp_peer
-    try:
-        info = llamacpp_peer.system_info()
-    except Exception as e:          # no peer here: the bench's first llama.cpp row says so
-        return f"unknown ({type(e).__name__})"
+# set by main() for --target: the folder of llama.cpp's build for that CPU (tools.build_peer),
+# put first on the llama.cpp workers' PYTHONPATH
+_PEER_DIR: str | None = None
+
+
+def _peer_env(threads: int) -> dict:
+    """:func:`_thread_env`, with the --target build of llama.cpp first on PYTHONPATH."""
+    env = _thread_env(threads)
+    if _PEER_DIR:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PEER_DIR, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def peer_build(threads: int = 2) -> str:
+    """The instruction sets the llama.cpp the workers load was built with, from its system info
+    ("AVX2 AVX512 ..."), read in a subprocess with their environment. Raises BenchError when
+    a --target build is not the one that loads."""
+    code = ("import llama_cpp\nfrom tools import llamacpp_peer\n"
+            "print(llama_cpp.__file__)\nprint(llamacpp_peer.system_info())")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_peer_env(threads),
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    if r.returncode:        # no peer here: the first llama.cpp row says why
+        return f"unknown ({_last_line(r.stderr)})"
+    where, info = r.stdout.strip().splitlines()[-2:]
+    if _PEER_DIR and not os.path.abspath(where).startswith(os.path.abspath(_PEER_DIR) + os.sep):
+        raise BenchError(f"llama.cpp loads from {where}, not from the --target build in {_PEER_DIR}")
     flags = [k.strip() for part in info.split("|") if "=" in part
              for k, v in [part.rsplit("=", 1)] if v.strip() == "1"]
     return " ".join(f.split(":")[-1].strip() for f in flags) or info
@@ -295,9 +314,24 @@ def target_env(name: str) -> dict:
     host = {k for k, v in llb.get_host_cpu_features().items() if v}
     lacking = sorted(f[1:] for f in features.split(",") if f.startswith("+") and f[1:] not in host)
     if lacking:
-        raise BenchError(f"--numba-target {name}: this CPU lacks {', '.join(lacking)}, which "
+        raise BenchError(f"--target {name}: this CPU lacks {', '.join(lacking)}, which "
                          f"that target's kernels may use")
     return {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features}
+
+
+def use_target(name: str) -> None:
+    """Both engines built for CPU ``name``: Numba's target for this process's pyimp
+    subprocesses, and llama.cpp from ``tools.build_peer --target name``'s folder (BenchError
+    when it has not been built)."""
+    global _PEER_DIR
+    from tools import build_peer
+    env = target_env(name)
+    where = build_peer.target_dir(name)
+    if build_peer.installed_stamp(where) is None:
+        raise BenchError(f"--target {name}: no llama.cpp build for it in {where}; make one with "
+                         f"python -m tools.build_peer --target {name}")
+    os.environ.update(env)
+    _PEER_DIR = str(where)
 
 
 def read_bandwidth() -> float:
@@ -488,11 +522,11 @@ def main(argv=None) -> int:
                     help="run the rows of the speed goals (GOAL_PLAN), the start-up times and the "
                          "kernels' share of read bandwidth, then say of each goal whether this "
                          "machine meets it (exit status 1 if any is not met)")
-    ap.add_argument("--numba-target", metavar="CPU", choices=sorted(_target_names()),
-                    help="compile pyimp's kernels for this CPU's instruction set instead of the "
-                         "host's (%(choices)s; NUMBA_CPU_NAME / NUMBA_CPU_FEATURES): the code a "
-                         "machine of that kind runs, timed on this one's cores; llama.cpp stays "
-                         "as built")
+    ap.add_argument("--target", metavar="CPU", choices=sorted(_target_names()),
+                    help="both engines built for this CPU's instruction set instead of the host's "
+                         "(%(choices)s): pyimp's kernels through NUMBA_CPU_NAME / "
+                         "NUMBA_CPU_FEATURES, llama.cpp from python -m tools.build_peer --target "
+                         "CPU. The code a machine of that kind runs, timed on this one's cores")
     ap.add_argument("--worker", choices=["pyimp", "llama.cpp"], help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--tokens", help=argparse.SUPPRESS)
@@ -504,9 +538,9 @@ def main(argv=None) -> int:
                  "--sparse-budget, --synthetic-cache and --numerics")
     if a.goals:
         a.models, a.startup = sorted({m for m, _, _ in GOAL_PLAN}), True
-    if a.numba_target and not a.worker:
+    if a.target and not a.worker:
         # before Numba is imported here, and inherited by every pyimp subprocess
-        os.environ.update(target_env(a.numba_target))
+        use_target(a.target)
     a.models = a.models or ["gemma", "tinyllama"]
     a.ctx = a.ctx or [128, 1024, 4096]
     if a.worker:
@@ -524,7 +558,8 @@ def main(argv=None) -> int:
     print(f"CPU: {cpu_model()}, {os.cpu_count()} CPUs; single-thread read bandwidth "
           f"{read_bandwidth():.1f} GB/s (NumPy sum over 1 GB, best of 4)")
     print(host_kernels())
-    print(f"{numba_target()}; llama.cpp built with {peer_build()}")
+    print(f"{numba_target()}; llama.cpp built with {peer_build(a.threads)}"
+          + (f" (from {_PEER_DIR})" if _PEER_DIR else ""))
     print(f"threads {a.threads}, decode {a.decode} tokens after the prefill, numerics {a.numerics}, "
           f"llama.cpp with flash_attn, both f16 KV, best of {a.repeat} run(s) per engine")
     startup_s = None

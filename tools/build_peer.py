@@ -18,6 +18,14 @@ flags and version does nothing.
 
 The ggml numerics mode (``numerics="ggml"``) is bit-exact, kernel by kernel,
 with the build this script makes on an AVX-512 machine (see README, Numerics).
+
+    python -m tools.build_peer --target znver3    # a second build for another CPU's ISA
+
+``--target`` builds for the instruction set of one of ``tools.mca_steps.TARGETS``
+(the extensions above that the target has, and this host has too) into a folder
+of its own under pyimp's cache (:func:`target_dir`), never over the installed
+peer; ``tools.bench --target`` runs it beside pyimp's kernels compiled for the
+same CPU.
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -76,8 +85,40 @@ def cmake_args(flags: set[str] | None = None, machine: str | None = None) -> str
     return " ".join(args)
 
 
-def installed_stamp() -> dict | None:
-    """The stamp of the installed peer (None when absent or not built by this script)."""
+# LLVM's feature names (tools.mca_steps.TARGETS) -> /proc/cpuinfo's, where they differ
+_LLVM_TO_CPUINFO = {"sse4.2": "sse4_2", "avxvnni": "avx_vnni", "avx512vnni": "avx512_vnni",
+                    "avx512bf16": "avx512_bf16"}
+
+
+def target_flags(name: str) -> set[str]:
+    """The /proc/cpuinfo flags (as far as X86_FLAGS asks) of a tools.mca_steps target.
+    Raises ValueError for a target whose code this host could not run."""
+    from tools.mca_steps import TARGETS
+    if name not in TARGETS:
+        raise ValueError(f"unknown target {name!r}; known: {', '.join(sorted(TARGETS))}")
+    llvm = {f[1:] for f in TARGETS[name][1].split(",") if f.startswith("+")}
+    flags = {_LLVM_TO_CPUINFO.get(f, f) for f in llvm} & {f for f, _ in X86_FLAGS}
+    lacking = sorted(flags - cpu_flags())
+    if lacking:
+        raise ValueError(f"target {name}: this CPU lacks {', '.join(lacking)}, so a build for it "
+                         f"could not be run here")
+    return flags
+
+
+def target_dir(name: str) -> Path:
+    """Where ``--target NAME`` installs its build: a folder to put first on PYTHONPATH."""
+    from pyimp.default_model import cache_dir
+    return cache_dir() / f"peer-{name}"
+
+
+def installed_stamp(into: Path | None = None) -> dict | None:
+    """The stamp of the installed peer, or of the build in ``into`` (None when absent or not
+    built by this script)."""
+    if into is not None:
+        try:
+            return json.loads((into / "llama_cpp" / STAMP).read_text())
+        except (OSError, ValueError):
+            return None
     code = ("import json, pathlib, llama_cpp; p = pathlib.Path(llama_cpp.__file__).parent / "
             f"{STAMP!r}; print(p.read_text() if p.exists() else 'null')")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
@@ -89,17 +130,29 @@ def installed_stamp() -> dict | None:
         return None
 
 
-def build(args: str) -> None:
+def build(args: str, into: Path | None = None) -> None:
+    """Build and install with CMAKE_ARGS ``args``: over the installed peer, or, with ``into``,
+    only the package itself into that folder (its dependencies are the environment's)."""
     env = dict(os.environ, CMAKE_ARGS=args, FORCE_CMAKE="1")
     cmd = [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--force-reinstall",
            "--no-deps", "--no-binary", PACKAGE, f"{PACKAGE}=={VERSION}"]
     print(f"building {PACKAGE} {VERSION} with CMAKE_ARGS={args!r} (a few minutes)", file=sys.stderr)
+    stamp = json.dumps({"version": VERSION, "cmake_args": args})
+    if into is not None:
+        tmp = into.with_name(into.name + ".part")
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        subprocess.run(cmd + ["--target", str(tmp)], env=env, check=True)
+        (tmp / "llama_cpp" / STAMP).write_text(stamp)
+        if into.exists():
+            shutil.rmtree(into)
+        os.replace(tmp, into)       # a half-built folder is never taken for a build
+        return
     subprocess.run(cmd, env=env, check=True)
     # its runtime dependencies (numpy, typing-extensions, diskcache, jinja2) from the cache as usual
     subprocess.run([sys.executable, "-m", "pip", "install", f"{PACKAGE}=={VERSION}"], check=True)
     code = ("import json, pathlib, sys, llama_cpp; p = pathlib.Path(llama_cpp.__file__).parent / "
             f"{STAMP!r}; p.write_text(sys.argv[1])")
-    stamp = json.dumps({"version": VERSION, "cmake_args": args})
     subprocess.run([sys.executable, "-c", code, stamp], check=True)
 
 
@@ -107,16 +160,27 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m tools.build_peer", description=__doc__.split("\n\n")[0])
     ap.add_argument("--print-cmake-args", action="store_true", help="print CMAKE_ARGS and exit")
     ap.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
+    ap.add_argument("--target", metavar="CPU",
+                    help="build for this CPU's instruction set (a tools.mca_steps target, e.g. "
+                         "znver3) into its own folder under pyimp's cache, not over the installed peer")
     a = ap.parse_args(argv)
-    args = cmake_args()
+    into = None
+    if a.target:
+        try:
+            args, into = cmake_args(target_flags(a.target)), target_dir(a.target)
+        except ValueError as e:
+            ap.error(str(e))
+    else:
+        args = cmake_args()
     if a.print_cmake_args:
         print(args)
         return 0
-    if not a.force and installed_stamp() == {"version": VERSION, "cmake_args": args}:
-        print(f"{PACKAGE} {VERSION} is already built with CMAKE_ARGS={args!r}", file=sys.stderr)
+    if not a.force and installed_stamp(into) == {"version": VERSION, "cmake_args": args}:
+        print(f"{PACKAGE} {VERSION} is already built with CMAKE_ARGS={args!r}"
+              + (f" in {into}" if into else ""), file=sys.stderr)
         return 0
     try:
-        build(args)
+        build(args, into)
     except subprocess.CalledProcessError as e:
         print(f"build_peer: building {PACKAGE} {VERSION} failed (exit {e.returncode})", file=sys.stderr)
         return 1
