@@ -213,9 +213,13 @@ def _check_numba() -> None:
     if unused:
         # measured: Gemma 3 270M decodes 13 tok/s for NUMBA_CPU_NAME=generic against 110 for
         # the host (AMD EPYC znver5): no vector FMA (each one a libm call), SSE2 vectors
+        # AVX-512F alone (an AVX2 machine's target, e.g. a cache built for one): 256-bit steps;
+        # Gemma decoded about as fast as llama.cpp built for AVX2 (tools.bench --target znver3)
+        cost = ("the kernels run several times slower" if set(unused) - {"avx512f"} else
+                "the kernels run on 256-bit vectors where this CPU has 512-bit ones")
         warnings.warn(f"Numba compiles for a CPU without {', '.join(unused)}, which this one has "
-                      f"(NUMBA_CPU_NAME / NUMBA_CPU_FEATURES / NUMBA_ENABLE_AVX): the kernels "
-                      f"run several times slower", RuntimeWarning, stacklevel=3)
+                      f"(NUMBA_CPU_NAME / NUMBA_CPU_FEATURES / NUMBA_ENABLE_AVX): {cost}",
+                      RuntimeWarning, stacklevel=3)
 
 
 class Engine:
