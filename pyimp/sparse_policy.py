@@ -45,8 +45,8 @@ from .sparse import AnchorType, RetrievalType, compute_anchors, retrieve_blocks,
 from .sparse.sparse_attention import decode_over_blocks, every_block
 from .sparse.anchors import block_anchors, group_shared, min_anchor_num
 from .sparse.importance import decay_importance
-from .sparse.retrieval import (block_center_logits, n_sets, recent_blocks, select_blocks,
-                               select_for_recall)
+from .sparse.retrieval import (block_center_logits, n_sets, recent_blocks, retrieve_unchecked,
+                               select_blocks, select_for_recall)
 from .sparse.select_modes import MODES, LayerKeys, block_max, pattern_scores
 
 # decode steps whose block selections are kept (per sparse layer) for heatmaps and reports;
@@ -606,9 +606,12 @@ class SparseState:
                 self._sel[lead] = (sel, cnt, step, n_lb)
                 self._est[il] = est
                 return sel, cnt
-            sel, cnt = retrieve_blocks(q, self._fresh_anchors(il, n_ctx), self.cache.table(il),
-                                       n_ctx, B, self.n_head_kv, self.retrieval_type,
-                                       o.init_blocks, o.topk, o.local_blocks, self.anchor_type)
+            # more blocks than the budget (above); the cache's own arrays: no argument checks
+            Hq = q.shape[0]
+            sel, cnt = retrieve_unchecked(q, self._fresh_anchors(il, n_ctx), self.cache.table(il),
+                                          n_ctx, B, n_sets(self.retrieval_type, Hq, self.n_head_kv),
+                                          Hq // self.n_head_kv, o.init_blocks, o.topk,
+                                          o.local_blocks, self.anchor_type)
             self._sel[lead] = (sel, cnt, step, n_lb)
             return sel, cnt
         return self._extend(cached, n_lb)

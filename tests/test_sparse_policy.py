@@ -99,7 +99,7 @@ def test_anchors_read_by_retrieval_are_fresh(model, monkeypatch, anchor, token_s
         current["layer"], current["n_ctx"] = il, n_ctx
         inner_attn(il, q, n_ctx, scale, window, out)
 
-    inner_retrieve = policy.retrieve_blocks
+    inner_retrieve = policy.retrieve_unchecked
     checked = []
 
     def retrieve_blocks(q, anchor_buf, bt, n_ctx, *args):
@@ -117,7 +117,7 @@ def test_anchors_read_by_retrieval_are_fresh(model, monkeypatch, anchor, token_s
         return inner_retrieve(q, anchor_buf, bt, n_ctx, *args)
 
     monkeypatch.setattr(st, "decode_attention", decode_attention)
-    monkeypatch.setattr(policy, "retrieve_blocks", retrieve_blocks)
+    monkeypatch.setattr(policy, "retrieve_unchecked", retrieve_blocks)
     ids = _ids(n0 + steps, seed=3)
     eng.eval(ids[:n0])
     for t in ids[n0:]:

@@ -4,7 +4,9 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from pyimp.sparse.anchors import AnchorType, block_spans, compute_anchors, group_shared
-from pyimp.sparse.retrieval import (RetrievalType, block_scores, n_sets, retrieve_blocks,
+from pyimp.sparse.anchors import anchor_slots
+from pyimp.sparse.retrieval import (ORDERED_ANCHORS, RetrievalType, block_scores, n_sets,
+                                    recent_blocks, retrieve_blocks, retrieve_unchecked,
                                     select_blocks, set_scores)
 
 
@@ -205,6 +207,38 @@ def test_retrieve_end_to_end(case, rtype, anchor_type):
                 # float32 rounding of a sum of <= Hq*D terms
                 tol = 1e-5 * (np.abs(naive).max() + 1.0)
                 assert naive[picked, si].min() >= naive[rest, si].max() - tol
+
+
+@settings(max_examples=40, deadline=None)
+@given(select_case(), st.sampled_from(list(RetrievalType)), st.sampled_from(list(AnchorType)))
+def test_unchecked_retrieval_is_the_checked_chain(case, rtype, anchor_type):
+    """retrieve_unchecked (the sparse decode step's path) gives exactly what the checked public
+    chain set_scores -> select_blocks gives, for every anchor type (group-shared scoring kernel
+    and per-head block scores alike) and set kind, whenever the context exceeds the budget."""
+    Hkv, G, B, n_ctx, init, pick, local, rng, _ = case
+    if n_ctx // B <= init + pick + local:
+        return                                  # every block: retrieve_blocks' own branch
+    Hq, D = Hkv * G, 8
+    n_lb = -(-n_ctx // B)
+    NB = n_lb + 2
+    bt = rng.permutation(NB)[:n_lb].astype(np.int32)
+    kc = rng.standard_normal((Hkv, NB, B * D)).astype(np.float16)
+    imp = rng.uniform(0, 2, (NB, B, Hq)).astype(np.float16)
+    anchor = np.zeros((NB, 2, Hq, D), np.float16)
+    compute_anchors(anchor_type, kc, *block_spans(bt, n_ctx, B), anchor, imp)
+    q = rng.standard_normal((Hq, D)).astype(np.float32)
+    nsets = n_sets(rtype, Hq, Hkv)
+    lb_end = n_ctx // B - recent_blocks(n_ctx, B, local)
+    scores = set_scores(q, anchor, bt, init, lb_end, nsets, anchor_slots(anchor_type, 2), G,
+                        group_shared(anchor_type), anchor_type in ORDERED_ANCHORS)
+    want = select_blocks(scores, n_ctx, B, init, pick, local)
+    got = retrieve_unchecked(q, anchor, bt, n_ctx, B, nsets, G, init, pick, local, anchor_type)
+    for w, g in zip(want, got):
+        assert g.dtype == w.dtype and np.array_equal(g, w)
+    # the checked entry point takes the same path
+    for w, g in zip(want, retrieve_blocks(q, anchor, bt, n_ctx, B, Hkv, rtype, init, pick, local,
+                                          anchor_type)):
+        assert np.array_equal(g, w)
 
 
 def test_layer_picks_the_hot_block():

@@ -431,10 +431,48 @@ def retrieve_blocks(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, 
         scores = np.empty((0, nsets), np.float32)
     else:
         lb_end = F - recent_blocks(n_ctx, block_len, local)
+        if backend == "numba" and lb_end > init:
+            _check_scores(q, anchor, block_table, init, lb_end,
+                          anchor_slots(anchor_type, anchor.shape[1]), G, group_shared(anchor_type))
+            return retrieve_unchecked(q, anchor, block_table, n_ctx, block_len, nsets, G, init,
+                                      pick, local, anchor_type)
         scores = set_scores(q, anchor, block_table, init, lb_end, nsets,
                             anchor_slots(anchor_type, anchor.shape[1]), G,
                             group_shared(anchor_type), anchor_type in ORDERED_ANCHORS, backend)
     return select_blocks(scores, n_ctx, block_len, init, pick, local, backend)
+
+
+def retrieve_unchecked(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, n_ctx: int,
+                       block_len: int, nsets: int, G: int, init: int, pick: int, local: int,
+                       anchor_type: AnchorType) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`retrieve_blocks`' selection when the context has more blocks than the budget,
+    without its argument checks: for callers whose arrays are the cache's own, checked when
+    they were made (the sparse decode step, three layers a token for Gemma 3, where the
+    checks' reductions cost as much as the scoring). The same kernels, so the same (sel,
+    cnt) as retrieve_blocks (the tests hold them equal)."""
+    F = n_ctx // block_len
+    lb_end = F - recent_blocks(n_ctx, block_len, local)
+    n_slots = anchor_slots(anchor_type, anchor.shape[1])
+    shared = group_shared(anchor_type)
+    C = lb_end - init
+    if shared and (n_slots == 1 or (n_slots == 2 and anchor_type in ORDERED_ANCHORS)):
+        scores = np.empty((C, nsets), np.float32)
+        anc = _anchor_view(anchor)
+        Hkv = q.shape[0] // G
+        astep = anchor.shape[2] // Hkv
+        _set_scores_kernel(q if q.dtype == np.float32 and q.flags.c_contiguous
+                           else np.ascontiguousarray(q, dtype=np.float32), anc, block_table, init,
+                           G, n_slots, astep, fp16_lut(), scores, 64 // anc.itemsize)
+    else:
+        s = block_scores(q, anchor, block_table, init, lb_end, n_slots, G, shared)
+        scores = s.reshape(C, nsets, q.shape[0] // nsets).sum(axis=2, dtype=np.float32)
+    K = init + pick + local + 1
+    sel = np.empty((nsets, K), np.int32)
+    cnt = np.empty(nsets, np.int32)
+    # one set (LAYER) or little work: a parallel region costs more than it saves
+    _select_kernel(scores, init, pick, recent_blocks(n_ctx, block_len, local), F, -(-n_ctx // block_len),
+                   sel, cnt, nsets * C >= 16384)
+    return sel, cnt
 
 
 # --------------------------------------------------------------------------
