@@ -167,6 +167,19 @@ def test_set_scores_match_naive(Hkv, G, D, anchor_type, rtype, seed):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-5 * mag)
 
 
+def _anchored(rng, anchor_type, Hkv, G, B, n_ctx, D, spare):
+    """A shuffled block table (``spare`` physical blocks unused), anchors of ``anchor_type``
+    over random fp16 keys and importance, and a float32 query [Hkv*G, D]."""
+    Hq, n_lb = Hkv * G, -(-n_ctx // B)
+    NB = n_lb + spare
+    bt = rng.permutation(NB)[:n_lb].astype(np.int32)
+    kc = rng.standard_normal((Hkv, NB, B * D)).astype(np.float16)
+    imp = rng.uniform(0, 2, (NB, B, Hq)).astype(np.float16)
+    anchor = np.zeros((NB, 2, Hq, D), np.float16)
+    compute_anchors(anchor_type, kc, *block_spans(bt, n_ctx, B), anchor, imp)
+    return bt, anchor, rng.standard_normal((Hq, D)).astype(np.float32)
+
+
 @settings(max_examples=30, deadline=None)
 @given(select_case(), st.sampled_from(list(RetrievalType)),
        st.sampled_from([AnchorType.QUEST, AnchorType.BLOCK_MEAN, AnchorType.DYNAMIC,
@@ -175,15 +188,9 @@ def test_retrieve_end_to_end(case, rtype, anchor_type):
     """Anchors -> set scores -> selection: sinks, local and tail present, and the picked blocks
     are a top-pick of the naive float64 set scores (up to float32 rounding)."""
     Hkv, G, B, n_ctx, init, pick, local, rng, _ = case
-    Hq, D = Hkv * G, 4
+    Hq = Hkv * G
     n_lb = -(-n_ctx // B)
-    NB = n_lb + 1
-    bt = rng.permutation(NB)[:n_lb].astype(np.int32)
-    kc = rng.standard_normal((Hkv, NB, B * D)).astype(np.float16)
-    imp = rng.uniform(0, 2, (NB, B, Hq)).astype(np.float16)
-    anchor = np.zeros((NB, 2, Hq, D), np.float16)
-    compute_anchors(anchor_type, kc, *block_spans(bt, n_ctx, B), anchor, imp)
-    q = rng.standard_normal((Hq, D)).astype(np.float32)
+    bt, anchor, q = _anchored(rng, anchor_type, Hkv, G, B, n_ctx, D=4, spare=1)
     F = n_ctx // B
     loc = own_block_local(n_ctx, B, local)
     slots = 2 if anchor_type in (AnchorType.QUEST, AnchorType.CUBOID_MEAN) else 1
@@ -218,15 +225,8 @@ def test_unchecked_retrieval_is_the_checked_chain(case, rtype, anchor_type):
     Hkv, G, B, n_ctx, init, pick, local, rng, _ = case
     if n_ctx // B <= init + pick + local:
         return                                  # every block: retrieve_blocks' own branch
-    Hq, D = Hkv * G, 8
-    n_lb = -(-n_ctx // B)
-    NB = n_lb + 2
-    bt = rng.permutation(NB)[:n_lb].astype(np.int32)
-    kc = rng.standard_normal((Hkv, NB, B * D)).astype(np.float16)
-    imp = rng.uniform(0, 2, (NB, B, Hq)).astype(np.float16)
-    anchor = np.zeros((NB, 2, Hq, D), np.float16)
-    compute_anchors(anchor_type, kc, *block_spans(bt, n_ctx, B), anchor, imp)
-    q = rng.standard_normal((Hq, D)).astype(np.float32)
+    Hq = Hkv * G
+    bt, anchor, q = _anchored(rng, anchor_type, Hkv, G, B, n_ctx, D=8, spare=2)
     nsets = n_sets(rtype, Hq, Hkv)
     lb_end = n_ctx // B - recent_blocks(n_ctx, B, local)
     scores = set_scores(q, anchor, bt, init, lb_end, nsets, anchor_slots(anchor_type, 2), G,
