@@ -12,6 +12,12 @@ models with a real vocabulary, random ids for the synthetic TinyLlama.
     python -m tools.bench --models gemma --ctx 16384 32000 --sparse-budget 0.125
     python -m tools.bench --models gemma --startup --profile   # start-up times, decode profile
     python -m tools.bench --goals          # the speed goals' grid, then each goal met or not
+    python -m tools.bench --goals --target znver3   # both engines built for an AVX2 CPU
+
+``--target CPU`` compiles pyimp's kernels for another CPU's instruction set
+(``NUMBA_CPU_NAME`` / ``NUMBA_CPU_FEATURES``) and runs llama.cpp from
+``python -m tools.build_peer --target CPU``'s build: the code a machine of that kind
+runs, on this machine's cores and memory.
 
 The speed goals (:data:`GOALS`) live here, not in timed tests: ``--goals`` runs
 the rows they name (:data:`GOAL_PLAN`), the start-up times and the matvecs'

@@ -449,7 +449,9 @@ def retrieve_unchecked(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarra
     without its argument checks: for callers whose arrays are the cache's own, checked when
     they were made (the sparse decode step, three layers a token for Gemma 3, where the
     checks' reductions cost as much as the scoring). The same kernels, so the same (sel,
-    cnt) as retrieve_blocks (the tests hold them equal)."""
+    cnt) as retrieve_blocks (the tests hold them equal). ``nsets`` = :func:`n_sets`, ``G``
+    query heads per kv head. Anchors stored per query head (not group-shared) are scored by
+    :func:`block_scores`, which still checks its own arguments."""
     F = n_ctx // block_len
     lb_end = F - recent_blocks(n_ctx, block_len, local)
     n_slots = anchor_slots(anchor_type, anchor.shape[1])
@@ -470,8 +472,8 @@ def retrieve_unchecked(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarra
     sel = np.empty((nsets, K), np.int32)
     cnt = np.empty(nsets, np.int32)
     # one set (LAYER) or little work: a parallel region costs more than it saves
-    _select_kernel(scores, init, pick, recent_blocks(n_ctx, block_len, local), F, -(-n_ctx // block_len),
-                   sel, cnt, nsets * C >= 16384)
+    _select_kernel(scores, init, pick, recent_blocks(n_ctx, block_len, local), F,
+                   -(-n_ctx // block_len), sel, cnt, nsets * C >= 16384)
     return sel, cnt
 
 
