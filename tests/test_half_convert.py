@@ -140,12 +140,12 @@ def _logits(model: str, numerics: str) -> np.ndarray:
 
 def _avx2_target() -> dict:
     """NUMBA_CPU_NAME / NUMBA_CPU_FEATURES of an AVX2 machine without AVX-512 (znver3's ISA,
-    tools.mca_steps.TARGETS), or {} where this host could not run its code."""
-    from loaders import jit
-    from tools.mca_steps import TARGETS
-    cpu, features, _ = TARGETS["znver3"]
-    needed = {f[1:] for f in features.split(",") if f.startswith("+")}
-    return {"NUMBA_CPU_NAME": cpu, "NUMBA_CPU_FEATURES": features} if needed <= jit.host_features() else {}
+    tools.bench.target_env), or {} where this host could not run its code."""
+    from tools.bench import BenchError, target_env
+    try:
+        return target_env("znver3")
+    except BenchError:
+        return {}
 
 
 # target -> (its environment, HALF_IN_HARDWARE, I8_DOT, WIDE_STEPS, x86 vector bits there)

@@ -166,6 +166,11 @@ def block_scores(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, lb_
     astep = _check_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared)
     if backend == "numpy":
         return block_scores_ref(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared)
+    return _block_scores_run(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared, astep)
+
+
+def _block_scores_run(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared, astep):
+    """:func:`block_scores`' kernel call, its arguments checked (astep from _check_scores)."""
     q = np.ascontiguousarray(q, dtype=np.float32)
     out = np.empty((max(lb_end - lb_start, 0), q.shape[0]), np.float32)
     anc = _anchor_view(anchor)
@@ -265,6 +270,13 @@ def set_scores(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, lb_st
         raise ValueError(f"nsets = {nsets} does not divide the {Hq} query heads")
     if backend == "numpy":
         return set_scores_ref(q, anchor, block_table, lb_start, lb_end, nsets, n_slots, G, shared)
+    return _set_scores_run(q, anchor, block_table, lb_start, lb_end, nsets, n_slots, G, shared,
+                           ordered, astep)
+
+
+def _set_scores_run(q, anchor, block_table, lb_start, lb_end, nsets, n_slots, G, shared, ordered,
+                    astep):
+    """:func:`set_scores`' kernels, their arguments checked (astep from _check_scores)."""
     C = max(lb_end - lb_start, 0)
     if shared and (n_slots == 1 or (n_slots == 2 and ordered)):
         out = np.empty((C, nsets), np.float32)
@@ -273,8 +285,8 @@ def set_scores(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, lb_st
                            int(lb_start), int(G), int(n_slots), astep, fp16_lut(), out,
                            64 // anc.itemsize)
         return out
-    s = block_scores(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared)
-    return s.reshape(C, nsets, Hq // nsets).sum(axis=2, dtype=np.float32)
+    s = _block_scores_run(q, anchor, block_table, lb_start, lb_end, n_slots, G, shared, astep)
+    return s.reshape(C, nsets, q.shape[0] // nsets).sum(axis=2, dtype=np.float32)
 
 
 # --------------------------------------------------------------------------
@@ -385,6 +397,15 @@ def select_blocks(scores: np.ndarray, n_ctx: int, block_len: int, init: int, pic
         sel = np.full((nsets, K), -1, np.int32)
         sel[:, :n_lb] = np.arange(n_lb, dtype=np.int32)
         return sel, np.full(nsets, n_lb, np.int32)
+    return _select_run(scores, n_ctx, block_len, init, pick, local)
+
+
+def _select_run(scores, n_ctx, block_len, init, pick, local):
+    """:func:`select_blocks`' kernel for a context of more blocks than the budget, its
+    arguments checked."""
+    nsets, F = scores.shape[1], n_ctx // block_len
+    n_lb = -(-n_ctx // block_len)
+    K = init + pick + local + 1
     sel = np.empty((nsets, K), np.int32)
     cnt = np.empty(nsets, np.int32)
     # one set (LAYER) or little work: a parallel region costs more than it saves
@@ -431,11 +452,6 @@ def retrieve_blocks(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, 
         scores = np.empty((0, nsets), np.float32)
     else:
         lb_end = F - recent_blocks(n_ctx, block_len, local)
-        if backend == "numba" and lb_end > init:
-            _check_scores(q, anchor, block_table, init, lb_end,
-                          anchor_slots(anchor_type, anchor.shape[1]), G, group_shared(anchor_type))
-            return retrieve_unchecked(q, anchor, block_table, n_ctx, block_len, nsets, G, init,
-                                      pick, local, anchor_type)
         scores = set_scores(q, anchor, block_table, init, lb_end, nsets,
                             anchor_slots(anchor_type, anchor.shape[1]), G,
                             group_shared(anchor_type), anchor_type in ORDERED_ANCHORS, backend)
@@ -448,33 +464,16 @@ def retrieve_unchecked(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarra
     """:func:`retrieve_blocks`' selection when the context has more blocks than the budget,
     without its argument checks: for callers whose arrays are the cache's own, checked when
     they were made (the sparse decode step, three layers a token for Gemma 3, where the
-    checks' reductions cost as much as the scoring). The same kernels, so the same (sel,
-    cnt) as retrieve_blocks (the tests hold them equal). ``nsets`` = :func:`n_sets`, ``G``
-    query heads per kv head. Anchors stored per query head (not group-shared) are scored by
-    :func:`block_scores`, which still checks its own arguments."""
-    F = n_ctx // block_len
-    lb_end = F - recent_blocks(n_ctx, block_len, local)
-    n_slots = anchor_slots(anchor_type, anchor.shape[1])
+    checks' reductions cost as much as the scoring). The same kernel calls
+    (:func:`_set_scores_run`, :func:`_select_run`), so the same (sel, cnt) as retrieve_blocks
+    (the tests hold them equal). ``nsets`` = :func:`n_sets`, ``G`` query heads per kv head."""
+    lb_end = n_ctx // block_len - recent_blocks(n_ctx, block_len, local)
     shared = group_shared(anchor_type)
-    C = lb_end - init
-    if shared and (n_slots == 1 or (n_slots == 2 and anchor_type in ORDERED_ANCHORS)):
-        scores = np.empty((C, nsets), np.float32)
-        anc = _anchor_view(anchor)
-        Hkv = q.shape[0] // G
-        astep = anchor.shape[2] // Hkv
-        _set_scores_kernel(q if q.dtype == np.float32 and q.flags.c_contiguous
-                           else np.ascontiguousarray(q, dtype=np.float32), anc, block_table, init,
-                           G, n_slots, astep, fp16_lut(), scores, 64 // anc.itemsize)
-    else:
-        s = block_scores(q, anchor, block_table, init, lb_end, n_slots, G, shared)
-        scores = s.reshape(C, nsets, q.shape[0] // nsets).sum(axis=2, dtype=np.float32)
-    K = init + pick + local + 1
-    sel = np.empty((nsets, K), np.int32)
-    cnt = np.empty(nsets, np.int32)
-    # one set (LAYER) or little work: a parallel region costs more than it saves
-    _select_kernel(scores, init, pick, recent_blocks(n_ctx, block_len, local), F,
-                   -(-n_ctx // block_len), sel, cnt, nsets * C >= 16384)
-    return sel, cnt
+    astep = anchor.shape[2] // (q.shape[0] // G) if shared else 1
+    scores = _set_scores_run(q, anchor, block_table, init, lb_end, nsets,
+                             anchor_slots(anchor_type, anchor.shape[1]), G, shared,
+                             anchor_type in ORDERED_ANCHORS, astep)
+    return _select_run(scores, n_ctx, block_len, init, pick, local)
 
 
 # --------------------------------------------------------------------------
