@@ -44,6 +44,8 @@ import types
 import numba
 from numba.core import caching
 
+from .cpu import host_features  # noqa: F401  (re-exported; loaders.cpu reads it without Numba)
+
 _DEPS: dict[str, tuple[str, ...]] = {}     # module file -> files its kernels call into
 
 
@@ -116,14 +118,6 @@ def target_features() -> frozenset:
     flat = config.CPU_FEATURES if config.CPU_FEATURES is not None else codegen.get_host_cpu_features()
     return frozenset(f[1:] for f in flat.split(",") if f.startswith("+"))
 
-
-def host_features() -> frozenset:
-    """The host CPU's features as LLVM names them (empty where LLVM cannot tell)."""
-    from llvmlite import binding as llb
-    try:
-        return frozenset(k for k, v in llb.get_host_cpu_features().items() if v)
-    except RuntimeError:
-        return frozenset()
 
 
 # features whose absence from the target (while the host has them) costs the kernels most

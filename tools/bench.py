@@ -36,6 +36,8 @@ import time
 
 import numpy as np
 
+from tools.mca_steps import TARGETS
+
 
 class BenchError(RuntimeError):
     """A measurement subprocess failed; the message ends with its last line of stderr."""
@@ -312,12 +314,10 @@ def target_env(name: str) -> dict:
     """NUMBA_CPU_NAME / NUMBA_CPU_FEATURES for one of tools.mca_steps.TARGETS, so that pyimp's
     kernels are those that CPU would run (its instruction set, on this host's cores). Raises
     BenchError when the target uses a feature this host lacks: its code could not run here.
-    (Reads the host through llvmlite: Numba must not be imported before the variables are set.)"""
-    from llvmlite import binding as llb
-
-    from tools.mca_steps import TARGETS
+    (loaders.cpu reads the host: Numba must not be imported before the variables are set.)"""
+    from loaders.cpu import host_features
     cpu, features, _ = TARGETS[name]
-    host = {k for k, v in llb.get_host_cpu_features().items() if v}
+    host = host_features()
     lacking = sorted(f[1:] for f in features.split(",") if f.startswith("+") and f[1:] not in host)
     if lacking:
         raise BenchError(f"--target {name}: this CPU lacks {', '.join(lacking)}, which "
@@ -528,7 +528,7 @@ def main(argv=None) -> int:
                     help="run the rows of the speed goals (GOAL_PLAN), the start-up times and the "
                          "kernels' share of read bandwidth, then say of each goal whether this "
                          "machine meets it (exit status 1 if any is not met)")
-    ap.add_argument("--target", metavar="CPU", choices=sorted(_target_names()),
+    ap.add_argument("--target", metavar="CPU", choices=sorted(TARGETS),
                     help="both engines built for this CPU's instruction set instead of the host's "
                          "(%(choices)s): pyimp's kernels through NUMBA_CPU_NAME / "
                          "NUMBA_CPU_FEATURES, llama.cpp from python -m tools.build_peer --target "
@@ -644,11 +644,6 @@ def _model_rows(name: str, path: str, ctxs, budget: float, a, tmp: str, profiles
                   + _compiled_mark(sp), flush=True)
         rows.append(row)
     return rows
-
-
-def _target_names():
-    from tools.mca_steps import TARGETS
-    return TARGETS
 
 
 def cli(argv=None) -> int:
