@@ -1059,7 +1059,11 @@ _ROW_CHUNKS = 64
 # so every lane is the value ggml's sign-trick products give. Then one fma per lane and block
 # into 8 float lanes, in block order, and hsum_float_8, exactly as _matmul_ggml_blocks.
 # VPMADDUBSW saturates its int16 pair sums: 2 * 31 * 128 fits, 2 * 255 * 128 does not, so
-# Q8_0 takes this path only with VNNI (whose sums are int32).
+# Q8_0 on AVX2 keeps its quants signed and takes ggml's own sign trick instead: VPSIGNB makes
+# them |q| (unsigned, at most 128) and moves their signs onto the activation quants, whose pair
+# sums 2 * 128 * 127 then fit. That needs activation quants in [-127, 127], which ggml's
+# quantizer (round(x * 127 / amax)) always makes; hand-made activation bytes holding -128 take
+# the portable kernel (i8_matmul_ggml checks).
 
 
 # "vnni": VPDPBUSD on 256-bit vectors (AVX-512 VNNI with VL; an AVX-VNNI-only host takes "avx2",
@@ -1084,14 +1088,15 @@ def _v(t, n):
 _I8T, _I16T = ir.IntType(8), ir.IntType(16)
 
 
-def ir_unpack_u8x32(context, builder, wty, w, wo, qhty, qh, nbits):
+def ir_unpack_u8x32(context, builder, wty, w, wo, qhty, qh, nbits, signed=False):
     """One block's 32 quants as a <32 x i8> of unsigned values: ``nbits`` 4 (the 16 bytes at
     w[wo:] hold element j in the low nibble of byte j and j + 16 in its high one), 5 (those
-    nibbles | bit k of the uint32 ``qh`` << 4) or 8 (the 32 int8 at w[wo:] + 128)."""
+    nibbles | bit k of the uint32 ``qh`` << 4) or 8 (the 32 int8 at w[wo:] + 128; with
+    ``signed``, the int8 themselves, for :func:`ir_lane_sums`' sign trick)."""
     v32 = _v(_I8T, 32)
     if nbits == 8:
         q = builder.load(ir_ptr(context, builder, wty, w, wo, v32), align=1)
-        return builder.xor(q, ir.Constant(v32, [0x80] * 32))
+        return q if signed else builder.xor(q, ir.Constant(v32, [0x80] * 32))
     q16 = builder.load(ir_ptr(context, builder, wty, w, wo, _v(_I8T, 16)), align=1)
     # the high nibbles by a 16-bit shift of the 16 bytes (no byte shifts on x86)
     hi = builder.bitcast(builder.lshr(builder.bitcast(q16, _v(_I16T, 8)),
@@ -1108,10 +1113,15 @@ def ir_unpack_u8x32(context, builder, wty, w, wo, qhty, qh, nbits):
     return q
 
 
-def ir_lane_sums(builder, q, a, c, use_vnni):
-    """<8 x i32> c + (sum of 4 products of unsigned bytes q and signed bytes a per lane)."""
+def ir_lane_sums(builder, q, a, c, use_vnni, signed=False):
+    """<8 x i32> c + (sum of 4 products of unsigned bytes q and signed bytes a per lane). With
+    ``signed`` (AVX2 only), q holds signed bytes and a values in [-127, 127]: the products
+    |q| * (a with q's sign), the same sums without saturating VPMADDUBSW's pair sums."""
     m = builder.module
     v32, v8 = _v(_I8T, 32), _v(_I32, 8)
+    if signed:
+        sign = cgutils.get_or_insert_function(m, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.psign.b")
+        q, a = builder.call(sign, [q, q]), builder.call(sign, [a, q])
     if use_vnni:
         dp = cgutils.get_or_insert_function(m, ir.FunctionType(v8, [v8, v8, v8]), "llvm.x86.avx512.vpdpbusd.256")
         return builder.call(dp, [c, builder.bitcast(q, v8), builder.bitcast(a, v8)])
@@ -1151,6 +1161,12 @@ def _prefetch(typingctx, w, o):
     return sig, codegen
 
 
+def _signed_quants(nbits: int, use_vnni: bool) -> bool:
+    """Whether the integer path keeps a block's quants signed (Q8_0 on AVX2: the sign trick of
+    :func:`ir_lane_sums`) instead of unsigned with an offset."""
+    return nbits == 8 and not use_vnni
+
+
 @intrinsic
 def _fma_dot2(typingctx, w0, w1, wo, qh0, qh1, bits, a, ao, c, co, d0, d1, acc, vnni):
     """A decode step's block: for the blocks of rows w0 and w1 at byte wo (quants unpacked in
@@ -1163,6 +1179,7 @@ def _fma_dot2(typingctx, w0, w1, wo, qh0, qh1, bits, a, ao, c, co, d0, d1, acc, 
         return None
     nbits, use_vnni = bits.literal_value, vnni.literal_value
     sig = types.void(w0, w1, wo, qh0, qh1, bits, a, ao, c, co, d0, d1, acc, vnni)
+    signed = _signed_quants(nbits, use_vnni)
 
     def codegen(context, builder, signature, args):
         wty, _, _, qhty, _, _, aty, _, cty, _, _, _, accty, _ = signature.args
@@ -1170,9 +1187,9 @@ def _fma_dot2(typingctx, w0, w1, wo, qh0, qh1, bits, a, ao, c, co, d0, d1, acc, 
         av = builder.load(ir_ptr(context, builder, aty, a_, ao_, _v(_I8T, 32)), align=1)
         cv = builder.load(ir_ptr(context, builder, cty, c_, co_, _v(_I32, 8)), align=4)
         for k, (w_, qh_, d_) in enumerate(((w0_, qh0_, d0_), (w1_, qh1_, d1_))):
-            q = ir_unpack_u8x32(context, builder, wty, w_, wo_, qhty, qh_, nbits)
+            q = ir_unpack_u8x32(context, builder, wty, w_, wo_, qhty, qh_, nbits, signed)
             ir_fma_lanes(context, builder, accty, acc_, ir.Constant(ir.IntType(64), 8 * k), d_,
-                         ir_lane_sums(builder, q, av, cv, use_vnni))
+                         ir_lane_sums(builder, q, av, cv, use_vnni, signed))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -1191,13 +1208,14 @@ def _fma_dot_tile(typingctx, ws, wo, qhs, bits, aq, ad, corr, rows4, b, dws, acc
     nbits, use_vnni = bits.literal_value, vnni.literal_value
     nrow = len(ws)
     sig = types.void(ws, wo, qhs, bits, aq, ad, corr, rows4, b, dws, acc, vnni)
+    signed = _signed_quants(nbits, use_vnni)
 
     def codegen(context, builder, signature, args):
         wsty, _, qhsty, _, aqty, adty, cty, _, _, _, accty, _ = signature.args
         ws_, wo_, qhs_, _, aq_, ad_, c_, r4_, b_, dws_, acc_, _ = args
         i64 = ir.IntType(64)
         qs = [ir_unpack_u8x32(context, builder, wsty[k], builder.extract_value(ws_, k), wo_, qhsty[k],
-                              builder.extract_value(qhs_, k), nbits) for k in range(nrow)]
+                              builder.extract_value(qhs_, k), nbits, signed) for k in range(nrow)]
         dw = [builder.extract_value(dws_, k) for k in range(nrow)]
         b64 = builder.sext(b_, i64) if b_.type.width < 64 else b_
         aqa = context.make_array(aqty)(context, builder, aq_)
@@ -1216,7 +1234,7 @@ def _fma_dot_tile(typingctx, ws, wo, qhs, bits, aq, ad, corr, rows4, b, dws, acc
             da = builder.load(cgutils.get_item_pointer(context, builder, adty, ada, [i, b64], wraparound=False))
             for k in range(nrow):
                 ir_fma_lanes(context, builder, accty, acc_, ir.Constant(i64, 8 * (nrow * t + k)),
-                             builder.fmul(dw[k], da), ir_lane_sums(builder, qs[k], av, cv, use_vnni))
+                             builder.fmul(dw[k], da), ir_lane_sums(builder, qs[k], av, cv, use_vnni, signed))
         return context.get_dummy_value()
 
     return sig, codegen
@@ -1636,9 +1654,11 @@ def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off
 
 def i8_variants(qtype: QT) -> tuple:
     """The integer dot-product variants ("vnni512", "vnni", "avx2") that compute ``qtype``'s
-    ggml numerics exactly (VPMADDUBSW's int16 pair sums overflow with Q8_0's unsigned quants).
-    "vnni512" is "vnni" with prefill tiles on 512-bit vectors (a host with I8_WIDE)."""
-    return ("vnni512", "vnni") if _I8_LAYOUT[qtype][0] == 8 else ("vnni512", "vnni", "avx2")
+    ggml numerics exactly: every legacy block type has all three (Q8_0's "avx2" by the sign
+    trick, see above). "vnni512" is "vnni" with prefill tiles on 512-bit vectors (a host with
+    I8_WIDE)."""
+    QT(qtype)
+    return ("vnni512", "vnni", "avx2")
 
 
 def i8_matmul_ggml(qtype: QT, variant: str):
@@ -1650,6 +1670,10 @@ def i8_matmul_ggml(qtype: QT, variant: str):
         raise ValueError(f"{qtype.name} has no exact {variant!r} integer path")
     head, _, bsz, has_min, _, act_type, _ = _BLOCK_TYPES[qtype]
     bits, qo, uoff = _I8_LAYOUT[qtype]
+    signed = _signed_quants(bits, variant != "avx2")
+    if signed:
+        uoff = 0                              # the quants stay signed: no offset to take back
+    portable = PORTABLE_GGML[qtype]           # _block_kernels made it first
     with_sum = act_type == QT.Q8_1
     t = qtype.name.lower()
     name = f"_matmul_ggml_i8_{t}_{variant}"
@@ -1668,6 +1692,9 @@ def i8_matmul_ggml(qtype: QT, variant: str):
         asum = np.empty((m, nb), np.float32)
         corr = np.empty((m, nb * 8), np.int32)
         _split_act_i8(xq, bsz_act, np.int32(uoff), aq, ad, asum, corr, F16_TO_F32)
+        if signed and aq.min(initial=0) == -128:  # not from ggml's quantizer: the sign trick
+            portable(raw, xq, out)                # would overflow, the portable sums do not
+            return
         mm(raw, aq, ad, asum, corr, out, F16_TO_F32)
 
     matmul_ggml.__name__ = matmul_ggml.__qualname__ = f"matmul_ggml_{t}"

@@ -519,9 +519,31 @@ def test_i8_path_bit_identical_to_portable(qtype, variant, seed, rows, m, nblock
     assert bits_equal(got, want)  # integer lane sums are exact; the float steps are the same
 
 
-def test_i8_path_refuses_an_inexact_variant():
-    with pytest.raises(ValueError, match="Q8_0 has no exact 'avx2'"):
-        L.i8_matmul_ggml(QT.Q8_0, "avx2")
+def test_i8_path_refuses_an_unknown_variant():
+    with pytest.raises(ValueError, match="Q8_0 has no exact 'sse'"):
+        L.i8_matmul_ggml(QT.Q8_0, "sse")
+
+
+@pytest.mark.skipif(("Q8_0", "avx2") not in [(q.name, v) for q, v in I8_CASES],
+                    reason="no AVX2 on this host")
+def test_i8_q8_0_sign_trick_with_activation_quants_at_minus_128():
+    """Q8_0 on AVX2 moves the weights' signs onto the activation quants (VPSIGNB), exact for
+    the quants ggml's quantizer makes (|a| <= 127). Hand-made activation bytes holding -128,
+    against weights of -128 (the largest pair sums), still give the portable kernel's bits:
+    that call takes the portable kernel. Without that check, -128 * sign(-128) wraps to -128
+    and the row's sums come out wrong."""
+    rng = np.random.default_rng(5)
+    n, rows = 64, 5
+    raw = extreme_raw(QT.Q8_0, rows, n, rng)
+    xq = L.ACT_CONVERTERS[QT.Q8_0](rng.standard_normal((2, n)).astype(np.float32))
+    blk = xq.reshape(2, n // 32, 34)
+    blk[0, :, 2:] = 0x80                       # every quant of row 0: -128
+    blk[1, 0, 2:6] = 0x80                      # four of row 1
+    got = np.full((2, rows), np.nan, np.float32)
+    want = np.full((2, rows), np.nan, np.float32)
+    L.i8_matmul_ggml(QT.Q8_0, "avx2")(raw, xq, got)
+    L.PORTABLE_GGML[QT.Q8_0](raw, xq, want)
+    assert bits_equal(got, want)
 
 
 @pytest.mark.parametrize("act_type", [QT.Q8_0, QT.Q8_1], ids=lambda t: t.name)
