@@ -407,9 +407,11 @@ def _emit_mac4(context, builder, xty, xb, xo, quants, scales, aty, acc):
     builder.store(a, ap, align=4)
 
 
-def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, acc):
+def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, acc, hbits=None):
     """:func:`_emit_mac4` for Q4_K: q0, q1 the low and high nibbles of bytes q[p0:p0 + 32],
     q2, q3 those of q[p1:p1 + 32]; ``scales`` four float IR values (one per sub-block).
+    Q5_K: ``hbits`` = (the 32 qh bytes as eight i32 words, j): bit 4j + k of qh byte b is bit
+    4 of quant qk of element b, taken from the words as the nibbles are.
 
     The lanes are in :func:`_lane` order (``perm``): the 32 bytes are read as eight 32-bit
     words and byte t of every word is shifted down and masked (lane 8t + i holds element
@@ -421,11 +423,19 @@ def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, ac
     cat16 = ir.Constant(ir.VectorType(ir.IntType(32), 16), list(range(16)))
     cat32 = ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32)))
     quants = []
-    for p in (p0, p1):
+    for pi, p in enumerate((p0, p1)):
         w = builder.load(ir_ptr(context, builder, qty, q, p, v8), align=1)
         for nib in (0, 4):                  # low nibbles: sub-block 2j; high: 2j + 1
             parts = [builder.and_(builder.lshr(w, ir.Constant(v8, [nib + 8 * t] * 8)) if nib + 8 * t else w,
                                   ir.Constant(v8, [15] * 8)) for t in range(4)]
+            if hbits is not None:           # Q5_K: qh bit 4j + k of byte 4i + t to bit 4 of lane i
+                hw, j = hbits
+                bit = 4 * j + 2 * pi + nib // 4
+                for t in range(4):
+                    sh = 8 * t + bit - 4
+                    b = (builder.lshr(hw, ir.Constant(v8, [sh] * 8)) if sh > 0 else
+                         builder.shl(hw, ir.Constant(v8, [-sh] * 8)) if sh < 0 else hw)
+                    parts[t] = builder.or_(parts[t], builder.and_(b, ir.Constant(v8, [16] * 8)))
             lo = builder.shuffle_vector(parts[0], parts[1], cat16)
             hi = builder.shuffle_vector(parts[2], parts[3], cat16)
             quants.append(builder.sitofp(builder.shuffle_vector(lo, hi, cat32), vf))
@@ -472,14 +482,112 @@ def _block_q6k(typingctx, q, d, xb, acc):
 
 
 @intrinsic
-def _block_q4k(typingctx, q, d, dmin, xb, xs, xso, acc, accm):
-    """One whole Q4_K block of the fp32 matvec as vector IR, the scalar driver's operations
-    lane for lane (so the same bits): the eight 6-bit scales and mins decoded from bytes 4-15
-    as <8 x i32> vectors (the scalar head took as long as the block's 256 products), the min
-    terms ``accm[t] += (dmin * mn[t]) * xs[xso + t]`` as one 8-lane step, and the scales
-    ``d * sc[t]`` fed to :func:`_emit_mac_q4k`'s step for the two halves of the block."""
+def _block_q2k(typingctx, q, d, dmin, xb, xs, xso, acc, accm):
+    """One whole Q2_K block of the fp32 matvec as vector IR, the scalar driver's operations
+    lane for lane (so the same bits): the sixteen 4-bit scales (low nibbles of bytes 0-15)
+    times d and mins (high nibbles) times dmin as <16 x float>, the min terms
+    ``accm[t] += (dmin * mn[t]) * xs[xso + t]`` as one 16-lane step, and per half j of the
+    block the quants (bits 2k of byte 16 + 32j + b) into :func:`_emit_mac4` with the
+    scales of :func:`_block_q6k`."""
     sig = types.void(q, d, dmin, xb, xs, xso, acc, accm)
 
+    def codegen(context, builder, signature, args):
+        qty, _, _, xty, xsty, _, aty, mty = signature.args
+        q_, d_, dmin_, xb_, xs_, xso_, acc_, accm_ = args
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        vb, vb16 = ir.VectorType(i8, 32), ir.VectorType(i8, 16)
+        vf, vf16 = ir.VectorType(ir.FloatType(), 32), ir.VectorType(ir.FloatType(), 16)
+
+        def load(off, vty):
+            return builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(i64, off), vty), align=1)
+
+        def c(v, vty=vb):
+            return ir.Constant(vty, [v] * vty.count)
+        head = load(0, vb16)
+        sc = builder.and_(head, c(15, vb16))
+        mn = builder.lshr(head, c(4, vb16))
+        # the 4-bit values are non-negative as int8: sitofp is the scalar's float32(int)
+        scv = builder.fmul(ir_splat(builder, d_, vf16), builder.sitofp(sc, vf16))
+        mins = builder.fmul(ir_splat(builder, dmin_, vf16), builder.sitofp(mn, vf16))
+        xsv = builder.load(ir_ptr(context, builder, xsty, xs_, xso_, vf16), align=4)
+        mp = ir_ptr(context, builder, mty, accm_, ir.Constant(i64, 0), vf16)
+        builder.store(builder.fadd(builder.load(mp, align=4), builder.fmul(mins, xsv)), mp, align=4)
+        for j in range(2):
+            v = load(16 + 32 * j, vb)
+            quants = [builder.sitofp(builder.and_(builder.lshr(v, c(2 * k)) if k else v, c(3)), vf)
+                      for k in range(4)]
+            scales = [builder.shuffle_vector(scv, ir.Constant(vf16, ir.Undefined),
+                                             ir.Constant(ir.VectorType(i32, 32),
+                                                         [8 * j + 2 * k] * 16 + [8 * j + 2 * k + 1] * 16))
+                      for k in range(4)]
+            _emit_mac4(context, builder, xty, xb_, ir.Constant(i64, 128 * j), quants, scales, aty, acc_)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@intrinsic
+def _block_q3k(typingctx, q, d, xb, acc):
+    """One whole Q3_K block of the fp32 matvec as vector IR, the scalar driver's operations
+    lane for lane (so the same bits): the sixteen 6-bit scales (low nibbles from bytes 96-103,
+    high pairs from 104-107, less 32) times d as one <16 x float>, and per half j of the block
+    the quants of elements 128j + 32k + b (k = 0..3, b = 0..31): bits 2k of qs byte 32 + 32j + b
+    with bit 4j + k of hmask byte b as their bit 2, less 4, into :func:`_emit_mac4` with lanes
+    b < 16 scaled by sc[8j + 2k], the others by sc[8j + 2k + 1] (as :func:`_block_q6k`)."""
+    sig = types.void(q, d, xb, acc)
+
+    def codegen(context, builder, signature, args):
+        qty, _, xty, aty = signature.args
+        q_, d_, xb_, acc_ = args
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        vb, vb16 = ir.VectorType(i8, 32), ir.VectorType(i8, 16)
+        v16 = ir.VectorType(i32, 16)
+        vf, vf16 = ir.VectorType(ir.FloatType(), 32), ir.VectorType(ir.FloatType(), 16)
+
+        def load(off, vty):
+            return builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(i64, off), vty), align=1)
+
+        def c(v):
+            return ir.Constant(vb, [v] * 32)
+
+        def c16(vals):
+            return ir.Constant(v16, vals)
+        # bytes 94-109 (in the block: 96-111 would read past its end); scale s takes its low
+        # nibble from byte 96 + s % 8 (shifted by 4 for s >= 8), its high pair from byte
+        # 104 + s % 4 (shifted by 2 * (s // 4))
+        tail = load(94, vb16)
+
+        def pick(idx):
+            return builder.zext(builder.shuffle_vector(tail, ir.Constant(vb16, ir.Undefined),
+                                                       c16(idx)), v16)
+        lo = builder.and_(builder.lshr(pick([2 + (t & 7) for t in range(16)]),
+                                       c16([4 * (t >> 3) for t in range(16)])), c16([15] * 16))
+        hi = builder.and_(builder.lshr(pick([10 + (t & 3) for t in range(16)]),
+                                       c16([2 * (t >> 2) for t in range(16)])), c16([3] * 16))
+        sc = builder.sub(builder.or_(lo, builder.shl(hi, c16([4] * 16))), c16([32] * 16))
+        scv = builder.fmul(ir_splat(builder, d_, vf16), builder.sitofp(sc, vf16))
+        hb = load(0, vb)
+        for j in range(2):
+            v = load(32 + 32 * j, vb)
+            quants = []
+            for k in range(4):
+                low = builder.and_(builder.lshr(v, c(2 * k)) if k else v, c(3))
+                bit = builder.and_(builder.lshr(hb, c(4 * j + k)) if 4 * j + k else hb, c(1))
+                u = builder.or_(low, builder.shl(bit, c(2)))
+                quants.append(builder.sitofp(builder.sub(u, c(4)), vf))
+            scales = [builder.shuffle_vector(scv, ir.Constant(vf16, ir.Undefined),
+                                             ir.Constant(ir.VectorType(i32, 32),
+                                                         [8 * j + 2 * k] * 16 + [8 * j + 2 * k + 1] * 16))
+                      for k in range(4)]
+            _emit_mac4(context, builder, xty, xb_, ir.Constant(i64, 128 * j), quants, scales, aty, acc_)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _block_q45k_codegen(five: bool):
+    """The codegen of :func:`_block_q4k` (``five`` False) and :func:`_block_q5k` (True: the
+    quants' bit 4 from the qh bytes 16-47, the nibbles from bytes 48-175)."""
     def codegen(context, builder, signature, args):
         qty, _, _, xty, xsty, _, aty, mty = signature.args
         q_, d_, dmin_, xb_, xs_, xso_, acc_, accm_ = args
@@ -511,13 +619,31 @@ def _block_q4k(typingctx, q, d, dmin, xb, xs, xso, acc, accm):
         xsv = builder.load(ir_ptr(context, builder, xsty, xs_, xso_, vf8), align=4)
         mp = ir_ptr(context, builder, mty, accm_, ir.Constant(i64, 0), vf8)
         builder.store(builder.fadd(builder.load(mp, align=4), builder.fmul(mins, xsv)), mp, align=4)
+        hw = builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(i64, 16), v8), align=1) if five else None
+        qs = 48 if five else 16
         for j in range(2):
             a = [builder.extract_element(scales, ir.Constant(i32, 4 * j + k)) for k in range(4)]
-            _emit_mac_q4k(context, builder, qty, q_, ir.Constant(i64, 16 + 64 * j),
-                          ir.Constant(i64, 48 + 64 * j), xty, xb_, ir.Constant(i64, 128 * j), a, aty, acc_)
+            _emit_mac_q4k(context, builder, qty, q_, ir.Constant(i64, qs + 64 * j),
+                          ir.Constant(i64, qs + 32 + 64 * j), xty, xb_, ir.Constant(i64, 128 * j), a, aty,
+                          acc_, (hw, j) if five else None)
         return context.get_dummy_value()
+    return codegen
 
-    return sig, codegen
+
+@intrinsic
+def _block_q4k(typingctx, q, d, dmin, xb, xs, xso, acc, accm):
+    """One whole Q4_K block of the fp32 matvec as vector IR, the scalar driver's operations
+    lane for lane (so the same bits): the eight 6-bit scales and mins decoded from bytes 4-15
+    as <8 x i32> vectors (the scalar head took as long as the block's 256 products), the min
+    terms ``accm[t] += (dmin * mn[t]) * xs[xso + t]`` as one 8-lane step, and the scales
+    ``d * sc[t]`` fed to :func:`_emit_mac_q4k`'s step for the two halves of the block."""
+    return types.void(q, d, dmin, xb, xs, xso, acc, accm), _block_q45k_codegen(False)
+
+
+@intrinsic
+def _block_q5k(typingctx, q, d, dmin, xb, xs, xso, acc, accm):
+    """:func:`_block_q4k` for Q5_K (the same head; each quant's bit 4 from the qh bytes)."""
+    return types.void(q, d, dmin, xb, xs, xso, acc, accm), _block_q45k_codegen(True)
 
 
 # ------------------------------------------------------------------ generic drivers (inlined into the per-type kernels)
@@ -560,9 +686,30 @@ def _vblock_q4k(q, f16, xb, xs, xso, acc, accm):
 
 
 @jit.njit(inline="always")
+def _vblock_q5k(q, f16, xb, xs, xso, acc, accm):
+    """The Q5_K block of :func:`_matvec_k` as vector IR (:func:`_block_q5k`); True: done."""
+    _block_q5k(q, f16[_u16(q, 0)], f16[_u16(q, 2)], xb, xs, xso, acc, accm)
+    return True
+
+
+@jit.njit(inline="always")
 def _vblock_q6k(q, f16, xb, xs, xso, acc, accm):
     """The Q6_K block of :func:`_matvec_k` as vector IR (:func:`_block_q6k`); True: done."""
     _block_q6k(q, f16[_u16(q, 208)], xb, acc)
+    return True
+
+
+@jit.njit(inline="always")
+def _vblock_q2k(q, f16, xb, xs, xso, acc, accm):
+    """The Q2_K block of :func:`_matvec_k` as vector IR (:func:`_block_q2k`); True: done."""
+    _block_q2k(q, f16[_u16(q, 80)], f16[_u16(q, 82)], xb, xs, xso, acc, accm)
+    return True
+
+
+@jit.njit(inline="always")
+def _vblock_q3k(q, f16, xb, xs, xso, acc, accm):
+    """The Q3_K block of :func:`_matvec_k` as vector IR (:func:`_block_q3k`); True: done."""
+    _block_q3k(q, f16[_u16(q, 108)], xb, acc)
     return True
 
 
@@ -973,9 +1120,9 @@ _TYPES = {
 
 
 # the K types whose fp32 matvec runs each block as vector IR (_matvec_k's ``vblock``)
-_VECTOR_IR = {QT.Q4_K: "_vblock_q4k", QT.Q6_K: "_vblock_q6k"}
+_VECTOR_IR = {QT.Q2_K: "_vblock_q2k", QT.Q3_K: "_vblock_q3k", QT.Q4_K: "_vblock_q4k", QT.Q5_K: "_vblock_q5k", QT.Q6_K: "_vblock_q6k"}
 # the K types whose fp32 matvec lanes hold a sub-block's elements in _lane(b, True) order
-PERMUTED_LANES = frozenset({QT.Q4_K})
+PERMUTED_LANES = frozenset({QT.Q4_K, QT.Q5_K})
 
 
 def _k_kernels(qtype: QT, head: str, quad: str, bsz: int, sub: int, nmin: int, off: int) -> TypeKernels:

@@ -401,7 +401,7 @@ _SCALAR_MATVEC: dict = {}
 @given(rows=st.integers(1, 4), nb=st.integers(1, 4), x_exp=st.integers(-20, 20),
        seed=st.integers(0, 2**32 - 1))
 def test_matvec_vector_ir_block_is_the_scalar_loop_bit_for_bit(qtype, rows, nb, x_exp, seed):
-    """Q4_K's and Q6_K's fp32 matvecs run each block as vector IR (quants_k._block_q4k,
+    """The K types' fp32 matvecs run each block as vector IR (quants_k._block_q2k ..
     _block_q6k: scales, mins and products); the scalar head and loop they replace, compiled
     from the same driver, give the same bits."""
     rng = np.random.default_rng(seed)
