@@ -33,11 +33,12 @@ from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
-from loaders import jit, quantize, quants, quants_legacy
+from loaders import half, jit, quantize, quants, quants_legacy
+from loaders.half import _fpext_half, f32_to_half_bits, half_bits_to_f32  # noqa: F401 (kvcache, sparse import them here)
 from loaders.quantize import decode_qblocks
 from loaders.quants_legacy import _bits_f32, _stack_f32
 
-jit.kernel_module(__file__, quantize, quants_legacy)
+jit.kernel_module(__file__, half, quantize, quants_legacy)
 
 # Fast-math flags without nnan/ninf: reassociation lets LLVM vectorize the dot
 # products; -inf masks and NaN checks keep their IEEE meaning.
@@ -65,91 +66,6 @@ def prefetch(typingctx, arr, idx):
         builder.call(fn, [builder.bitcast(ptr, i8p), llvm_ir.Constant(i32, 0),
                           llvm_ir.Constant(i32, 3), llvm_ir.Constant(i32, 1)])
         return context.get_dummy_value()
-
-    return sig, codegen
-
-
-# fp16 <-> fp32 conversions in hardware: IR fpext / fptrunc of half. An x86 target without
-# F16C (NUMBA_CPU_NAME=generic, a portable cache, compiles for baseline x86-64) has no such
-# instruction: LLVM calls a runtime helper that Numba's JIT does not provide, and the process
-# crashed on its first KV write. There the conversions are integer IR (_half_to_float_soft,
-# _float_to_half_soft: the same values, tested against NumPy on every fp16 pattern).
-HALF_IN_HARDWARE = not quants_legacy._X86_64 or "f16c" in quants_legacy._FEATURES
-
-
-def _splat(ty, value):
-    """The constant ``value`` of an IR scalar type, or in every lane of a vector type."""
-    if isinstance(ty, llvm_ir.VectorType):
-        return llvm_ir.Constant(ty, [value] * ty.count)
-    return llvm_ir.Constant(ty, value)
-
-
-def _half_to_float_soft(builder, hv):
-    """fp16 bits (i16 or <N x i16>) -> their float values (float or <N x float>), exactly, with
-    integer IR and one multiply: the exponent and mantissa shifted into a float's places are
-    the value times 2^-112 (fp16 subnormals become float subnormals: exact, with no flush to
-    zero), so one multiply by 2^112 rebiases them; inf and NaN keep their payload, NaN quieted
-    (as vcvtph2ps does)."""
-    n = hv.type.count if isinstance(hv.type, llvm_ir.VectorType) else None
-    ity = llvm_ir.IntType(32) if n is None else llvm_ir.VectorType(llvm_ir.IntType(32), n)
-    fty = llvm_ir.FloatType() if n is None else llvm_ir.VectorType(llvm_ir.FloatType(), n)
-    c = lambda v: _splat(ity, v)        # noqa: E731
-    h = builder.zext(hv, ity)
-    sign = builder.shl(builder.and_(h, c(0x8000)), c(16))
-    em = builder.and_(h, c(0x7FFF))
-    shifted = builder.shl(em, c(13))
-    finite = builder.bitcast(builder.fmul(builder.bitcast(shifted, fty), _splat(fty, 2.0 ** 112)), ity)
-    special = builder.or_(shifted, c(0x7F800000))
-    special = builder.select(builder.icmp_unsigned(">", em, c(0x7C00)),
-                             builder.or_(special, c(0x00400000)), special)
-    bits = builder.select(builder.icmp_unsigned(">=", em, c(0x7C00)), special, finite)
-    return builder.bitcast(builder.or_(bits, sign), fty)
-
-
-def _float_to_half_soft(builder, f):
-    """float -> fp16 bits (i16), rounded to nearest even, with integer IR and one add: past
-    the largest finite fp16 (rounding included) inf; NaN quieted with its payload's top bits
-    (as vcvtps2ph does); below 2^-14 the fp16 subnormal that adding 0.5 rounds to (the float
-    add rounds at fp16's subnormal step); elsewhere the rebiased bits plus the rounding
-    increment 0xfff + the kept mantissa's last bit, shifted down."""
-    i32 = llvm_ir.IntType(32)
-    c = lambda v: llvm_ir.Constant(i32, v)        # noqa: E731
-    b = builder.bitcast(f, i32)
-    sign = builder.lshr(builder.and_(b, c(0x80000000)), c(16))
-    a = builder.and_(b, c(0x7FFFFFFF))
-    nan = builder.or_(c(0x7E00), builder.and_(builder.lshr(a, c(13)), c(0x3FF)))
-    big = builder.select(builder.icmp_unsigned(">", a, c(0x7F800000)), nan, c(0x7C00))
-    half_f = llvm_ir.Constant(llvm_ir.FloatType(), 0.5)
-    sub = builder.sub(builder.bitcast(builder.fadd(builder.bitcast(a, llvm_ir.FloatType()), half_f),
-                                      i32), c(0x3F000000))
-    odd = builder.and_(builder.lshr(a, c(13)), c(1))
-    norm = builder.lshr(builder.add(builder.add(a, c(0xC8000FFF)), odd), c(13))
-    o = builder.select(builder.icmp_unsigned(">=", a, c(0x47800000)), big,
-                       builder.select(builder.icmp_unsigned("<", a, c(0x38800000)), sub, norm))
-    return builder.trunc(builder.or_(o, sign), llvm_ir.IntType(16))
-
-
-def _fpext_half(builder, hv):
-    """fp16 bits (i16 or <N x i16>) -> float values: fpext where the target converts in
-    hardware (HALF_IN_HARDWARE), else :func:`_half_to_float_soft`."""
-    if not HALF_IN_HARDWARE:
-        return _half_to_float_soft(builder, hv)
-    if isinstance(hv.type, llvm_ir.VectorType):
-        n = hv.type.count
-        return builder.fpext(builder.bitcast(hv, llvm_ir.VectorType(llvm_ir.HalfType(), n)),
-                             llvm_ir.VectorType(llvm_ir.FloatType(), n))
-    return builder.fpext(builder.bitcast(hv, llvm_ir.HalfType()), llvm_ir.FloatType())
-
-
-@intrinsic
-def half_bits_to_f32(typingctx, h):
-    """fp16 bit pattern (uint16) -> its float32 value, exactly (IR fpext from half: the
-    conversion loops vectorize to vcvtph2ps on x86 with F16C, where a 65536-entry table
-    lookup stays a scalar gather per element)."""
-    sig = types.float32(types.uint16)
-
-    def codegen(context, builder, signature, args):
-        return _fpext_half(builder, args[0])
 
     return sig, codegen
 
@@ -182,21 +98,6 @@ def fma16(typingctx, o, oo, a, ao, b, bo):
         r = builder.call(fn, [builder.load(ptr(1, vf), align=4), bv, builder.load(po, align=4)])
         builder.store(r, po, align=4)
         return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def f32_to_half_bits(typingctx, f):
-    """float32 -> fp16 bit pattern (uint16), rounded to nearest even as NumPy's astype(float16)
-    (IR fptrunc to half: vcvtps2ph on x86 with F16C)."""
-    sig = types.uint16(types.float32)
-
-    def codegen(context, builder, signature, args):
-        if not HALF_IN_HARDWARE:
-            return _float_to_half_soft(builder, args[0])
-        half = builder.fptrunc(args[0], llvm_ir.HalfType())
-        return builder.bitcast(half, llvm_ir.IntType(16))
 
     return sig, codegen
 

@@ -1,6 +1,7 @@
-"""fp16 <-> fp32 conversions of the attention kernels (pyimp.attn_kernels): the hardware IR
-(fpext / fptrunc of half) and the integer IR that x86 targets without F16C compile instead
-(a NUMBA_CPU_NAME=generic cache), both held to NumPy's conversions; and the engine under
+"""fp16 <-> fp32 conversions of the kernels (loaders.half: the KV cache, attention, F16
+weights): the hardware IR (fpext / fptrunc of half) and the integer IR that x86 targets
+without F16C compile instead (a NUMBA_CPU_NAME=generic cache), both held to NumPy's
+conversions; and the engine under
 targets below the host's (generic x86-64, AVX2 without AVX-512) against this process."""
 import os
 import subprocess
@@ -12,7 +13,7 @@ from llvmlite import ir as llvm_ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-from pyimp import attn_kernels as ak
+from loaders import half
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -20,13 +21,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @intrinsic
 def _soft_h2f(typingctx, h):
     sig = types.float32(types.uint16)
-    return sig, lambda context, builder, signature, args: ak._half_to_float_soft(builder, args[0])
+    return sig, lambda context, builder, signature, args: half._half_to_float_soft(builder, args[0])
 
 
 @intrinsic
 def _soft_f2h(typingctx, f):
     sig = types.uint16(types.float32)
-    return sig, lambda context, builder, signature, args: ak._float_to_half_soft(builder, args[0])
+    return sig, lambda context, builder, signature, args: half._float_to_half_soft(builder, args[0])
 
 
 @intrinsic
@@ -40,7 +41,7 @@ def _soft_h2f_x8(typingctx, src, i, dst):
             ary = context.make_array(aryty)(context, builder, args[k])
             return builder.bitcast(builder.gep(ary.data, [args[1]]), vty.as_pointer())
         hv = builder.load(ptr(0, llvm_ir.VectorType(llvm_ir.IntType(16), 8)), align=2)
-        builder.store(ak._half_to_float_soft(builder, hv),
+        builder.store(half._half_to_float_soft(builder, hv),
                       ptr(2, llvm_ir.VectorType(llvm_ir.FloatType(), 8)), align=4)
         return context.get_dummy_value()
 
@@ -55,7 +56,7 @@ def _h2f_all(h, soft, vector):
             _soft_h2f_x8(h, i, out)
     else:
         for i in range(h.shape[0]):
-            out[i] = _soft_h2f(h[i]) if soft else ak.half_bits_to_f32(h[i])
+            out[i] = _soft_h2f(h[i]) if soft else half.half_bits_to_f32(h[i])
     return out
 
 
@@ -63,7 +64,7 @@ def _h2f_all(h, soft, vector):
 def _f2h_all(f, soft):
     out = np.empty(f.shape[0], np.uint16)
     for i in range(f.shape[0]):
-        out[i] = _soft_f2h(f[i]) if soft else ak.f32_to_half_bits(f[i])
+        out[i] = _soft_f2h(f[i]) if soft else half.f32_to_half_bits(f[i])
     return out
 
 
@@ -119,10 +120,9 @@ def test_float_to_fp16_rounds_as_numpy(soft):
 _TARGET_RUN = r"""
 import json, sys
 sys.path.insert(0, {root!r})
-from pyimp import attn_kernels as ak
-from loaders import quants_legacy
+from loaders import half, quants_legacy
 from tests.test_half_convert import _logits
-print("RESULT" + json.dumps({{"hardware": ak.HALF_IN_HARDWARE, "i8": quants_legacy.I8_DOT,
+print("RESULT" + json.dumps({{"hardware": half.HALF_IN_HARDWARE, "i8": quants_legacy.I8_DOT,
                               "wide": quants_legacy.WIDE_STEPS,
                               "vector_bits": quants_legacy._X86_VECTOR_BITS,
                               "logits": [{{n: _logits(m, n).tolist() for n in ("fp32", "ggml")}}

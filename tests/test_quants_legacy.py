@@ -250,6 +250,43 @@ def test_u4_matvec_refuses_other_types():
         L.u4_matvec(QT.Q8_0, True)
 
 
+_F16_SCALAR: list = []
+
+
+def _f16_scalar_matvec():
+    """The F16 matvec's driver with the scalar step (:func:`quants_legacy._mac32_elems`) and an
+    element decoder that reads the fp16 table instead of converting in hardware."""
+    if not _F16_SCALAR:
+        from numba import njit
+
+        @njit(inline="always")
+        def elem_lut(h, k, f16):
+            return f16[h[k]]
+
+        @njit(parallel=True)
+        def mv(h, x, out, f16):
+            L._matvec_elems(h, x, out, f16, elem_lut, L._mac32_elems)
+        _F16_SCALAR.append(mv)
+    return _F16_SCALAR[0]
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 9), n=st.integers(1, 200),
+       x_exp=st.integers(-20, 20), subnormal=st.booleans())
+def test_matvec_f16_vector_step_is_the_scalar_loop(seed, rows, n, x_exp, subnormal):
+    """F16's fp32 matvec converts 32 weights at a time in vector IR (_mul_add_f16x32); the
+    scalar loop on table-converted weights gives the same bits, tails (n % 32) and fp16
+    subnormals (``subnormal``: weights scaled into them) included."""
+    rng = np.random.default_rng(seed)
+    raw = random_raw(QT.F16, rows, n, rng)
+    if subnormal:
+        raw = (raw.view(np.float16).astype(np.float32) * np.float32(2.0 ** -14)).astype(np.float16).view(np.uint8)
+    x = (rng.standard_normal(n) * 2.0 ** x_exp).astype(np.float32)
+    want = np.full(rows, np.nan, np.float32)
+    _f16_scalar_matvec()(raw.view(np.uint16).reshape(rows, n), x, want, L.F16_TO_F32)
+    assert bits_equal(run_matvec(QT.F16, raw, x), want)
+
+
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16], ids=lambda t: t.name)
 def test_matvec_float_types_odd_length(qtype):
     rng = np.random.default_rng(3)
