@@ -848,21 +848,23 @@ def _matmul_ggml_k(raw, yd, yf, ybs, out, f16, head, quad, bsz, sub, nmin, off):
 
 
 # ------------------------------------------------------------------ ggml numerics on SIMD integer dot products
-# Q4_K and Q6_K (the K types of the default model) on x86 with AVX2 or VNNI: the same integer
-# lane sums _matmul_ggml_k forms in float32/float64, taken per 32-element group by VPDPBUSD
-# (or VPMADDUBSW + VPMADDWD) over the unsigned quants and the Q8_K quants, times the group's
-# scales, in int32 (exact: |lane| < 2**26); then the same fma per block and lane, min terms
-# and final sums. Unsigned quants up to 63 keep VPMADDUBSW's pair sums below 2**15.
+# Q4_K, Q5_K and Q6_K on x86 with AVX2 or VNNI: the same integer lane sums _matmul_ggml_k
+# forms in float32/float64, taken per 32-element group by VPDPBUSD (or VPMADDUBSW + VPMADDWD)
+# over the unsigned quants and the Q8_K quants, times the group's scales, in int32 (exact:
+# |lane| < 2**26); then the same fma per block and lane, min terms and final sums. Unsigned
+# quants up to 63 keep VPMADDUBSW's pair sums below 2**15.
 
 
 _I64 = ir.IntType(64)
 
 
-def _k_lanes_codegen(k6: bool, use_vnni: bool, nrows: int):
+def _k_lanes_codegen(kind: int, use_vnni: bool, nrows: int):
     """The codegen of :func:`_k_lanes` (``nrows`` 0: ``a`` one row of quants) and
     :func:`_k_lanes_rows` (``a`` a matrix, rows a0 .. a0 + nrows - 1): the block's quants are
     unpacked and its scales spread to lanes once, then each activation row takes its lane
-    sums over them."""
+    sums over them. ``kind`` 4, 5 or 6: Q4_K, Q5_K, Q6_K."""
+    k6 = kind == 6
+
     def codegen(context, builder, signature, args):
         if nrows:
             qty, aty, _, _, scty, lty = signature.args[:6]
@@ -909,10 +911,17 @@ def _k_lanes_codegen(k6: bool, use_vnni: bool, nrows: int):
                            (builder.or_(builder.lshr(v0, sh4), high2(48, 0)), 4 * j + 2),
                            (builder.or_(builder.lshr(v1, sh4), high2(192, -2)), 4 * j + 3)]
         else:
+            # Q5_K: the qs nibbles at 48..175, bit 4 of element b of sub-block s: bit s of qh
+            # byte 16 + b
+            hb = ld(qty, q_, c(_I64, 16), v32) if kind == 5 else None
             for g in range(4):
-                v = ld(qty, q_, c(_I64, 16 + 32 * g), v32)
-                groups.append((builder.and_(v, c(v32, [15] * 32)), 2 * g))
-                groups.append((builder.lshr(v, c(v32, [4] * 32)), 2 * g + 1))
+                v = ld(qty, q_, c(_I64, (48 if kind == 5 else 16) + 32 * g), v32)
+                for s, u in ((2 * g, builder.and_(v, c(v32, [15] * 32))),
+                             (2 * g + 1, builder.lshr(v, c(v32, [4] * 32)))):
+                    if hb is not None:
+                        bit = builder.lshr(hb, c(v32, [s] * 32)) if s else hb
+                        u = builder.or_(u, builder.shl(builder.and_(bit, c(v32, [1] * 32)), c(v32, [4] * 32)))
+                    groups.append((u, s))
         scales = [builder.shuffle_vector(scv, scv, c(v8, [2 * g] * 4 + [2 * g + 1] * 4) if k6
                                          else c(v8, [g] * 8)) for _, g in groups]
         for row in range(max(nrows, 1)):
@@ -938,11 +947,12 @@ def _k_lanes(typingctx, q, a, ao, sc, lanes, kind, vnni):
     a: int8 Q8_K quants from a[ao]; sc int32[16]: the scales (Q4_K: sc[s] of 32-element
     sub-block s; Q6_K: sc[s] of 16-element sub-block s, the first 4 lanes of group g take
     sc[2g], the last 4 sc[2g + 1]); ``lanes`` holds Q6_K's start value on entry (the offset
-    terms), is overwritten for Q4_K. ``kind`` 4 or 6 and ``vnni`` are literals."""
+    terms), is overwritten for Q4_K and Q5_K (sub-block scales as Q4_K's). ``kind`` 4, 5 or 6
+    and ``vnni`` are literals."""
     if not _k_literals(kind, vnni):
         return None
     return (types.void(q, a, ao, sc, lanes, kind, vnni),
-            _k_lanes_codegen(kind.literal_value == 6, vnni.literal_value, 0))
+            _k_lanes_codegen(kind.literal_value, vnni.literal_value, 0))
 
 
 @intrinsic
@@ -953,12 +963,12 @@ def _k_lanes_rows(typingctx, q, a, a0, ao, sc, lanes, kind, vnni, nrows):
     if not _k_literals(kind, vnni) or not isinstance(nrows, types.IntegerLiteral):
         return None
     return (types.void(q, a, a0, ao, sc, lanes, kind, vnni, nrows),
-            _k_lanes_codegen(kind.literal_value == 6, vnni.literal_value, nrows.literal_value))
+            _k_lanes_codegen(kind.literal_value, vnni.literal_value, nrows.literal_value))
 
 
 @jit.njit(inline="always")
 def _k_head(q, f16, sc, mn, kind):
-    """The super-block's (d, dmin) and scales (and Q4_K's mins) into sc, mn."""
+    """The super-block's (d, dmin) and scales (and Q4_K's / Q5_K's mins) into sc, mn."""
     if kind == 6:
         return _head_q6_k(q, f16, sc, mn)
     return _head_q4_k(q, f16, sc, mn)
@@ -967,10 +977,16 @@ def _k_head(q, f16, sc, mn, kind):
 @jit.njit(inline="always")
 def _k_pre(bs, ydi, dmw, sc, mn, lanes, lo, accm, mo, kind):
     """Before the lane sums of one super-block and activation row (block sums bs, scale ydi):
-    Q6_K's offset terms into lanes[lo:lo+8], Q4_K's min terms into accm[mo:mo+4]."""
+    Q6_K's offset terms into lanes[lo:lo+8], Q4_K's min terms into accm[mo:mo+4], Q5_K's
+    (one sum over the block, as _matmul_ggml_k's nmin 1) into accm[mo]."""
     if kind == 6:
         for k in range(8):                   # ggml takes 32 * scale * bsums off lane k
             lanes[lo + k] = -32 * (np.int32(bs[2 * k]) * sc[2 * k] + np.int32(bs[2 * k + 1]) * sc[2 * k + 1])
+    elif kind == 5:
+        pm = np.int32(0)
+        for t in range(16):
+            pm += mn[t >> 1] * np.int32(bs[t])
+        accm[mo] = _fma32((-ydi) * dmw, np.float32(pm), accm[mo])
     else:
         dmin = (-ydi) * dmw
         for k in range(4):
@@ -1013,7 +1029,7 @@ def _k_step4(q, yq, ybs, yd, a0, t, i, dw, dmw, sc, mn, lanes, acc, accm, kind, 
 
 @jit.njit(inline="always")
 def _matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, bsz, kind, vnni):
-    """_matmul_ggml_k's results for Q4_K (kind 4) and Q6_K (kind 6) through _k_lanes. Two
+    """_matmul_ggml_k's results for Q4_K (kind 4), Q5_K (5) and Q6_K (6) through _k_lanes. Two
     weight rows per work item, r and r + ceil(rows / 2), prefetched (as _matmul_ggml_i8);
     with several activation rows (prefill) each block's heads are decoded once for all."""
     rows = raw.shape[0]
@@ -1056,26 +1072,32 @@ def _matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, bsz, kind, vnni):
             for t in range(2):
                 r = r0 if t == 0 else r1
                 v = _hsum8(acc[16 * a + 8 * t:16 * a + 8 * t + 8])
+                e = 8 * a + 4 * t
                 if kind == 4:
-                    e = 8 * a + 4 * t
                     v += (accm[e] + accm[e + 2]) + (accm[e + 1] + accm[e + 3])
+                elif kind == 5:
+                    v += accm[e]
                 out[a, r] = v
+
+
+# K types with an integer ggml path -> _matmul_ggml_k_i8's ``kind``
+_I8_KIND = {QT.Q4_K: 4, QT.Q5_K: 5, QT.Q6_K: 6}
 
 
 def i8_variants(qtype: QT) -> tuple:
     """The integer dot-product variants ("vnni", "avx2") of ``qtype``'s ggml numerics
-    (Q4_K and Q6_K; none for the other K types)."""
-    return ("vnni", "avx2") if qtype in (QT.Q4_K, QT.Q6_K) else ()
+    (Q4_K, Q5_K and Q6_K; none for Q2_K and Q3_K)."""
+    return ("vnni", "avx2") if qtype in _I8_KIND else ()
 
 
 def _i8_kernel(qtype: QT, variant: str):
-    """_matmul_ggml_k_i8 specialized for Q4_K / Q6_K and ``variant`` (the host must have its
-    instructions); ValueError for a type or variant without an integer path."""
+    """_matmul_ggml_k_i8 specialized for Q4_K / Q5_K / Q6_K and ``variant`` (the host must
+    have its instructions); ValueError for a type or variant without an integer path."""
     qtype = QT(qtype)
     if variant not in i8_variants(qtype):
         raise ValueError(f"{qtype.name} has no {variant!r} integer path")
     name = f"_matmul_ggml_i8_{qtype.name.lower()}_{variant}"
-    kind = 4 if qtype == QT.Q4_K else 6
+    kind = _I8_KIND[qtype]
     return globals().get(name) or jit.specialize(
         globals(), name, "raw, yd, yq, ybs, out, f16",
         f"_matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, {BLOCK_BYTES[qtype]}, {kind}, {variant == 'vnni'})",
@@ -1083,7 +1105,7 @@ def _i8_kernel(qtype: QT, variant: str):
 
 
 def i8_matmul_ggml(qtype: QT, variant: str):
-    """The ggml-numerics wrapper ``matmul_ggml(raw, xq, out)`` of Q4_K / Q6_K on
+    """The ggml-numerics wrapper ``matmul_ggml(raw, xq, out)`` of Q4_K / Q5_K / Q6_K on
     _matmul_ggml_k_i8 with the instructions of ``variant`` (the host must have them)."""
     mm = _i8_kernel(qtype, variant)
 
@@ -1095,7 +1117,7 @@ def i8_matmul_ggml(qtype: QT, variant: str):
 
 
 def i8_matvec_ggml(qtype: QT, variant: str):
-    """``matvec_ggml(raw, x, out)`` of Q4_K / Q6_K: x float32[n] quantized to Q8_K as
+    """``matvec_ggml(raw, x, out)`` of Q4_K / Q5_K / Q6_K: x float32[n] quantized to Q8_K as
     :func:`quantize_act_q8_k` does, without its byte form, then _matmul_ggml_k_i8."""
     mm = _i8_kernel(qtype, variant)
 

@@ -423,8 +423,8 @@ I8_CASES = [(qt, v) for qt in K_TYPES for v in K.i8_variants(qt) if L.I8_DOT == 
 
 
 def test_host_k_kernels_take_the_integer_path():
-    """Q4_K and Q6_K's ggml numerics are the integer kernels where the host has them (the
-    libggml tests above then run them); the other K types keep the portable kernel."""
+    """Q4_K's, Q5_K's and Q6_K's ggml numerics are the integer kernels where the host has them
+    (the libggml tests above then run them); Q2_K and Q3_K keep the portable kernel."""
     for qt in K_TYPES:
         fast = L.I8_DOT is not None and L.I8_DOT in K.i8_variants(qt)
         assert (K.KERNELS[qt].matmul_ggml is not K.PORTABLE_GGML[qt]) == fast, qt.name
@@ -437,14 +437,14 @@ def test_host_k_kernels_take_the_integer_path():
        extreme=st.sampled_from([None, 0x00, 0xFF]))
 def test_k_i8_path_bit_identical_to_portable(qtype, variant, seed, rows, nb, m, extreme):
     """Bit for bit the portable kernel's results (which equal libggml's): any row count, any
-    finite fp16 scales, one or more activation rows, quant bytes (and Q4_K's scale bytes)
-    all 0x00 or all 0xFF, activations whose quants reach +-127."""
+    finite fp16 scales, one or more activation rows, quant bytes (and Q4_K's / Q5_K's scale,
+    min and qh bytes) all 0x00 or all 0xFF, activations whose quants reach +-127."""
     rng = np.random.default_rng(seed)
     raw = random_blocks(qtype, rows, nb, rng)
     if extreme is not None:
         blk = raw.reshape(rows, nb, -1)
-        if qtype == QT.Q4_K:
-            blk[:, :, 4:] = extreme              # scales, mins and quants
+        if qtype in (QT.Q4_K, QT.Q5_K):
+            blk[:, :, 4:] = extreme              # scales, mins (qh) and quants
         else:
             blk[:, :, :208] = extreme            # quants and int8 scales
     X = rng.standard_normal((m, 256 * nb)).astype(np.float32)
@@ -460,8 +460,8 @@ def test_k_i8_path_bit_identical_to_portable(qtype, variant, seed, rows, nb, m, 
 
 
 def test_k_i8_path_refuses_other_types():
-    with pytest.raises(ValueError, match="Q5_K has no 'vnni' integer path"):
-        K.i8_matmul_ggml(QT.Q5_K, "vnni")
+    with pytest.raises(ValueError, match="Q3_K has no 'vnni' integer path"):
+        K.i8_matmul_ggml(QT.Q3_K, "vnni")
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
