@@ -848,11 +848,12 @@ def _matmul_ggml_k(raw, yd, yf, ybs, out, f16, head, quad, bsz, sub, nmin, off):
 
 
 # ------------------------------------------------------------------ ggml numerics on SIMD integer dot products
-# Q4_K, Q5_K and Q6_K on x86 with AVX2 or VNNI: the same integer lane sums _matmul_ggml_k
-# forms in float32/float64, taken per 32-element group by VPDPBUSD (or VPMADDUBSW + VPMADDWD)
-# over the unsigned quants and the Q8_K quants, times the group's scales, in int32 (exact:
-# |lane| < 2**26); then the same fma per block and lane, min terms and final sums. Unsigned
-# quants up to 63 keep VPMADDUBSW's pair sums below 2**15.
+# The K types on x86 with AVX2 or VNNI: the same integer lane sums _matmul_ggml_k forms in
+# float32/float64, taken per 32-element group by VPDPBUSD (or VPMADDUBSW + VPMADDWD) over the
+# unsigned quants and the Q8_K quants, times the group's scales, in int32 (exact: |lane| <
+# 2**26); then the same fma per block and lane, min terms and final sums. Unsigned quants up to
+# 63 keep VPMADDUBSW's pair sums below 2**15; Q3_K's signed ones (-4 .. 3) take the sign trick
+# (quants_legacy.ir_lane_sums).
 
 
 _I64 = ir.IntType(64)
@@ -910,6 +911,19 @@ def _k_lanes_codegen(kind: int, use_vnni: bool, nrows: int):
                            (builder.or_(builder.and_(v1, lo4), high2(12, 2)), 4 * j + 1),
                            (builder.or_(builder.lshr(v0, sh4), high2(48, 0)), 4 * j + 2),
                            (builder.or_(builder.lshr(v1, sh4), high2(192, -2)), 4 * j + 3)]
+        elif kind in (2, 3):
+            # element 128j + 32l + b of Q2_K / Q3_K: bits 2l of qs byte 32j + b (qs at 16 / 32);
+            # Q3_K's bit 2 is bit 4j + l of hmask byte b, the quant that less 4 (signed)
+            hb = ld(qty, q_, c(_I64, 0), v32) if kind == 3 else None
+            for j in range(2):
+                v = ld(qty, q_, c(_I64, (32 if kind == 3 else 16) + 32 * j), v32)
+                for l in range(4):
+                    u = builder.and_(builder.lshr(v, c(v32, [2 * l] * 32)) if l else v, c(v32, [3] * 32))
+                    if hb is not None:
+                        g = 4 * j + l
+                        bit = builder.and_(builder.lshr(hb, c(v32, [g] * 32)) if g else hb, c(v32, [1] * 32))
+                        u = builder.sub(builder.or_(u, builder.shl(bit, c(v32, [2] * 32))), c(v32, [4] * 32))
+                    groups.append((u, 4 * j + l))
         else:
             # Q5_K: the qs nibbles at 48..175, bit 4 of element b of sub-block s: bit s of qh
             # byte 16 + b
@@ -922,13 +936,14 @@ def _k_lanes_codegen(kind: int, use_vnni: bool, nrows: int):
                         bit = builder.lshr(hb, c(v32, [s] * 32)) if s else hb
                         u = builder.or_(u, builder.shl(builder.and_(bit, c(v32, [1] * 32)), c(v32, [4] * 32)))
                     groups.append((u, s))
-        scales = [builder.shuffle_vector(scv, scv, c(v8, [2 * g] * 4 + [2 * g + 1] * 4) if k6
+        scales = [builder.shuffle_vector(scv, scv, c(v8, [2 * g] * 4 + [2 * g + 1] * 4) if kind in (2, 3, 6)
                                          else c(v8, [g] * 8)) for _, g in groups]
         for row in range(max(nrows, 1)):
             lp = ir_ptr(context, builder, lty, l_, c(_I64, 8 * row), v8)
             tot = builder.load(lp, align=4) if k6 else c(v8, [0] * 8)
             for (u, g), scale in zip(groups, scales):
-                s = ir_lane_sums(builder, u, a_group(row, g), c(v8, [0] * 8), use_vnni)
+                # Q3_K's signed quants: the sign trick (|q| <= 4, Q8_K quants within +-127)
+                s = ir_lane_sums(builder, u, a_group(row, g), c(v8, [0] * 8), use_vnni, kind == 3)
                 tot = builder.add(tot, builder.mul(s, scale))
             builder.store(tot, lp, align=4)
         return context.get_dummy_value()
@@ -968,20 +983,29 @@ def _k_lanes_rows(typingctx, q, a, a0, ao, sc, lanes, kind, vnni, nrows):
 
 @jit.njit(inline="always")
 def _k_head(q, f16, sc, mn, kind):
-    """The super-block's (d, dmin) and scales (and Q4_K's / Q5_K's mins) into sc, mn."""
+    """The super-block's (d, dmin) and scales (and Q2_K's, Q4_K's and Q5_K's mins) into sc, mn."""
     if kind == 6:
         return _head_q6_k(q, f16, sc, mn)
+    if kind == 3:
+        return _head_q3_k(q, f16, sc, mn)
+    if kind == 2:
+        return _head_q2_k(q, f16, sc, mn)
     return _head_q4_k(q, f16, sc, mn)
 
 
 @jit.njit(inline="always")
-def _k_pre(bs, ydi, dmw, sc, mn, lanes, lo, accm, mo, kind):
+def _k_pre(bs, ydi, dmw, sc, mn, lanes, lo, accm, mo, acc, ao, kind):
     """Before the lane sums of one super-block and activation row (block sums bs, scale ydi):
     Q6_K's offset terms into lanes[lo:lo+8], Q4_K's min terms into accm[mo:mo+4], Q5_K's
     (one sum over the block, as _matmul_ggml_k's nmin 1) into accm[mo]."""
     if kind == 6:
         for k in range(8):                   # ggml takes 32 * scale * bsums off lane k
             lanes[lo + k] = -32 * (np.int32(bs[2 * k]) * sc[2 * k] + np.int32(bs[2 * k + 1]) * sc[2 * k + 1])
+    elif kind == 2:
+        dmin = (-ydi) * dmw                  # into the quant lanes, before them (nmin 8)
+        for k in range(8):
+            pm = mn[2 * k] * np.int32(bs[2 * k]) + mn[2 * k + 1] * np.int32(bs[2 * k + 1])
+            acc[ao + k] = _fma32(dmin, np.float32(pm), acc[ao + k])
     elif kind == 5:
         pm = np.int32(0)
         for t in range(16):
@@ -1008,7 +1032,7 @@ def _k_step(q, yq, i, ybs, ydi, dw, dmw, sc, mn, lanes, acc, ao, accm, mo, kind,
     """One super-block of one weight row (its head already in dw, dmw, sc, mn) against one
     activation row (quants yq, block sums ybs, scale ydi): acc[ao:ao+8] and accm[mo:mo+4]
     take _matmul_ggml_k's steps."""
-    _k_pre(ybs[16 * i:16 * i + 16], ydi, dmw, sc, mn, lanes, 0, accm, mo, kind)
+    _k_pre(ybs[16 * i:16 * i + 16], ydi, dmw, sc, mn, lanes, 0, accm, mo, acc, ao, kind)
     _k_lanes(q, yq, i * QK_K, sc, lanes, kind, vnni)
     _k_post(ydi, dw, lanes, 0, acc, ao)
 
@@ -1020,7 +1044,8 @@ def _k_step4(q, yq, ybs, yd, a0, t, i, dw, dmw, sc, mn, lanes, acc, accm, kind, 
     quants unpacked once for the four (_k_lanes_rows). lanes int32[32]."""
     for r in range(4):
         a = a0 + r
-        _k_pre(ybs[a, 16 * i:16 * i + 16], yd[a, i], dmw, sc, mn, lanes, 8 * r, accm, 8 * a + 4 * t, kind)
+        _k_pre(ybs[a, 16 * i:16 * i + 16], yd[a, i], dmw, sc, mn, lanes, 8 * r, accm, 8 * a + 4 * t,
+               acc, 16 * a + 8 * t, kind)
     _k_lanes_rows(q, yq, a0, i * QK_K, sc, lanes, kind, vnni, 4)
     for r in range(4):
         a = a0 + r
@@ -1029,7 +1054,7 @@ def _k_step4(q, yq, ybs, yd, a0, t, i, dw, dmw, sc, mn, lanes, acc, accm, kind, 
 
 @jit.njit(inline="always")
 def _matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, bsz, kind, vnni):
-    """_matmul_ggml_k's results for Q4_K (kind 4), Q5_K (5) and Q6_K (6) through _k_lanes. Two
+    """_matmul_ggml_k's results for Q2_K .. Q6_K (kind 2 .. 6) through _k_lanes. Two
     weight rows per work item, r and r + ceil(rows / 2), prefetched (as _matmul_ggml_i8);
     with several activation rows (prefill) each block's heads are decoded once for all."""
     rows = raw.shape[0]
@@ -1081,17 +1106,17 @@ def _matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, bsz, kind, vnni):
 
 
 # K types with an integer ggml path -> _matmul_ggml_k_i8's ``kind``
-_I8_KIND = {QT.Q4_K: 4, QT.Q5_K: 5, QT.Q6_K: 6}
+_I8_KIND = {QT.Q2_K: 2, QT.Q3_K: 3, QT.Q4_K: 4, QT.Q5_K: 5, QT.Q6_K: 6}
 
 
 def i8_variants(qtype: QT) -> tuple:
     """The integer dot-product variants ("vnni", "avx2") of ``qtype``'s ggml numerics
-    (Q4_K, Q5_K and Q6_K; none for Q2_K and Q3_K)."""
+    (every K type)."""
     return ("vnni", "avx2") if qtype in _I8_KIND else ()
 
 
 def _i8_kernel(qtype: QT, variant: str):
-    """_matmul_ggml_k_i8 specialized for Q4_K / Q5_K / Q6_K and ``variant`` (the host must
+    """_matmul_ggml_k_i8 specialized for a K type and ``variant`` (the host must
     have its instructions); ValueError for a type or variant without an integer path."""
     qtype = QT(qtype)
     if variant not in i8_variants(qtype):
@@ -1105,19 +1130,26 @@ def _i8_kernel(qtype: QT, variant: str):
 
 
 def i8_matmul_ggml(qtype: QT, variant: str):
-    """The ggml-numerics wrapper ``matmul_ggml(raw, xq, out)`` of Q4_K / Q5_K / Q6_K on
-    _matmul_ggml_k_i8 with the instructions of ``variant`` (the host must have them)."""
+    """The ggml-numerics wrapper ``matmul_ggml(raw, xq, out)`` of a K type on
+    _matmul_ggml_k_i8 with the instructions of ``variant`` (the host must have them). Q3_K's
+    sign trick needs Q8_K quants within +-127, which ggml's quantizer always makes: hand-made
+    activation bytes holding -128 take the portable kernel."""
     mm = _i8_kernel(qtype, variant)
+    signed = QT(qtype) == QT.Q3_K
 
     def matmul_ggml(raw, xq, out):
-        mm(raw, *split_q8_k(xq), out, quants_legacy.F16_TO_F32)
+        yd, yq, ybs = split_q8_k(xq)
+        if signed and yq.min(initial=0) == -128:
+            PORTABLE_GGML[QT.Q3_K](raw, xq, out)
+            return
+        mm(raw, yd, yq, ybs, out, quants_legacy.F16_TO_F32)
 
     matmul_ggml.__name__ = matmul_ggml.__qualname__ = f"matmul_ggml_{QT(qtype).name.lower()}"
     return matmul_ggml
 
 
 def i8_matvec_ggml(qtype: QT, variant: str):
-    """``matvec_ggml(raw, x, out)`` of Q4_K / Q5_K / Q6_K: x float32[n] quantized to Q8_K as
+    """``matvec_ggml(raw, x, out)`` of a K type: x float32[n] quantized to Q8_K as
     :func:`quantize_act_q8_k` does, without its byte form, then _matmul_ggml_k_i8."""
     mm = _i8_kernel(qtype, variant)
 

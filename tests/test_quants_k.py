@@ -423,8 +423,8 @@ I8_CASES = [(qt, v) for qt in K_TYPES for v in K.i8_variants(qt) if L.I8_DOT == 
 
 
 def test_host_k_kernels_take_the_integer_path():
-    """Q4_K's, Q5_K's and Q6_K's ggml numerics are the integer kernels where the host has them
-    (the libggml tests above then run them); Q2_K and Q3_K keep the portable kernel."""
+    """The K types' ggml numerics are the integer kernels where the host has them (the libggml
+    tests above then run them); elsewhere the portable kernel."""
     for qt in K_TYPES:
         fast = L.I8_DOT is not None and L.I8_DOT in K.i8_variants(qt)
         assert (K.KERNELS[qt].matmul_ggml is not K.PORTABLE_GGML[qt]) == fast, qt.name
@@ -445,8 +445,8 @@ def test_k_i8_path_bit_identical_to_portable(qtype, variant, seed, rows, nb, m, 
         blk = raw.reshape(rows, nb, -1)
         if qtype in (QT.Q4_K, QT.Q5_K):
             blk[:, :, 4:] = extreme              # scales, mins (qh) and quants
-        else:
-            blk[:, :, :208] = extreme            # quants and int8 scales
+        else:                                    # quants (hmask, qh) and scales, not d / dmin
+            blk[:, :, :{QT.Q2_K: 80, QT.Q3_K: 108, QT.Q6_K: 208}[qtype]] = extreme
     X = rng.standard_normal((m, 256 * nb)).astype(np.float32)
     X[:, ::16] *= 1e3
     xq = K.quantize_act_q8_k(X)
@@ -459,9 +459,28 @@ def test_k_i8_path_bit_identical_to_portable(qtype, variant, seed, rows, nb, m, 
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-def test_k_i8_path_refuses_other_types():
-    with pytest.raises(ValueError, match="Q3_K has no 'vnni' integer path"):
-        K.i8_matmul_ggml(QT.Q3_K, "vnni")
+def test_k_i8_path_refuses_an_unknown_variant():
+    with pytest.raises(ValueError, match="Q3_K has no 'vnni512' integer path"):
+        K.i8_matmul_ggml(QT.Q3_K, "vnni512")
+
+
+@pytest.mark.skipif(not I8_CASES, reason=f"no integer dot products on this host ({L.I8_DOT})")
+@pytest.mark.parametrize("variant", sorted({v for _, v in I8_CASES}))
+def test_k_i8_q3_k_sign_trick_with_activation_quants_at_minus_128(variant):
+    """Q3_K's integer path moves its signed quants' signs onto the Q8_K quants (VPSIGNB), exact
+    for the quants ggml's quantizer makes (within +-127). Hand-made activation bytes holding
+    -128 still give the portable kernel's bits: that call takes the portable kernel."""
+    rng = np.random.default_rng(9)
+    raw = random_blocks(QT.Q3_K, 5, 2, rng)
+    xq = K.quantize_act_q8_k(rng.standard_normal((3, 512)).astype(np.float32))
+    blk = xq.reshape(3, 2, K.Q8_K_BYTES)
+    blk[0, :, 4:260] = 0x80                   # every quant of row 0: -128
+    blk[2, 1, 4:12] = 0x80                    # eight of row 2
+    got = np.full((3, 5), np.nan, np.float32)
+    want = np.full((3, 5), np.nan, np.float32)
+    K.i8_matmul_ggml(QT.Q3_K, variant)(raw, xq, got)
+    K.PORTABLE_GGML[QT.Q3_K](raw, xq, want)
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
