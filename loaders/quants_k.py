@@ -442,27 +442,46 @@ def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, ac
     _emit_mac4(context, builder, xty, xb, xo, quants, [ir_splat(builder, a, vf) for a in scales], aty, acc)
 
 
+def _block_loader(context, builder, qty, q):
+    """load(off, vty): the vector of IR type vty at byte ``off`` of the block q (uint8 bytes)."""
+    def load(off, vty):
+        return builder.load(ir_ptr(context, builder, qty, q, ir.Constant(ir.IntType(64), off), vty), align=1)
+    return load
+
+
+def _emit_mac_sub16(context, builder, xty, xb, j, quants, scv, aty, acc):
+    """:func:`_emit_mac4` for half j of a block of sixteen 16-element sub-blocks (Q2_K, Q3_K,
+    Q6_K): quants[k] the <32 x float> quants of elements 128j + 32k + b (b = 0..31), lanes
+    b < 16 scaled by scv[8j + 2k], the others by scv[8j + 2k + 1] (scv <16 x float>: the
+    sub-blocks' scales times d)."""
+    vf16 = ir.VectorType(ir.FloatType(), 16)
+    sel = ir.VectorType(ir.IntType(32), 32)
+    scales = [builder.shuffle_vector(scv, ir.Constant(vf16, ir.Undefined),
+                                     ir.Constant(sel, [8 * j + 2 * k] * 16 + [8 * j + 2 * k + 1] * 16))
+              for k in range(4)]
+    _emit_mac4(context, builder, xty, xb, ir.Constant(ir.IntType(64), 128 * j), quants, scales, aty, acc)
+
+
+def _bytes32(v):
+    """<32 x i8> with every lane v."""
+    return ir.Constant(ir.VectorType(ir.IntType(8), 32), [v] * 32)
+
+
 @intrinsic
 def _block_q6k(typingctx, q, d, xb, acc):
     """One whole Q6_K block of the fp32 matvec as vector IR, the scalar driver's operations
     lane for lane (so the same bits): the sixteen int8 scales times d as one <16 x float>,
     and per half j of the block the 6-bit quants of elements 128j + 32k + b (k = 0..3, b =
     0..31) from ql bytes 64j + b, 64j + 32 + b and qh byte 128 + 32j + b, minus 32, into
-    :func:`_emit_mac4` with lanes b < 16 scaled by sc[8j + 2k], the others by sc[8j + 2k + 1]."""
+    :func:`_emit_mac_sub16`."""
     sig = types.void(q, d, xb, acc)
 
     def codegen(context, builder, signature, args):
         qty, _, xty, aty = signature.args
         q_, d_, xb_, acc_ = args
-        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-        vb, vb16 = ir.VectorType(i8, 32), ir.VectorType(i8, 16)
+        vb, vb16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(8), 16)
         vf, vf16 = ir.VectorType(ir.FloatType(), 32), ir.VectorType(ir.FloatType(), 16)
-
-        def load(off, vty):
-            return builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(i64, off), vty), align=1)
-
-        def c(v):
-            return ir.Constant(vb, [v] * 32)
+        load, c = _block_loader(context, builder, qty, q_), _bytes32
         scv = builder.fmul(ir_splat(builder, d_, vf16), builder.sitofp(load(192, vb16), vf16))
         for j in range(2):
             v0, v1, hb = load(64 * j, vb), load(64 * j + 32, vb), load(128 + 32 * j, vb)
@@ -471,11 +490,7 @@ def _block_q6k(typingctx, q, d, xb, acc):
                    builder.or_(builder.lshr(v0, c(4)), builder.and_(hb, c(48))),
                    builder.or_(builder.lshr(v1, c(4)), builder.lshr(builder.and_(hb, c(192)), c(2))))
             quants = [builder.sitofp(builder.sub(u, c(32)), vf) for u in six]
-            scales = [builder.shuffle_vector(scv, ir.Constant(vf16, ir.Undefined),
-                                             ir.Constant(ir.VectorType(i32, 32),
-                                                         [8 * j + 2 * k] * 16 + [8 * j + 2 * k + 1] * 16))
-                      for k in range(4)]
-            _emit_mac4(context, builder, xty, xb_, ir.Constant(i64, 128 * j), quants, scales, aty, acc_)
+            _emit_mac_sub16(context, builder, xty, xb_, j, quants, scv, aty, acc_)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -487,40 +502,29 @@ def _block_q2k(typingctx, q, d, dmin, xb, xs, xso, acc, accm):
     lane for lane (so the same bits): the sixteen 4-bit scales (low nibbles of bytes 0-15)
     times d and mins (high nibbles) times dmin as <16 x float>, the min terms
     ``accm[t] += (dmin * mn[t]) * xs[xso + t]`` as one 16-lane step, and per half j of the
-    block the quants (bits 2k of byte 16 + 32j + b) into :func:`_emit_mac4` with the
-    scales of :func:`_block_q6k`."""
+    block the quants (bits 2k of byte 16 + 32j + b) into :func:`_emit_mac_sub16`."""
     sig = types.void(q, d, dmin, xb, xs, xso, acc, accm)
 
     def codegen(context, builder, signature, args):
         qty, _, _, xty, xsty, _, aty, mty = signature.args
         q_, d_, dmin_, xb_, xs_, xso_, acc_, accm_ = args
-        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-        vb, vb16 = ir.VectorType(i8, 32), ir.VectorType(i8, 16)
+        vb, vb16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(8), 16)
         vf, vf16 = ir.VectorType(ir.FloatType(), 32), ir.VectorType(ir.FloatType(), 16)
-
-        def load(off, vty):
-            return builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(i64, off), vty), align=1)
-
-        def c(v, vty=vb):
-            return ir.Constant(vty, [v] * vty.count)
+        load, c = _block_loader(context, builder, qty, q_), _bytes32
         head = load(0, vb16)
-        sc = builder.and_(head, c(15, vb16))
-        mn = builder.lshr(head, c(4, vb16))
+        sc = builder.and_(head, ir.Constant(vb16, [15] * 16))
+        mn = builder.lshr(head, ir.Constant(vb16, [4] * 16))
         # the 4-bit values are non-negative as int8: sitofp is the scalar's float32(int)
         scv = builder.fmul(ir_splat(builder, d_, vf16), builder.sitofp(sc, vf16))
         mins = builder.fmul(ir_splat(builder, dmin_, vf16), builder.sitofp(mn, vf16))
         xsv = builder.load(ir_ptr(context, builder, xsty, xs_, xso_, vf16), align=4)
-        mp = ir_ptr(context, builder, mty, accm_, ir.Constant(i64, 0), vf16)
+        mp = ir_ptr(context, builder, mty, accm_, ir.Constant(ir.IntType(64), 0), vf16)
         builder.store(builder.fadd(builder.load(mp, align=4), builder.fmul(mins, xsv)), mp, align=4)
         for j in range(2):
             v = load(16 + 32 * j, vb)
             quants = [builder.sitofp(builder.and_(builder.lshr(v, c(2 * k)) if k else v, c(3)), vf)
                       for k in range(4)]
-            scales = [builder.shuffle_vector(scv, ir.Constant(vf16, ir.Undefined),
-                                             ir.Constant(ir.VectorType(i32, 32),
-                                                         [8 * j + 2 * k] * 16 + [8 * j + 2 * k + 1] * 16))
-                      for k in range(4)]
-            _emit_mac4(context, builder, xty, xb_, ir.Constant(i64, 128 * j), quants, scales, aty, acc_)
+            _emit_mac_sub16(context, builder, xty, xb_, j, quants, scv, aty, acc_)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -532,23 +536,16 @@ def _block_q3k(typingctx, q, d, xb, acc):
     lane for lane (so the same bits): the sixteen 6-bit scales (low nibbles from bytes 96-103,
     high pairs from 104-107, less 32) times d as one <16 x float>, and per half j of the block
     the quants of elements 128j + 32k + b (k = 0..3, b = 0..31): bits 2k of qs byte 32 + 32j + b
-    with bit 4j + k of hmask byte b as their bit 2, less 4, into :func:`_emit_mac4` with lanes
-    b < 16 scaled by sc[8j + 2k], the others by sc[8j + 2k + 1] (as :func:`_block_q6k`)."""
+    with bit 4j + k of hmask byte b as their bit 2, less 4, into :func:`_emit_mac_sub16`."""
     sig = types.void(q, d, xb, acc)
 
     def codegen(context, builder, signature, args):
         qty, _, xty, aty = signature.args
         q_, d_, xb_, acc_ = args
-        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-        vb, vb16 = ir.VectorType(i8, 32), ir.VectorType(i8, 16)
-        v16 = ir.VectorType(i32, 16)
+        vb, vb16 = ir.VectorType(ir.IntType(8), 32), ir.VectorType(ir.IntType(8), 16)
+        v16 = ir.VectorType(ir.IntType(32), 16)
         vf, vf16 = ir.VectorType(ir.FloatType(), 32), ir.VectorType(ir.FloatType(), 16)
-
-        def load(off, vty):
-            return builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(i64, off), vty), align=1)
-
-        def c(v):
-            return ir.Constant(vb, [v] * 32)
+        load, c = _block_loader(context, builder, qty, q_), _bytes32
 
         def c16(vals):
             return ir.Constant(v16, vals)
@@ -575,11 +572,7 @@ def _block_q3k(typingctx, q, d, xb, acc):
                 bit = builder.and_(builder.lshr(hb, c(4 * j + k)) if 4 * j + k else hb, c(1))
                 u = builder.or_(low, builder.shl(bit, c(2)))
                 quants.append(builder.sitofp(builder.sub(u, c(4)), vf))
-            scales = [builder.shuffle_vector(scv, ir.Constant(vf16, ir.Undefined),
-                                             ir.Constant(ir.VectorType(i32, 32),
-                                                         [8 * j + 2 * k] * 16 + [8 * j + 2 * k + 1] * 16))
-                      for k in range(4)]
-            _emit_mac4(context, builder, xty, xb_, ir.Constant(i64, 128 * j), quants, scales, aty, acc_)
+            _emit_mac_sub16(context, builder, xty, xb_, j, quants, scv, aty, acc_)
         return context.get_dummy_value()
 
     return sig, codegen
@@ -679,6 +672,20 @@ def _dequantize_k(raw, out, f16, head, quad, bsz, sub):
 
 
 @jit.njit(inline="always")
+def _vblock_q2k(q, f16, xb, xs, xso, acc, accm):
+    """The Q2_K block of :func:`_matvec_k` as vector IR (:func:`_block_q2k`); True: done."""
+    _block_q2k(q, f16[_u16(q, 80)], f16[_u16(q, 82)], xb, xs, xso, acc, accm)
+    return True
+
+
+@jit.njit(inline="always")
+def _vblock_q3k(q, f16, xb, xs, xso, acc, accm):
+    """The Q3_K block of :func:`_matvec_k` as vector IR (:func:`_block_q3k`); True: done."""
+    _block_q3k(q, f16[_u16(q, 108)], xb, acc)
+    return True
+
+
+@jit.njit(inline="always")
 def _vblock_q4k(q, f16, xb, xs, xso, acc, accm):
     """The Q4_K block of :func:`_matvec_k` as vector IR (:func:`_block_q4k`); True: done."""
     _block_q4k(q, f16[_u16(q, 0)], f16[_u16(q, 2)], xb, xs, xso, acc, accm)
@@ -700,20 +707,6 @@ def _vblock_q6k(q, f16, xb, xs, xso, acc, accm):
 
 
 @jit.njit(inline="always")
-def _vblock_q2k(q, f16, xb, xs, xso, acc, accm):
-    """The Q2_K block of :func:`_matvec_k` as vector IR (:func:`_block_q2k`); True: done."""
-    _block_q2k(q, f16[_u16(q, 80)], f16[_u16(q, 82)], xb, xs, xso, acc, accm)
-    return True
-
-
-@jit.njit(inline="always")
-def _vblock_q3k(q, f16, xb, xs, xso, acc, accm):
-    """The Q3_K block of :func:`_matvec_k` as vector IR (:func:`_block_q3k`); True: done."""
-    _block_q3k(q, f16[_u16(q, 108)], xb, acc)
-    return True
-
-
-@jit.njit(inline="always")
 def _vblock_none(q, f16, xb, xs, xso, acc, accm):
     """No vector-IR block: :func:`_matvec_k` runs its scalar loop (False)."""
     return False
@@ -722,11 +715,11 @@ def _vblock_none(q, f16, xb, xs, xso, acc, accm):
 @jit.njit(inline="always")
 def _lane(b, perm):
     """The accumulator lane of element b (0..31) of a 32-element sub-block: b itself, or with
-    ``perm`` (the order of Q4_K's vector IR block) 8 * (b % 4) + b // 4."""
+    ``perm`` (the order of Q4_K's and Q5_K's vector IR blocks) 8 * (b % 4) + b // 4."""
     return ((b & 3) << 3) | (b >> 2) if perm else b
 
 
-# the element of a 32-element sub-block in each lane of Q4_K's vector IR block (the inverse of
+# the element of a 32-element sub-block in each lane of Q4_K's / Q5_K's vector IR block (the inverse of
 # _lane's permutation: lane 8t + i holds element 4i + t)
 K_LANE_ELEMENT = np.array([4 * (L % 8) + L // 8 for L in range(32)], np.int64)
 
@@ -736,9 +729,8 @@ def _matvec_k(raw, raw1, raw2, x, out, f16, head, quad, bsz, sub, has_min, vbloc
     """fp32 numerics: per sub-block d * scale formed once, the min term once per sub-block
     through the sums of x, 32 lane accumulators summed once per row; each lane takes
     ``fma(d * scale, q * x, acc)`` for the sub-blocks of a block in order. ``vblock``: the
-    type's whole block as vector IR (:func:`_vblock_q4k`, :func:`_vblock_q6k`), or
-    :func:`_vblock_none`: the scalar loop (the other types, and the reference the vector IR
-    is tested against). ``perm``: the lanes hold a sub-block's elements in permuted order
+    type's whole block as vector IR (:func:`_vblock_q2k` .. :func:`_vblock_q6k`), or
+    :func:`_vblock_none`: the scalar loop (the reference the vector IR is tested against). ``perm``: the lanes hold a sub-block's elements in permuted order
     (:func:`_lane`); the vector IR block reads x permuted likewise, once per call. The rows
     are a group's (raw, raw1, raw2 one after another: quants_legacy._group_row)."""
     rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
