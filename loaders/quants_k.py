@@ -612,7 +612,8 @@ def _block_q45k_codegen(five: bool):
         xsv = builder.load(ir_ptr(context, builder, xsty, xs_, xso_, vf8), align=4)
         mp = ir_ptr(context, builder, mty, accm_, ir.Constant(i64, 0), vf8)
         builder.store(builder.fadd(builder.load(mp, align=4), builder.fmul(mins, xsv)), mp, align=4)
-        hw = builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(i64, 16), v8), align=1) if five else None
+        hw = (builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(i64, 16), v8), align=1)
+              if five else None)
         qs = 48 if five else 16
         for j in range(2):
             a = [builder.extract_element(scales, ir.Constant(i32, 4 * j + k)) for k in range(4)]
@@ -719,8 +720,8 @@ def _lane(b, perm):
     return ((b & 3) << 3) | (b >> 2) if perm else b
 
 
-# the element of a 32-element sub-block in each lane of Q4_K's / Q5_K's vector IR block (the inverse of
-# _lane's permutation: lane 8t + i holds element 4i + t)
+# the element of a 32-element sub-block in each lane of Q4_K's / Q5_K's vector IR block (the
+# inverse of _lane's permutation: lane 8t + i holds element 4i + t)
 K_LANE_ELEMENT = np.array([4 * (L % 8) + L // 8 for L in range(32)], np.int64)
 
 
@@ -730,8 +731,9 @@ def _matvec_k(raw, raw1, raw2, x, out, f16, head, quad, bsz, sub, has_min, vbloc
     through the sums of x, 32 lane accumulators summed once per row; each lane takes
     ``fma(d * scale, q * x, acc)`` for the sub-blocks of a block in order. ``vblock``: the
     type's whole block as vector IR (:func:`_vblock_q2k` .. :func:`_vblock_q6k`), or
-    :func:`_vblock_none`: the scalar loop (the reference the vector IR is tested against). ``perm``: the lanes hold a sub-block's elements in permuted order
-    (:func:`_lane`); the vector IR block reads x permuted likewise, once per call. The rows
+    :func:`_vblock_none`: the scalar loop (the reference the vector IR is tested against).
+    ``perm``: the lanes hold a sub-block's elements in permuted order (:func:`_lane`); the
+    vector IR block reads x permuted likewise, once per call. The rows
     are a group's (raw, raw1, raw2 one after another: quants_legacy._group_row)."""
     rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
     nb = x.shape[0] // QK_K
@@ -855,7 +857,7 @@ def _k_lanes_codegen(kind: int, use_vnni: bool, nrows: int):
     """The codegen of :func:`_k_lanes` (``nrows`` 0: ``a`` one row of quants) and
     :func:`_k_lanes_rows` (``a`` a matrix, rows a0 .. a0 + nrows - 1): the block's quants are
     unpacked and its scales spread to lanes once, then each activation row takes its lane
-    sums over them. ``kind`` 4, 5 or 6: Q4_K, Q5_K, Q6_K."""
+    sums over them. ``kind`` 2 .. 6: Q2_K .. Q6_K."""
     k6 = kind == 6
 
     def codegen(context, builder, signature, args):
@@ -951,11 +953,10 @@ def _k_literals(kind, vnni) -> bool:
 def _k_lanes(typingctx, q, a, ao, sc, lanes, kind, vnni):
     """lanes int32[8] = one super-block's integer lane sums: lane l sums scale * quant * a over
     the elements 4l .. 4l + 3 of every 32-element group. q: the block's bytes (uint8[bsz]);
-    a: int8 Q8_K quants from a[ao]; sc int32[16]: the scales (Q4_K: sc[s] of 32-element
-    sub-block s; Q6_K: sc[s] of 16-element sub-block s, the first 4 lanes of group g take
-    sc[2g], the last 4 sc[2g + 1]); ``lanes`` holds Q6_K's start value on entry (the offset
-    terms), is overwritten for Q4_K and Q5_K (sub-block scales as Q4_K's). ``kind`` 4, 5 or 6
-    and ``vnni`` are literals."""
+    a: int8 Q8_K quants from a[ao]; sc int32[16]: the scales (Q4_K, Q5_K: sc[s] of 32-element
+    sub-block s; Q2_K, Q3_K, Q6_K: sc[s] of 16-element sub-block s, the first 4 lanes of group g
+    take sc[2g], the last 4 sc[2g + 1]); ``lanes`` holds Q6_K's start value on entry (the
+    offset terms), is overwritten for the others. ``kind`` 2 .. 6 and ``vnni`` are literals."""
     if not _k_literals(kind, vnni):
         return None
     return (types.void(q, a, ao, sc, lanes, kind, vnni),
@@ -989,7 +990,8 @@ def _k_head(q, f16, sc, mn, kind):
 def _k_pre(bs, ydi, dmw, sc, mn, lanes, lo, accm, mo, acc, ao, kind):
     """Before the lane sums of one super-block and activation row (block sums bs, scale ydi):
     Q6_K's offset terms into lanes[lo:lo+8], Q4_K's min terms into accm[mo:mo+4], Q5_K's
-    (one sum over the block, as _matmul_ggml_k's nmin 1) into accm[mo]."""
+    (one sum over the block, as _matmul_ggml_k's nmin 1) into accm[mo], Q2_K's into the quant
+    lanes acc[ao:ao+8] (nmin 8); Q3_K has none."""
     if kind == 6:
         for k in range(8):                   # ggml takes 32 * scale * bsums off lane k
             lanes[lo + k] = -32 * (np.int32(bs[2 * k]) * sc[2 * k] + np.int32(bs[2 * k + 1]) * sc[2 * k + 1])

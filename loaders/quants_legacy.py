@@ -37,12 +37,12 @@ Two numerics:
   (``_matmul_ggml_i8``: VPDPBUSD or VPMADDUBSW + VPMADDWD, two rows at a time,
   prefetched); the portable kernels stay in ``PORTABLE_GGML``.
 
-Every kernel takes ``raw`` as ``uint8[rows, row_bytes]``; fp16 values are decoded
-through the 65536-entry table ``F16_TO_F32``. Plain NumPy references of every
+Every kernel takes ``raw`` as ``uint8[rows, row_bytes]``; fp16 scales are decoded
+through the 65536-entry table ``F16_TO_F32``, F16 weights by the hardware conversions of
+:mod:`loaders.half` (the same values, vectorized). Plain NumPy references of every
 kernel are at the end of this module (``*_ref``).
 """
 from __future__ import annotations
-
 
 import numpy as np
 from gguf import GGMLQuantizationType
@@ -1179,8 +1179,9 @@ def ir_unpack_u8x32(context, builder, wty, w, wo, qhty, qh, nbits, signed=False)
 
 def ir_lane_sums(builder, q, a, c, use_vnni, signed=False):
     """<8 x i32> c + (sum of 4 products of unsigned bytes q and signed bytes a per lane). With
-    ``signed`` (AVX2 only), q holds signed bytes and a values in [-127, 127]: the products
-    |q| * (a with q's sign), the same sums without saturating VPMADDUBSW's pair sums."""
+    ``signed`` (VPSIGNB: x86 with AVX2, VNNI hosts included), q holds signed bytes and a values
+    in [-127, 127]: the products |q| * (a with q's sign), the same sums, without saturating
+    VPMADDUBSW's pair sums."""
     m = builder.module
     v32, v8 = _v(_I8T, 32), _v(_I32, 8)
     if signed:
@@ -1747,8 +1748,7 @@ def i8_variants(qtype: QT) -> tuple:
     ggml numerics exactly: every legacy block type has all three (Q8_0's "avx2" by the sign
     trick, see above). "vnni512" is "vnni" with prefill tiles on 512-bit vectors (a host with
     I8_WIDE)."""
-    QT(qtype)
-    return ("vnni512", "vnni", "avx2")
+    return ("vnni512", "vnni", "avx2") if QT(qtype) in _I8_LAYOUT else ()
 
 
 def i8_matmul_ggml(qtype: QT, variant: str):

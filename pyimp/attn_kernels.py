@@ -34,7 +34,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from loaders import half, jit, quantize, quants, quants_legacy
-from loaders.half import _fpext_half, f32_to_half_bits, half_bits_to_f32  # noqa: F401 (kvcache, sparse import them here)
+# f32_to_half_bits: pyimp.kvcache and pyimp.sparse take the conversions from here
+from loaders.half import _fpext_half, f32_to_half_bits, half_bits_to_f32  # noqa: F401
 from loaders.quantize import decode_qblocks
 from loaders.quants_legacy import _bits_f32, _stack_f32
 
