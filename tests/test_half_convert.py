@@ -1,8 +1,8 @@
 """fp16 <-> fp32 conversions of the kernels (loaders.half: the KV cache, attention, F16
 weights): the hardware IR (fpext / fptrunc of half) and the integer IR that x86 targets
 without F16C compile instead (a NUMBA_CPU_NAME=generic cache), both held to NumPy's
-conversions; and the engine under
-targets below the host's (generic x86-64, AVX2 without AVX-512) against this process."""
+conversions; and the engine under targets below the host's (generic x86-64, AVX2 without
+AVX-512) against this process."""
 import os
 import subprocess
 import sys
