@@ -1,13 +1,14 @@
 """fp16 <-> fp32 conversions for jitted code: in hardware (IR fpext / fptrunc of half,
 F16C's vcvtph2ps / vcvtps2ph on x86), or in integer IR on an x86 target without F16C, with
-the same values. Used by the float matvecs (F16 weights) and pyimp's KV cache and attention
-kernels."""
+the same values; and :func:`fma16`, a 16-lane FMA whose operands may be fp16. Used by the
+float matvecs (F16 weights) and pyimp's KV cache and attention kernels."""
 from __future__ import annotations
 
 import platform
 
 from llvmlite import ir as llvm_ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import jit
@@ -112,5 +113,36 @@ def f32_to_half_bits(typingctx, f):
             return _float_to_half_soft(builder, args[0])
         half = builder.fptrunc(args[0], llvm_ir.HalfType())
         return builder.bitcast(half, llvm_ir.IntType(16))
+
+    return sig, codegen
+
+
+@intrinsic
+def fma16(typingctx, o, oo, a, ao, b, bo):
+    """o[oo:oo+16] = fma(a[ao:ao+16], b[bo:bo+16], o[oo:oo+16]) as one <16 x float> operation,
+    the scalar llvm.fma.f32 lane for lane (1-D arrays, no bounds check; o float32, a and b
+    float32 or uint16 fp16 bits, converted exactly): LLVM leaves a 16-trip loop over arrays
+    it cannot prove apart scalar."""
+    sig = types.void(o, oo, a, ao, b, bo)
+
+    def codegen(context, builder, signature, args):
+        vf = llvm_ir.VectorType(llvm_ir.FloatType(), 16)
+        fn = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(vf, [vf, vf, vf]),
+                                            "llvm.fma.v16f32")
+
+        def operand(k):         # (operand k as <16 x float>, its float pointer or None)
+            aryty = signature.args[2 * k]
+            ary = context.make_array(aryty)(context, builder, args[2 * k])
+            p = cgutils.get_item_pointer(context, builder, aryty, ary, [args[2 * k + 1]],
+                                         wraparound=False)
+            if aryty.dtype == types.uint16:
+                hv = builder.load(builder.bitcast(p, llvm_ir.VectorType(llvm_ir.IntType(16), 16).as_pointer()),
+                                  align=2)
+                return _fpext_half(builder, hv), None
+            fp = builder.bitcast(p, vf.as_pointer())
+            return builder.load(fp, align=4), fp
+        ov, po = operand(0)
+        builder.store(builder.call(fn, [operand(1)[0], operand(2)[0], ov]), po, align=4)
+        return context.get_dummy_value()
 
     return sig, codegen

@@ -55,7 +55,7 @@ from . import half, jit
 from .ggml_types import TypeKernels
 # the target's architecture and the features Numba compiles for (NUMBA_CPU_NAME /
 # NUMBA_CPU_FEATURES honoured), not the host's
-from .half import _FEATURES, _X86_64, half_bits_to_f32
+from .half import _FEATURES, _X86_64, fma16, half_bits_to_f32
 
 jit.kernel_module(__file__, half)
 
@@ -1000,44 +1000,16 @@ def _matvec_blocks_far_pairs(raw, raw1, raw2, x, out, f16, bsz, vec, perm):
             out[r1] = _lanes_sum32(acc1)
 
 
-@intrinsic
-def _fma64(typingctx, acc, w, a, j0):
-    """acc[k] = fma(w[j0 + k], a[j0 + k], acc[k]) for k < 64, as four <16 x float> FMAs (the
-    scalar llvm.fma.f32 lane for lane): w and a float32, or uint16 fp16 bits converted
-    exactly (loaders.half). LLVM had left the 64-lane loop one element at a time (ggml
-    numerics of F16 weights: 5 GB/s)."""
-    sig = types.void(acc, w, a, j0)
-
-    def codegen(context, builder, signature, args):
-        accty, wty, aty, _ = signature.args
-        acc_, w_, a_, j0_ = args
-        vf = ir.VectorType(ir.FloatType(), 16)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
-                                             "llvm.fma.v16f32")
-
-        def load(ty, arr, k):
-            idx = builder.add(j0_, ir.Constant(j0_.type, 16 * k))
-            if ty.dtype == types.uint16:
-                p = ir_ptr(context, builder, ty, arr, idx, ir.VectorType(ir.IntType(16), 16))
-                return half._fpext_half(builder, builder.load(p, align=2))
-            return builder.load(ir_ptr(context, builder, ty, arr, idx, vf), align=4)
-        for k in range(4):
-            ap = ir_ptr(context, builder, accty, acc_, ir.Constant(ir.IntType(64), 16 * k), vf)
-            builder.store(builder.call(fma, [load(wty, w_, k), load(aty, a_, k), builder.load(ap, align=4)]),
-                          ap, align=4)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
 @jit.njit(inline="always")
 def _ggml_lanes64(wr, ar, npart, acc):
     """ggml_vec_dot_f32 / _f16 (AVX-512) main part: 4x16 FMA lanes over the first npart
-    elements (:func:`_fma64`; wr, ar float32 or fp16 bits), folded 64 -> 16 and reduced as
+    elements (wr, ar float32 or fp16 bits: loaders.half.fma16 converts them; the scalar loop
+    had run one element at a time, 5 GB/s for F16), folded 64 -> 16 and reduced as
     _mm512_reduce_add_ps."""
     acc[:] = 0
     for j0 in range(0, npart, 64):
-        _fma64(acc, wr, ar, j0)
+        for k in range(0, 64, 16):
+            fma16(acc, k, wr, j0 + k, ar, j0 + k)
     for k in range(16):
         acc[k] = acc[k] + acc[32 + k]
         acc[16 + k] = acc[16 + k] + acc[48 + k]

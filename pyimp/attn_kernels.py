@@ -35,7 +35,7 @@ from numba.extending import intrinsic, overload
 
 from loaders import half, jit, quantize, quants, quants_legacy
 # f32_to_half_bits: pyimp.kvcache and pyimp.sparse take the conversions from here
-from loaders.half import _fpext_half, f32_to_half_bits, half_bits_to_f32  # noqa: F401
+from loaders.half import _fpext_half, f32_to_half_bits, fma16, half_bits_to_f32  # noqa: F401
 from loaders.quantize import decode_qblocks
 from loaders.quants_legacy import _bits_f32, _stack_f32
 
@@ -66,38 +66,6 @@ def prefetch(typingctx, arr, idx):
         # read access, high temporal locality, data cache
         builder.call(fn, [builder.bitcast(ptr, i8p), llvm_ir.Constant(i32, 0),
                           llvm_ir.Constant(i32, 3), llvm_ir.Constant(i32, 1)])
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@intrinsic
-def fma16(typingctx, o, oo, a, ao, b, bo):
-    """o[oo:oo+16] = fma(a[ao:ao+16], b[bo:bo+16], o[oo:oo+16]) as one <16 x float> operation
-    (1-D arrays, no bounds check; o and a float32, b float32 or uint16 fp16 bits, converted
-    exactly): LLVM leaves a 16-trip loop over arrays it cannot prove apart scalar."""
-    sig = types.void(o, oo, a, ao, b, bo)
-    half_b = b.dtype == types.uint16
-
-    def codegen(context, builder, signature, args):
-        vf = llvm_ir.VectorType(llvm_ir.FloatType(), 16)
-        fn = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(vf, [vf, vf, vf]),
-                                            "llvm.fma.v16f32")
-
-        def ptr(k, vty):
-            aryty = signature.args[2 * k]
-            ary = context.make_array(aryty)(context, builder, args[2 * k])
-            p = cgutils.get_item_pointer(context, builder, aryty, ary, [args[2 * k + 1]],
-                                         wraparound=False)
-            return builder.bitcast(p, vty.as_pointer())
-        po = ptr(0, vf)
-        if half_b:
-            hv = builder.load(ptr(2, llvm_ir.VectorType(llvm_ir.IntType(16), 16)), align=2)
-            bv = _fpext_half(builder, hv)
-        else:
-            bv = builder.load(ptr(2, vf), align=4)
-        r = builder.call(fn, [builder.load(ptr(1, vf), align=4), bv, builder.load(po, align=4)])
-        builder.store(r, po, align=4)
         return context.get_dummy_value()
 
     return sig, codegen
