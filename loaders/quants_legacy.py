@@ -1488,10 +1488,13 @@ def _fma_dot_tile_wide(typingctx, ws, wo, qhs, bits, aq, ad, corr, rows, b, dws,
 def _split_act_i8(xq, bsz, off, aq, ad, asum, corr, f16):
     """Q8_0 (bsz 34) / Q8_1 (bsz 36) activation bytes uint8[m, nb*bsz] -> quants aq int8[m, nb*32],
     d and s float32[m, nb] (s: Q8_1 only), and corr[i, l] = -off * (the sum of quants 4l .. 4l+3
-    of row i), int32[m, nb*8]; on the calling thread (a decode step's row: microseconds)."""
+    of row i), int32[m, nb*8]; on the calling thread (a decode step's row: microseconds).
+    Returns the smallest quant (0 if none is negative): -128 is one ggml's quantizer never
+    makes, which the sign trick cannot take (i8_matmul_ggml)."""
     m = xq.shape[0]
     nb = ad.shape[1]
     oq = bsz - 32
+    lowest = np.int32(0)
     for i in range(m):
         for b in range(nb):
             o = b * bsz
@@ -1499,11 +1502,15 @@ def _split_act_i8(xq, bsz, off, aq, ad, asum, corr, f16):
             if oq == 4:
                 asum[i, b] = f16[_u16(xq[i], o + 2)]
             for k in range(32):
-                aq[i, b * 32 + k] = np.int8(_s8(xq[i, o + oq + k]))
+                v = _s8(xq[i, o + oq + k])
+                lowest = min(lowest, v)
+                aq[i, b * 32 + k] = np.int8(v)
             for l in range(8):
                 j = b * 32 + 4 * l
                 corr[i, b * 8 + l] = -off * (np.int32(aq[i, j]) + np.int32(aq[i, j + 1])
                                              + np.int32(aq[i, j + 2]) + np.int32(aq[i, j + 3]))
+    return lowest
+
 
 # ---------------------------------------------------------------------------------------
 # ggml numerics of the float types (their own code: ggml's float dot products)
@@ -1753,8 +1760,8 @@ def i8_matmul_ggml(qtype: QT, variant: str):
         ad = np.empty((m, nb), np.float32)
         asum = np.empty((m, nb), np.float32)
         corr = np.empty((m, nb * 8), np.int32)
-        _split_act_i8(xq, bsz_act, np.int32(uoff), aq, ad, asum, corr, F16_TO_F32)
-        if signed and aq.min(initial=0) == -128:  # not from ggml's quantizer: the sign trick
+        lowest = _split_act_i8(xq, bsz_act, np.int32(uoff), aq, ad, asum, corr, F16_TO_F32)
+        if signed and lowest == -128:             # not from ggml's quantizer: the sign trick
             portable(raw, xq, out)                # would overflow, the portable sums do not
             return
         mm(raw, aq, ad, asum, corr, out, F16_TO_F32)

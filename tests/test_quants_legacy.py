@@ -585,8 +585,9 @@ def test_i8_q8_0_sign_trick_with_activation_quants_at_minus_128():
 
 @pytest.mark.parametrize("act_type", [QT.Q8_0, QT.Q8_1], ids=lambda t: t.name)
 def test_split_act_i8_matches_split_act_blocks(act_type):
-    """The integer path's activation split equals the portable one, and its lane corrections are
-    -off times the sums of four quants."""
+    """The integer path's activation split equals the portable one, its lane corrections are
+    -off times the sums of four quants, and it returns the smallest quant (the sign trick's
+    -128 check), here too with a quant of -128 written in."""
     rng = np.random.default_rng(3)
     X = (rng.standard_normal((3, 96)) * 50).astype(np.float32)
     xq = L.ACT_CONVERTERS[act_type](X)
@@ -594,11 +595,15 @@ def test_split_act_i8_matches_split_act_blocks(act_type):
     aq, ad, asum = L._split_act_blocks(xq, with_sum)
     got = (np.empty((3, 96), np.int8), np.empty((3, 3), np.float32), np.empty((3, 3), np.float32),
            np.empty((3, 24), np.int32))
-    L._split_act_i8(xq, 36 if with_sum else 34, np.int32(16), *got, L.F16_TO_F32)
+    bsz = 36 if with_sum else 34
+    lowest = L._split_act_i8(xq, bsz, np.int32(16), *got, L.F16_TO_F32)
     assert np.array_equal(got[0], aq) and bits_equal(got[1], ad)
     if with_sum:
         assert bits_equal(got[2], asum)
     assert np.array_equal(got[3], -16 * aq.astype(np.int32).reshape(3, 24, 4).sum(-1))
+    assert lowest == min(int(aq.min()), 0) > -128
+    xq[2, bsz + (bsz - 32) + 5] = 0x80          # row 2, block 1, quant 5: -128
+    assert L._split_act_i8(xq, bsz, np.int32(16), *got, L.F16_TO_F32) == -128
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES, ids=lambda t: t.name)
