@@ -315,43 +315,52 @@ def ir_u4_lanes(context, builder, sig_args, args):
 
 
 def ir_u4_lanes_wide(context, builder, sig_args, args):
-    """:func:`ir_u4_lanes`' two vectors (the same values, lane for lane) for hosts with 512-bit
-    vectors and 32 registers (WIDE_STEPS): the four qs words broadcast to all 16 lanes of a vector,
-    so each output vector takes its nibbles by one per-lane shift and a mask, with no lane
-    inserts; bit 4 of each quant by one per-lane rotate of ``qh`` (``llvm.fshr``, VPRORVD) and
-    a mask; and the integer q - off made a float by its bits: 0x4B000000 | q is 2^23 + q
-    exactly, less 2^23 + off is q - off exactly (what sitofp gives), then times d. Measured on
-    the znver5 host, one thread, a 4096 x 4096 Q5_0 matrix: 11.1 -> 17.4 GB/s (the 256-bit
-    step's lane inserts and shifts had filled the shift / shuffle pipes: without any unpack
-    the loop ran at 27 GB/s)."""
+    """The 32 weights of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block (arguments as :func:`ir_u4_weights`)
+    as two <16 x float> vectors in element order (elements 0-15, 16-31), for hosts with AVX-512
+    (WIDE_STEPS), by table lookups: the block's weight for every quant value, table[t] =
+    d * float32(t - off) (+ m), made once a block (one or two <16 x float> vectors), then each
+    vector's weights by one permute of the table by the quants (VPERMPS, a 32-entry VPERMI2PS
+    for the 5-bit types). The qs bytes are zero-extended to 32-bit lanes once (the low nibble
+    of byte j is element j, the high one element 16 + j); VPERMPS reads the low 4 bits of each
+    index, so the nibbles need no mask; a 5-bit quant's bit 4 is set by an OR under a mask
+    register loaded from ``qh`` (bit k of qh is element k's). Each weight is the product and
+    sum of the other steps, the same float operations on the same values: the same bits.
+
+    It replaced a step that made each weight from its quant by shift, mask, qh rotate, a float
+    made from the bits, a subtract and a multiply per vector. One core of an AMD EPYC znver4
+    (AVX-512 on 256-bit units), Gemma 3 270M's 2048 x 640 Q5_0 ffn_gate in L2, best of 7:
+    119-133 -> 96-99 us (7.5 -> 9.3 GB/s); two threads 66-69 -> 50-58 us."""
     wty, _, qhty, _, mty, offty = sig_args
     w, wo, qh, d, m, off = args
     i32 = ir.IntType(32)
-    v4, v16 = ir.VectorType(i32, 4), ir.VectorType(i32, 16)
+    v16 = ir.VectorType(i32, 16)
     vf = ir.VectorType(ir.FloatType(), 16)
-    words = builder.load(ir_ptr(context, builder, wty, w, wo, v4), align=1)
-    w16 = builder.shuffle_vector(words, ir.Constant(v4, ir.Undefined), ir.Constant(v16, [0, 1, 2, 3] * 4))
-    fshr = None
-    if not isinstance(qhty, types.NoneType):
-        h16 = ir_splat(builder, _arg_i32(builder, qhty, qh), v16)
-        fshr = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]),
-                                              "llvm.fshr.v16i32")
-    magic = builder.fadd(ir_splat(builder, ir.Constant(ir.FloatType(), 8388608.0), vf),
-                         builder.sitofp(ir_splat(builder, _arg_i32(builder, offty, off), v16), vf))
+    five = not isinstance(qhty, types.NoneType)
+    qs = builder.load(ir_ptr(context, builder, wty, w, wo, ir.VectorType(ir.IntType(8), 16)), align=1)
+    z = builder.zext(qs, v16)
+    nibbles = (builder.and_(z, ir.Constant(v16, [15] * 16)) if five else z,
+               builder.lshr(z, ir.Constant(v16, [4] * 16)))
     dv = ir_splat(builder, d, vf)
-    out = []
-    for k in range(2):
-        shifts = [16 * (j // 8) + 4 * k + 8 * ((j % 8) // 4) for j in range(16)]
-        q = builder.and_(builder.lshr(w16, ir.Constant(v16, shifts)), ir.Constant(v16, [15] * 16))
-        if fshr is not None:
-            rot = [(int(e) - 4) % 32 for e in U4_LANE_ELEMENT[16 * k:16 * k + 16]]
-            hb = builder.call(fshr, [h16, h16, ir.Constant(v16, rot)])
-            q = builder.or_(q, builder.and_(hb, ir.Constant(v16, [16] * 16)))
-        q = builder.or_(q, ir.Constant(v16, [0x4B000000] * 16))
-        r = builder.fmul(dv, builder.fsub(builder.bitcast(q, vf), magic))
+    offv = builder.sitofp(ir_splat(builder, _arg_i32(builder, offty, off), v16), vf)
+    tables = []
+    for t0 in ((0, 16) if five else (0,)):
+        t = builder.fmul(dv, builder.fsub(ir.Constant(vf, [float(t0 + i) for i in range(16)]), offv))
         if not isinstance(mty, types.NoneType):
-            r = builder.fadd(r, ir_splat(builder, m, vf))
-        out.append(r)
+            t = builder.fadd(t, ir_splat(builder, m, vf))
+        tables.append(t)
+    if not five:
+        perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, v16]),
+                                              "llvm.x86.avx512.permvar.sf.512")
+        return [builder.call(perm, [tables[0], q]) for q in nibbles]
+    perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, v16, vf]),
+                                          "llvm.x86.avx512.vpermi2var.ps.512")
+    bits = _arg_i32(builder, qhty, qh)
+    out = []
+    for k, q in enumerate(nibbles):
+        half = builder.trunc(builder.lshr(bits, ir.Constant(i32, 16)) if k else bits, ir.IntType(16))
+        high = builder.bitcast(half, ir.VectorType(ir.IntType(1), 16))
+        q = builder.select(high, builder.or_(q, ir.Constant(v16, [16] * 16)), q)
+        out.append(builder.call(perm, [tables[0], q, tables[1]]))
     return out
 
 
@@ -385,7 +394,8 @@ def _fma_u4x32(typingctx, w, wo, qh, d, m, off, x, xo, acc):
 
 @intrinsic
 def _fma_u4x32_wide(typingctx, w, wo, qh, d, m, off, x, xo, acc):
-    """:func:`_fma_u4x32` with the weights unpacked by :func:`ir_u4_lanes_wide`: the same bits."""
+    """:func:`_fma_u4x32` with the weights made by :func:`ir_u4_lanes_wide` (AVX-512 only), in
+    element order: acc[L] takes element L (x in element order, not permuted)."""
     return types.void(w, wo, qh, d, m, off, x, xo, acc), _fma_u4x32_codegen(ir_u4_lanes_wide)
 
 
@@ -1110,10 +1120,9 @@ I8_DOT = ("vnni" if "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
 # (AVX-512 VNNI on zmm registers, byte shuffles of AVX-512 BW)
 I8_WIDE = I8_DOT == "vnni" and {"avx512f", "avx512bw"} <= _FEATURES
 # hosts with AVX-512 (32 vector registers hold two rows' accumulators and the step's constants):
-# the fp32 matvec of Q4_0 / Q4_1 / Q5_0 / Q5_1 takes the 512-bit block step (_fma_u4x32_wide) by
-# far row pairs; elsewhere the 256-bit step, one row at a time (tuned on znver3, AVX2; llvm-mca's
-# znver3 model agrees: the 512-bit step split in two 256-bit halves there costs Q5_0 11.6 -> 15.4
-# cycles a block, tools.mca_steps)
+# the fp32 matvec of Q4_0 / Q4_1 / Q5_0 / Q5_1 takes the 512-bit block step (_fma_u4x32_wide,
+# table permutes: AVX-512 only) by far row pairs; elsewhere the 256-bit step, one row at a time
+# (tuned on znver3, AVX2)
 WIDE_STEPS = "avx512f" in _FEATURES
 
 
@@ -1678,21 +1687,25 @@ def _quant_kernels(ns: dict, qtype: QT, act_type: QT, split_act, deq_call: str, 
 def _matvec_call(qtype: QT, wide: bool) -> str:
     """The fp32 matvec driver call of a block type: for Q4_0 / Q4_1 / Q5_0 / Q5_1 with the
     512-bit block step by far row pairs (``wide``, see WIDE_STEPS) or the 256-bit step row by
-    row; Q8_0 by far row pairs (FAR_PAIR_MATVEC). The same bits either way."""
+    row; Q8_0 by far row pairs (FAR_PAIR_MATVEC). The 256-bit step's lanes hold the elements in
+    U4_LANE_ELEMENT order (x permuted once a call), the 512-bit step's in element order: the
+    same products, summed in other lanes (the last bits differ)."""
     _, _, bsz, _, _, _, vec = _BLOCK_TYPES[qtype]
     u4 = vec in _U4_STEPS
     far = qtype in _FAR_PAIR_ALWAYS or (u4 and wide)
     driver = "_matvec_blocks_far_pairs" if far else "_matvec_blocks"
-    return f"{driver}(raw, raw1, raw2, x, out, f16, {bsz}, {vec}{'_wide' if u4 and wide else ''}, {u4})"
+    return f"{driver}(raw, raw1, raw2, x, out, f16, {bsz}, {vec}{'_wide' if u4 and wide else ''}, {u4 and not wide})"
 
 
 def u4_matvec(qtype: QT, wide: bool):
     """The fp32 matvec kernel ``(raw, raw1, raw2, x, out, f16)`` of a Q4_0 / Q4_1 / Q5_0 / Q5_1
     with the block step and driver ``wide`` picks (:func:`_matvec_call`), whatever the host's
-    choice (WIDE_STEPS): the tests hold both to the same bits on any host."""
+    choice (WIDE_STEPS), for the tests; the 512-bit step needs AVX-512."""
     qtype = QT(qtype)
     if _BLOCK_TYPES[qtype][-1] not in _U4_STEPS:
         raise ValueError(f"{qtype.name} has no 4/5-bit block step")
+    if wide and not WIDE_STEPS:
+        raise ValueError("the 512-bit block step needs AVX-512 (this target has no avx512f)")
     name = f"_matvec_{qtype.name.lower()}_{'wide' if wide else 'narrow'}"
     return globals().get(name) or jit.specialize(globals(), name, "raw, raw1, raw2, x, out, f16",
                                                  _matvec_call(qtype, wide), parallel=True)

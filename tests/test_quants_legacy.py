@@ -167,18 +167,21 @@ def test_matvec_fp32_vs_float64(qtype, seed, rows, nblocks):
 
 
 # The fp32 block matvec's lane arithmetic written per element (scalar decode, one llvm.fma.f32
-# per weight into the lane of element j (U4_ELEMENT_LANE), then the pairwise lane sum): the
-# vector-IR block steps must give these bits exactly, not only stay within the float64 bound above.
+# per weight into the lane of element j: U4_ELEMENT_LANE for the 256-bit step, j itself for the
+# 512-bit one; then the pairwise lane sum): the vector-IR block steps must give these bits
+# exactly, not only stay within the float64 bound above.
+# the block steps this host compiles: the 512-bit one (True) needs AVX-512
+_STEPS = (False, True) if L.WIDE_STEPS else (False,)
 _SCALAR_DECODERS = {QT.Q4_0: (L._head_d, L._pair_q4_0, 18, False),
                     QT.Q4_1: (L._head_dm, L._pair_q4_1, 20, True),
                     QT.Q5_0: (L._head_d_qh, L._pair_q5_0, 22, False),
                     QT.Q5_1: (L._head_dm_qh, L._pair_q5_1, 24, True)}
 
 
-def _scalar_lanes(head, pair, bsz, has_min):
+def _scalar_lanes(head, pair, bsz, has_min, wide=False):
     from numba import njit
 
-    lane = L.U4_ELEMENT_LANE
+    lane = np.arange(32) if wide else L.U4_ELEMENT_LANE
 
     @njit
     def mv(raw, x, out, f16):
@@ -202,27 +205,30 @@ def _scalar_lanes(head, pair, bsz, has_min):
 @given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 5), nblocks=st.integers(1, 24),
        x_exp=st.integers(-30, 30))
 def test_matvec_fp32_block_step_bit_exact(qtype, seed, rows, nblocks, x_exp):
-    """Both block steps (the 256-bit one row by row, the 512-bit one by far row pairs: either
-    compiles on any x86-64 host) and the host's own dispatch give the scalar lanes' bits."""
+    """Both block steps (the 256-bit one row by row in U4_LANE_ELEMENT lanes; the 512-bit one,
+    where the host has AVX-512, by far row pairs in element lanes) and the host's own dispatch
+    give the bits of the scalar lanes in their order."""
     assert sorted(L.U4_LANE_ELEMENT) == list(range(32))          # a permutation of a block
     rng = np.random.default_rng(seed)
     n = 32 * nblocks
     raw = random_raw(qtype, rows, n, rng)
     x = (rng.standard_normal(n) * 2.0 ** x_exp).astype(np.float32)
     x[rng.random(n) < 0.1] = 0.0
-    want = np.empty(rows, np.float32)
-    _scalar_lanes(*_SCALAR_DECODERS[qtype])(raw, x, want, L.F16_TO_F32)
-    assert bits_equal(run_matvec(qtype, raw, x), want)
-    for wide in (False, True):
+    want = {}
+    for wide in _STEPS:
+        want[wide] = np.empty(rows, np.float32)
+        _scalar_lanes(*_SCALAR_DECODERS[qtype], wide)(raw, x, want[wide], L.F16_TO_F32)
         got = np.full(rows, np.nan, np.float32)
         L.u4_matvec(qtype, wide)(raw, L.NO_ROWS, L.NO_ROWS, x, got, L.F16_TO_F32)
-        assert bits_equal(got, want), f"wide={wide}"
+        assert bits_equal(got, want[wide]), f"wide={wide}"
+    assert bits_equal(run_matvec(qtype, raw, x), want[L.WIDE_STEPS])
 
 
 @pytest.mark.parametrize("qtype", list(_SCALAR_DECODERS), ids=lambda t: t.name)
 def test_matvec_fp32_wide_step_extreme_quants(qtype):
-    """The 512-bit step's float-by-bits conversion at the quants' ends: every quant 0 or every
-    quant 15 / 31 (all qh bits set or clear), against the scalar lanes, both steps."""
+    """The quants' ends (the 512-bit step's table ends, its qh mask all set or all clear): every
+    quant 0 or every quant 15 / 31, against the scalar lanes, both steps (where the host has
+    them)."""
     bsz = _SCALAR_DECODERS[qtype][2]
     raw = np.empty((4, 3 * bsz), np.uint8)
     for r, (qs, qh) in enumerate(((0x00, 0x00), (0xFF, 0xFF), (0x0F, 0xFF), (0xF0, 0x00))):
@@ -235,11 +241,11 @@ def test_matvec_fp32_wide_step_extreme_quants(qtype):
             o = 4 if qtype == QT.Q5_1 else 2
             blk[:, o:o + 4] = qh
     x = np.random.default_rng(5).standard_normal(96).astype(np.float32)
-    want = np.empty(4, np.float32)
-    _scalar_lanes(*_SCALAR_DECODERS[qtype])(raw, x, want, L.F16_TO_F32)
     w = L.dequantize_reference(qtype, raw)
-    assert np.all(np.abs(want - L.matvec_reference(qtype, raw, x)) <= fp32_bound(96, w, x))
-    for wide in (False, True):
+    for wide in _STEPS:
+        want = np.empty(4, np.float32)
+        _scalar_lanes(*_SCALAR_DECODERS[qtype], wide)(raw, x, want, L.F16_TO_F32)
+        assert np.all(np.abs(want - L.matvec_reference(qtype, raw, x)) <= fp32_bound(96, w, x))
         got = np.full(4, np.nan, np.float32)
         L.u4_matvec(qtype, wide)(raw, L.NO_ROWS, L.NO_ROWS, x, got, L.F16_TO_F32)
         assert bits_equal(got, want), f"wide={wide}"
@@ -248,6 +254,12 @@ def test_matvec_fp32_wide_step_extreme_quants(qtype):
 def test_u4_matvec_refuses_other_types():
     with pytest.raises(ValueError, match="Q8_0"):
         L.u4_matvec(QT.Q8_0, True)
+
+
+@pytest.mark.skipif(L.WIDE_STEPS, reason="this host has AVX-512: the 512-bit step compiles")
+def test_u4_matvec_wide_step_needs_avx512():
+    with pytest.raises(ValueError, match="AVX-512"):
+        L.u4_matvec(QT.Q5_0, True)
 
 
 _F16_SCALAR: list = []

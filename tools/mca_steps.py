@@ -46,6 +46,12 @@ KERNELS = tuple(f"{t} {step}" for t in ("Q4_0", "Q5_0", "Q4_1", "Q5_1")
                 for step in ("256-bit", "512-bit pairs")) + ("Q4_K", "Q6_K")
 
 
+def has_isa(target: str, kernel: str) -> bool:
+    """Whether ``kernel`` compiles for ``target``: the 512-bit steps need AVX-512
+    (loaders.quants_legacy.WIDE_STEPS)."""
+    return not kernel.endswith("512-bit pairs") or "+avx512f" in TARGETS[target][1]
+
+
 def block_shape(kernel: str) -> tuple[int, int]:
     """(weight bytes per block, weights per block) of a kernel's type (loaders.ggml_types)."""
     from gguf import GGMLQuantizationType as QT
@@ -165,8 +171,12 @@ def _table(mca: str, targets: list[str], kernels: list[str]) -> None:
     print(f"{'kernel':<20s} {'target':<16s} {'mca model':<16s} {'instr/block':>11s} "
           f"{'cycles/block':>12s} {'bytes/cycle':>11s}")
     for target in targets:
-        asms = compile_asm(target, kernels)
+        names = [k for k in kernels if has_isa(target, k)]
+        asms = compile_asm(target, names) if names else {}
         for name in kernels:
+            if name not in asms:
+                print(f"{name:<20s} {target:<16s} (needs AVX-512: the 512-bit step uses its permutes)")
+                continue
             nbytes, weights = block_shape(name)
             ins, fmas = hot_loop(asms[name])
             nblk = blocks_per_iteration(ins, fmas, weights)
