@@ -376,11 +376,12 @@ def _scalar_matvec(qtype: QT):
     from numba import njit
     head, quad, bsz, sub, nmin, _ = K._TYPES[qtype]
     head, quad, has_min = getattr(K, head), getattr(K, quad), nmin > 0
-    perm = qtype in K.PERMUTED_LANES
+    perm, wfirst = qtype in K.PERMUTED_LANES, qtype in K.WEIGHT_FIRST
 
     @njit
     def scalar(raw, x, out, f16):
-        K._matvec_k(raw, L.NO_ROWS, L.NO_ROWS, x, out, f16, head, quad, bsz, sub, has_min, K._vblock_none, perm)
+        K._matvec_k(raw, L.NO_ROWS, L.NO_ROWS, x, out, f16, head, quad, bsz, sub, has_min, K._vblock_none,
+                    perm, wfirst)
     return scalar
 
 
