@@ -105,8 +105,8 @@ from numba.extending import intrinsic
 
 from . import jit, quants_legacy
 from .ggml_types import TypeKernels
-from .quants_legacy import (_I32, I8_DOT, PREFETCH_BYTES, WIDE_STEPS, _ROW_CHUNKS, _far_pair, _fma32, _hsum8, _i8,
-                            _stack_f32,
+from .quants_legacy import (_I32, I8_DOT, PREFETCH_BYTES, WIDE_STEPS, _ROW_CHUNKS, _far_pair, _fma32,
+                            _hsum8, _i8, _stack_f32,
                             _I8T as _I8, _group_row, _lanes_sum32, _permute_blocks, _prefetch,
                             _quant_kernels, _u16, _v, ir_lane_sums, ir_ptr, ir_splat)
 
