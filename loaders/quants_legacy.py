@@ -323,13 +323,13 @@ def ir_u4_lanes_wide(context, builder, sig_args, args):
     for the 5-bit types). The qs bytes are zero-extended to 32-bit lanes once (the low nibble
     of byte j is element j, the high one element 16 + j); VPERMPS reads the low 4 bits of each
     index, so the nibbles need no mask; a 5-bit quant's bit 4 is set by an OR under a mask
-    register loaded from ``qh`` (bit k of qh is element k's). Each weight is the product and
-    sum of the other steps, the same float operations on the same values: the same bits.
+    register loaded from ``qh`` (bit k of qh is element k's). Each weight has the other steps'
+    bits (the same float operations on the same values); only the lanes it is summed in differ.
 
     It replaced a step that made each weight from its quant by shift, mask, qh rotate, a float
     made from the bits, a subtract and a multiply per vector. One core of an AMD EPYC znver4
     (AVX-512 on 256-bit units), Gemma 3 270M's 2048 x 640 Q5_0 ffn_gate in L2, best of 7:
-    119-133 -> 96-99 us (7.5 -> 9.3 GB/s); two threads 66-69 -> 50-58 us."""
+    118 -> 96 us (7.6 -> 9.3 GB/s); two threads 61-67 -> 49-50 us."""
     wty, _, qhty, _, mty, offty = sig_args
     w, wo, qh, d, m, off = args
     i32 = ir.IntType(32)
