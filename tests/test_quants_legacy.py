@@ -178,7 +178,18 @@ _SCALAR_DECODERS = {QT.Q4_0: (L._head_d, L._pair_q4_0, 18, False),
                     QT.Q5_1: (L._head_dm_qh, L._pair_q5_1, 24, True)}
 
 
+_SCALAR_LANES: dict = {}
+
+
 def _scalar_lanes(head, pair, bsz, has_min, wide=False):
+    """The scalar lanes' matvec for one type and step, compiled once (not per example)."""
+    key = (bsz, wide)                     # bsz names the type (18, 20, 22, 24)
+    if key not in _SCALAR_LANES:
+        _SCALAR_LANES[key] = _compile_scalar_lanes(head, pair, bsz, has_min, wide)
+    return _SCALAR_LANES[key]
+
+
+def _compile_scalar_lanes(head, pair, bsz, has_min, wide):
     from numba import njit
 
     lane = np.arange(32) if wide else L.U4_ELEMENT_LANE
