@@ -217,10 +217,21 @@ def available_types() -> frozenset[QT]:
 
 def kernels(qtype: int) -> TypeKernels:
     """The kernel record of ``qtype``; ValueError when unsupported."""
+    if type(qtype) in _EXACT_INT:           # the per-call fast path: no enum made
+        k = KERNELS.get(qtype)
+        if k is not None:
+            return k
     try:
         return KERNELS[QT(qtype)]
     except (KeyError, ValueError):
         raise ValueError(f"no kernels for ggml type {type_name(qtype)}") from None
+
+
+# the checks' per-call fast paths: row bytes by (type, n), for the key types that hash as ints
+# (a float 12.0 would too, and must take the checked path); uint8
+_ROW_BYTES: dict[tuple, int] = {}
+_EXACT_INT = (int, QT)
+_U8 = np.dtype(np.uint8)
 
 
 def as_raw(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
@@ -229,8 +240,13 @@ def as_raw(raw: np.ndarray, qtype: int, n: int) -> np.ndarray:
     Accepts uint8/int8 bytes (2-D ``[rows, row_bytes]`` or 1-D holding whole rows)
     and, for float types, typed arrays (``[rows, n]`` or 1-D).
     """
+    if (type(raw) is np.ndarray and raw.ndim == 2 and raw.dtype == _U8 and type(n) is int
+            and type(qtype) in _EXACT_INT and not raw.flags.writeable and raw.flags.c_contiguous
+            and raw.shape[1] == _ROW_BYTES.get((qtype, n), -1)):
+        return raw                  # already what this returns: a decode step's calls come here
     qtype = QT(qtype)
     rb = row_bytes(qtype, n)
+    _ROW_BYTES[(qtype, n)] = rb
     a = np.asarray(raw)
     if a.dtype not in (np.uint8, np.int8):
         if qtype not in _TYPED_OK or a.dtype.type not in _TYPED_OK[qtype]:
@@ -313,7 +329,10 @@ def matvec(raw: np.ndarray, qtype: int, n: int, x: np.ndarray, numerics: str = "
         raise ValueError(f"x must be float32[{n}], got shape {x.shape}")
     res = _out(out, (r.shape[0],))
     # serial or parallel as measured for this type, shape and numerics (see ThreadChoice)
-    choice = _MATVEC_THREADS.setdefault((QT(qtype), r.shape, numerics), ThreadChoice())
+    key = (qtype if type(qtype) in _EXACT_INT else QT(qtype), r.shape, numerics)
+    choice = _MATVEC_THREADS.get(key)
+    if choice is None:
+        choice = _MATVEC_THREADS[key] = ThreadChoice()
     if numerics == "fp32":
         choice.run(k.matvec, r, x, res)
     else:

@@ -252,6 +252,21 @@ def test_clear_errors(call, match):
         call(raw)
 
 
+def test_as_raw_fast_path_only_for_what_it_would_return():
+    """as_raw hands back an array that is already read-only uint8[rows, row_bytes] as it is (a
+    decode step's calls), and still checks every other input after that row size is known."""
+    raw = weights(QT.Q8_0, 4, 64)
+    r = Q.as_raw(raw, QT.Q8_0, 64)
+    assert r is not raw and not r.flags.writeable           # a writable array: a read-only view
+    assert Q.as_raw(r, QT.Q8_0, 64) is r and Q.as_raw(r, int(QT.Q8_0), 64) is r
+    with pytest.raises(ValueError, match="bytes"):          # the same array, another row length
+        Q.as_raw(r, QT.Q8_0, 96)
+    with pytest.raises(ValueError, match="bytes"):          # another type of the same block size
+        Q.as_raw(r, QT.Q4_0, 64)
+    x = np.ones(64, np.float32)
+    assert np.array_equal(Q.matvec(r, int(QT.Q8_0), 64, x), Q.matvec(raw, QT.Q8_0, 64, x))
+
+
 def test_dequantize_rows_bounds():
     raw = np.zeros((4, row_bytes(QT.Q8_0, 64)), np.uint8)
     with pytest.raises(IndexError):
