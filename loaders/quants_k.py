@@ -410,10 +410,9 @@ def _emit_mac4(context, builder, xty, xb, xo, quants, scales, aty, acc):
 
 def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, acc, hbits=None):
     """One fp32 step over four 32-element sub-blocks of Q4_K (weight first: (d * scale) * q, then
-    :func:`_emit_fma_weights`; by :func:`_emit_q4k_tables` on AVX-512) or Q5_K
-    (:func:`_emit_mac4`): q0, q1 the low and high nibbles of bytes q[p0:p0 + 32], q2, q3 those
-    of q[p1:p1 + 32]; ``scales`` four float IR values (one per sub-block), on AVX-512 Q4_K's
-    <16 x float> splats of them (:func:`_scale_splats`).
+    :func:`_emit_fma_weights`; on AVX-512 hosts Q4_K takes :func:`_q4k_step_ahead` instead) or
+    Q5_K (:func:`_emit_mac4`): q0, q1 the low and high nibbles of bytes q[p0:p0 + 32], q2, q3
+    those of q[p1:p1 + 32]; ``scales`` four float IR values (one per sub-block).
     Q5_K: ``hbits`` = (the 32 qh bytes as eight i32 words, j): bit 4j + k of qh byte b is bit
     4 of quant qk of element b, taken from the words as the nibbles are.
 
@@ -426,9 +425,6 @@ def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, ac
     vf = ir.VectorType(ir.FloatType(), 32)
     cat16 = ir.Constant(ir.VectorType(ir.IntType(32), 16), list(range(16)))
     cat32 = ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32)))
-    if hbits is None and WIDE_STEPS:
-        _emit_q4k_tables(context, builder, qty, q, (p0, p1), xty, xb, xo, scales, aty, acc)
-        return
     quants = []
     for pi, p in enumerate((p0, p1)):
         w = builder.load(ir_ptr(context, builder, qty, q, p, v8), align=1)
@@ -470,14 +466,14 @@ def _emit_fma_weights(context, builder, xty, xb, xo, weights, aty, acc):
 
 
 def _emit_q4k_tables(context, builder, qty, q, ps, xty, xb, xo, scales, aty, acc):
-    """Q4_K's weights of :func:`_emit_mac_q4k` on hosts with AVX-512 (WIDE_STEPS), by table
-    lookups: per sub-block the weight of every nibble value t, (d * scale) * t, as a <16 x float>
+    """Q4_K's step over four sub-blocks (:func:`_emit_mac_q4k`'s) on hosts with AVX-512
+    (WIDE_STEPS, :func:`_q4k_step_ahead`), its weights by table lookups: per sub-block the weight of every nibble value t, (d * scale) * t, as a <16 x float>
     table, then each 16 weights by one VPERMPS of the table by the nibbles (it reads the low 4
     bits of each index, so they need no mask), in the same lanes as the other path (lane 8t + i:
     element 4i + t). The same products: the same bits. One core of an AMD EPYC znver4 (AVX-512
     on 256-bit units), Gemma's 640 x 2048 ffn_down in L2, best of 7: 97-98 -> 85-86 us
     (the mask, convert and multiply per vector gone). ``scales``: the four sub-blocks' scales,
-    each a <16 x float> splat (:func:`_scale_splats`)."""
+    each a <16 x float> splat; q[ps[k]:ps[k] + 32] (ps i64 IR values) as in _emit_mac_q4k."""
     i32 = ir.IntType(32)
     v8, v16 = ir.VectorType(i32, 8), ir.VectorType(i32, 16)
     vf16 = ir.VectorType(ir.FloatType(), 16)
@@ -633,21 +629,108 @@ def _block_q3k(typingctx, q, d, xb, acc):
     return sig, codegen
 
 
-def _scale_splats(builder, scales):
-    """The eight scales of a Q4_K block (<8 x float>) each as a <16 x float> splat, read back
-    from a stack slot through a pointer LLVM cannot see through (an empty inline asm), so that
-    each splat is a broadcast load folded into its table's multiply (``vmulps m32{1to16}``).
-    Kept in registers, LLVM made each splat a VPERMPS, and on AMD Zen 4 the permutes (the
-    tables' lookups) are what a block step waits on. One core of an AMD EPYC znver4, Gemma's
-    640 x 2048 ffn_down in L2, best of 300: 90.6 -> 82.0 us; its 640 x 1024 attn_output
-    51.5 -> 47.0 us. AVX-512 hosts only (WIDE_STEPS: x86-64, where the asm is valid)."""
-    vf8, vf16 = scales.type, ir.VectorType(ir.FloatType(), 16)
-    slot = cgutils.alloca_once(builder, vf8)
-    builder.store(scales, slot)
-    fp = builder.bitcast(slot, ir.FloatType().as_pointer())
-    fp = builder.call(ir.InlineAsm(ir.FunctionType(fp.type, [fp.type]), "", "=r,0"), [fp])
-    return [ir_splat(builder, builder.load(builder.gep(fp, [ir.Constant(_I32, k)]), align=4), vf16)
-            for k in range(vf8.count)]
+def _emit_q45k_head(context, builder, qty, q_, off, d_, dmin_):
+    """The scales ``d * sc[t]`` and mins ``dmin * mn[t]`` (t = 0..7) of the Q4_K / Q5_K block at
+    byte ``off`` (an i64 IR value) of q_, as two <8 x float> IR values: the eight 6-bit (scale,
+    min) pairs decoded from bytes 4-15 as <8 x i32> vectors (the scalar head took as long as
+    the block's 256 products)."""
+    v8 = ir.VectorType(_I32, 8)
+    vf8 = ir.VectorType(ir.FloatType(), 8)
+    vb16 = ir.VectorType(ir.IntType(8), 16)
+    head = builder.load(ir_ptr(context, builder, qty, q_, off, vb16), align=1)
+
+    def pick(idx):          # bytes idx of the block's first 16, zero-extended to i32
+        sh = builder.shuffle_vector(head, ir.Constant(vb16, ir.Undefined), ir.Constant(v8, idx))
+        return builder.zext(sh, v8)
+
+    def c8(vals):
+        return ir.Constant(v8, vals)
+
+    def high2(b):           # (b >> 6) << 4 in lanes 4-7, 0 in lanes 0-3
+        return builder.and_(builder.shl(builder.lshr(b, c8([6] * 8)), c8([4] * 8)),
+                            c8([0] * 4 + [48] * 4))
+    # sc[g] = q[4+g] & 63, sc[4+g] = (q[12+g] & 15) | ((q[4+g] >> 6) << 4); mn likewise
+    # from q[8+g] and the high nibbles of q[12+g]
+    sc = builder.or_(builder.and_(pick([4, 5, 6, 7, 12, 13, 14, 15]), c8([63] * 4 + [15] * 4)),
+                     high2(pick([4, 5, 6, 7, 4, 5, 6, 7])))
+    mn = builder.or_(builder.and_(builder.lshr(pick([8, 9, 10, 11, 12, 13, 14, 15]),
+                                               c8([0] * 4 + [4] * 4)), c8([63] * 8)),
+                     high2(pick([8, 9, 10, 11, 8, 9, 10, 11])))
+    return (builder.fmul(ir_splat(builder, d_, vf8), builder.sitofp(sc, vf8)),
+            builder.fmul(ir_splat(builder, dmin_, vf8), builder.sitofp(mn, vf8)))
+
+
+def _opaque_ptr(builder, p):
+    """Pointer ``p`` through an empty inline asm (x86-64: AVX-512 hosts only call this), so that
+    LLVM cannot tell which memory it points to: it keeps the loads and stores through it in
+    memory, neither forwarding a stored value to a later load nor hoisting them."""
+    return builder.call(ir.InlineAsm(ir.FunctionType(p.type, [p.type]), "", "=r,0"), [p])
+
+
+def _ahead_ptr(context, builder, hty, h):
+    """float* to the 16-float slot ``h`` of :func:`_q4k_step_ahead` (opaque: :func:`_opaque_ptr`)."""
+    fp = ir_ptr(context, builder, hty, h, ir.Constant(ir.IntType(64), 0), ir.FloatType())
+    return _opaque_ptr(builder, fp)
+
+
+def _store_head(context, builder, qty, w_, o_, d_, dmin_, hp):
+    """Decode the head of the Q4_K block at byte o_ of row w_ (:func:`_emit_q45k_head`) into the
+    slot at float* hp: its scales in floats 0-7, its mins in 8-15."""
+    vf8 = ir.VectorType(ir.FloatType(), 8)
+    scales, mins = _emit_q45k_head(context, builder, qty, w_, o_, d_, dmin_)
+    builder.store(scales, builder.bitcast(hp, vf8.as_pointer()), align=4)
+    builder.store(mins, builder.bitcast(builder.gep(hp, [ir.Constant(_I32, 8)]), vf8.as_pointer()), align=4)
+
+
+@intrinsic
+def _q4k_head_ahead(typingctx, w, o, d, dmin, h):
+    """The first block's head for :func:`_q4k_step_ahead`: the scales and mins of the Q4_K block
+    at byte o of row w (d, dmin its fp16 fields) into the float32[16] slot h."""
+    def codegen(context, builder, signature, args):
+        qty, _, _, _, hty = signature.args
+        w_, o_, d_, dmin_, h_ = args
+        _store_head(context, builder, qty, w_, o_, d_, dmin_, _ahead_ptr(context, builder, hty, h_))
+        return context.get_dummy_value()
+    return types.void(w, o, d, dmin, h), codegen
+
+
+@intrinsic
+def _q4k_step_ahead(typingctx, w, o, on, dn, dminn, xb, xo, xs, xso, acc, accm, h):
+    """One Q4_K block of the fp32 matvec on AVX-512 hosts (WIDE_STEPS), its head decoded one
+    block ahead: the block at byte o of row w takes its scales and mins from the float32[16]
+    slot h (written by the step before, or :func:`_q4k_head_ahead`), adds its min terms
+    ``accm[t] += mins[t] * xs[xso + t]`` and its products (:func:`_emit_q4k_tables`, x from
+    xb[xo:], lanes in K_LANE_ELEMENT order), then decodes the head of the block at byte on
+    (dn, dminn: its fp16 fields) into h for the next step. The same operations on the same
+    values as :func:`_block_q4k` (the same bits); only the order of work changes.
+
+    Each scale reaches its table as a broadcast load folded into the multiply (``vmulps
+    m32{1to16}``; kept in registers, LLVM made each a VPERMPS, and the permutes are what a
+    block waits on), and the head's decode, its stores and those loads lie a block apart: on
+    the block's own path they had held its table lookups back. One core of an AMD EPYC
+    znver4 (AVX-512 on 256-bit units), Gemma's 640 x 2048 ffn_down in L2, best of 300:
+    90.6 us (the scales by VPERMPS) -> 82.0 (broadcast loads) -> 71 (one block ahead);
+    4096 x 4096 synthetic: 52 -> 46 cycles a block."""
+    def codegen(context, builder, signature, args):
+        qty, _, _, _, _, xty, _, xsty, _, aty, mty, hty = signature.args
+        w_, o_, on_, dn_, dminn_, xb_, xo_, xs_, xso_, acc_, accm_, h_ = args
+        i64 = ir.IntType(64)
+        vf8, vf16 = ir.VectorType(ir.FloatType(), 8), ir.VectorType(ir.FloatType(), 16)
+        hp = _ahead_ptr(context, builder, hty, h_)
+        spl = [ir_splat(builder, builder.load(builder.gep(hp, [ir.Constant(_I32, k)]), align=4), vf16)
+               for k in range(8)]
+        mins = builder.load(builder.bitcast(builder.gep(hp, [ir.Constant(_I32, 8)]), vf8.as_pointer()), align=4)
+        xsv = builder.load(ir_ptr(context, builder, xsty, xs_, xso_, vf8), align=4)
+        mp = ir_ptr(context, builder, mty, accm_, ir.Constant(i64, 0), vf8)
+        builder.store(builder.fadd(builder.load(mp, align=4), builder.fmul(mins, xsv)), mp, align=4)
+        o64 = builder.sext(o_, i64) if o_.type.width < 64 else o_
+        for j in range(2):
+            ps = (builder.add(o64, ir.Constant(i64, 16 + 64 * j)), builder.add(o64, ir.Constant(i64, 48 + 64 * j)))
+            xo = builder.add(builder.sext(xo_, i64) if xo_.type.width < 64 else xo_, ir.Constant(i64, 128 * j))
+            _emit_q4k_tables(context, builder, qty, w_, ps, xty, xb_, xo, spl[4 * j:4 * j + 4], aty, acc_)
+        _store_head(context, builder, qty, w_, on_, dn_, dminn_, hp)
+        return context.get_dummy_value()
+    return types.void(w, o, on, dn, dminn, xb, xo, xs, xso, acc, accm, h), codegen
 
 
 def _block_q45k_codegen(five: bool):
@@ -659,38 +742,15 @@ def _block_q45k_codegen(five: bool):
         i32, i64 = ir.IntType(32), ir.IntType(64)
         v8 = ir.VectorType(i32, 8)
         vf8 = ir.VectorType(ir.FloatType(), 8)
-        vb16 = ir.VectorType(ir.IntType(8), 16)
-        head = builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(i64, 0), vb16), align=1)
-
-        def pick(idx):          # bytes idx of the block's first 16, zero-extended to i32
-            sh = builder.shuffle_vector(head, ir.Constant(vb16, ir.Undefined), ir.Constant(v8, idx))
-            return builder.zext(sh, v8)
-
-        def c8(vals):
-            return ir.Constant(v8, vals)
-
-        def high2(b):           # (b >> 6) << 4 in lanes 4-7, 0 in lanes 0-3
-            return builder.and_(builder.shl(builder.lshr(b, c8([6] * 8)), c8([4] * 8)),
-                                c8([0] * 4 + [48] * 4))
-        # sc[g] = q[4+g] & 63, sc[4+g] = (q[12+g] & 15) | ((q[4+g] >> 6) << 4); mn likewise
-        # from q[8+g] and the high nibbles of q[12+g]
-        sc = builder.or_(builder.and_(pick([4, 5, 6, 7, 12, 13, 14, 15]), c8([63] * 4 + [15] * 4)),
-                         high2(pick([4, 5, 6, 7, 4, 5, 6, 7])))
-        mn = builder.or_(builder.and_(builder.lshr(pick([8, 9, 10, 11, 12, 13, 14, 15]),
-                                                   c8([0] * 4 + [4] * 4)), c8([63] * 8)),
-                         high2(pick([8, 9, 10, 11, 8, 9, 10, 11])))
-        scales = builder.fmul(ir_splat(builder, d_, vf8), builder.sitofp(sc, vf8))
-        mins = builder.fmul(ir_splat(builder, dmin_, vf8), builder.sitofp(mn, vf8))
+        scales, mins = _emit_q45k_head(context, builder, qty, q_, ir.Constant(i64, 0), d_, dmin_)
         xsv = builder.load(ir_ptr(context, builder, xsty, xs_, xso_, vf8), align=4)
         mp = ir_ptr(context, builder, mty, accm_, ir.Constant(i64, 0), vf8)
         builder.store(builder.fadd(builder.load(mp, align=4), builder.fmul(mins, xsv)), mp, align=4)
         hw = (builder.load(ir_ptr(context, builder, qty, q_, ir.Constant(i64, 16), v8), align=1)
               if five else None)
         qs = 48 if five else 16
-        spl = _scale_splats(builder, scales) if not five and WIDE_STEPS else None
         for j in range(2):
-            a = ([spl[4 * j + k] for k in range(4)] if spl is not None else
-                 [builder.extract_element(scales, ir.Constant(i32, 4 * j + k)) for k in range(4)])
+            a = [builder.extract_element(scales, ir.Constant(i32, 4 * j + k)) for k in range(4)]
             _emit_mac_q4k(context, builder, qty, q_, ir.Constant(i64, qs + 64 * j),
                           ir.Constant(i64, qs + 32 + 64 * j), xty, xb_, ir.Constant(i64, 128 * j), a, aty,
                           acc_, (hw, j) if five else None)
@@ -854,6 +914,33 @@ def _matvec_k(raw, raw1, raw2, x, out, f16, head, quad, bsz, sub, has_min, vbloc
                                 a = _fma32(a2, q2 * xb[128 * j + 64 + b], a)
                                 acc[ln] = _fma32(a3, q3 * xb[128 * j + 96 + b], a)
             out[r] = _lanes_sum32(acc) - (accm.sum() if has_min else _F32_0)
+
+
+@jit.njit(inline="always")
+def _matvec_q4k_ahead(raw, raw1, raw2, x, out, f16):
+    """Q4_K's fp32 matvec on AVX-512 hosts: :func:`_matvec_k`'s operations (the same bits) by
+    :func:`_q4k_step_ahead`, each block's scales and mins decoded one block ahead into a stack
+    slot. The next block of the row's last is itself (decoded again, not used)."""
+    rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
+    nb = x.shape[0] // QK_K
+    bsz = 144                             # BLOCK_BYTES[QT.Q4_K]
+    xs = _xsums(x, 32)
+    xv = _permute_blocks(x, K_LANE_ELEMENT)
+    nchunk = min(rows, _ROW_CHUNKS)
+    for c in prange(nchunk):
+        acc = _stack_f32(32)                  # in registers across the blocks (_stack_f32)
+        accm = _stack_f32(8)
+        ahead = _stack_f32(16)                # the next block's scales and mins
+        for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
+            w = _group_row(raw, raw1, raw2, r)
+            acc[:] = 0
+            accm[:] = 0
+            _q4k_head_ahead(w, 0, f16[_u16(w, 0)], f16[_u16(w, 2)], ahead)
+            for i in range(nb):
+                on = min(i + 1, nb - 1) * bsz
+                _q4k_step_ahead(w, i * bsz, on, f16[_u16(w, on)], f16[_u16(w, on + 2)], xv, i * QK_K,
+                                xs, 8 * i, acc, accm, ahead)
+            out[r] = _lanes_sum32(acc) - accm.sum()
 
 
 @jit.njit(inline="always")
@@ -1256,6 +1343,9 @@ PERMUTED_LANES = frozenset({QT.Q4_K, QT.Q5_K})
 # (_matvec_k's ``wfirst``): Q4_K, whose step on AVX-512 takes the weights from tables
 # (_emit_q4k_tables); the others multiply q * x first
 WEIGHT_FIRST = frozenset({QT.Q4_K})
+# the K types whose fp32 matvec decodes each block's head one block ahead (_matvec_q4k_ahead):
+# Q4_K on AVX-512 hosts, with the table step
+AHEAD = frozenset({QT.Q4_K}) if WIDE_STEPS else frozenset()
 
 
 def _k_kernels(qtype: QT, head: str, quad: str, bsz: int, sub: int, nmin: int, off: int) -> TypeKernels:
@@ -1263,6 +1353,7 @@ def _k_kernels(qtype: QT, head: str, quad: str, bsz: int, sub: int, nmin: int, o
     dec = f"{head}, {quad}, {bsz}, {sub}"
     return _quant_kernels(globals(), qtype, QT.Q8_K, _ggml_act,
                           f"_dequantize_k(raw, out, f16, {dec})",
+                          "_matvec_q4k_ahead(raw, raw1, raw2, x, out, f16)" if qtype in AHEAD else
                           f"_matvec_k(raw, raw1, raw2, x, out, f16, {dec}, {nmin > 0}, "
                           f"{_VECTOR_IR.get(qtype, '_vblock_none')}, {qtype in PERMUTED_LANES}, "
                           f"{qtype in WEIGHT_FIRST})",
