@@ -10,7 +10,10 @@ it on the target's scheduling model. The figures are cycles per weight block and
 per cycle (times the clock in GHz: GB/s of one core when the step, not memory, is the limit).
 
 They are a model's estimates, not measurements: llvm-mca knows the ports, latencies and
-dependency chains, not the caches, the prefetchers or the frequency. The Sapphire Rapids row
+dependency chains, not the caches, the prefetchers or the frequency. Where a step's fma takes
+its scale as a broadcast load (the K types' sub-block scales, loaders.quants_k._emit_mac_sub16),
+LLVM 14's models add the load's latency to the accumulator's chain, which a core does not: the
+Q2_K / Q3_K / Q6_K rows then read slower than they run. The Sapphire Rapids row
 uses the Ice Lake server model (the nearest LLVM 14 has), with Sapphire Rapids' ISA.
 
     python -m tools.mca_steps [--targets znver3 sapphirerapids] [--mca PATH]
