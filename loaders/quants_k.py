@@ -956,6 +956,9 @@ def _matvec_q4k_ahead(raw, raw1, raw2, x, out, f16):
             w = _group_row(raw, raw1, raw2, r)
             acc[:] = 0
             accm[:] = 0
+            if nb == 0:                       # rows of no elements: no head to read
+                out[r] = _F32_0
+                continue
             _q4k_head_ahead(w, 0, f16[_u16(w, 0)], f16[_u16(w, 2)], ahead)
             for i in range(nb):
                 on = min(i + 1, nb - 1) * bsz
