@@ -730,8 +730,8 @@ def _q4k_step_ahead(typingctx, w, o, on, dn, dminn, xb, xo, xs, xso, acc, accm, 
     block waits on), and the head's decode, its stores and those loads lie a block apart: on
     the block's own path they had held its table lookups back. One core of an AMD EPYC
     znver4 (AVX-512 on 256-bit units), Gemma's 640 x 2048 ffn_down in L2, best of 300:
-    90.6 us (the scales by VPERMPS) -> 82.0 (broadcast loads) -> 71 (one block ahead);
-    4096 x 4096 synthetic: 52 -> 46 cycles a block."""
+    90.6 us (the scales by VPERMPS) -> 82.0 (broadcast loads) -> 77.3 (one block ahead);
+    4096 x 4096 synthetic, with the broadcast loads: 52 -> 49.5 cycles a block."""
     def codegen(context, builder, signature, args):
         qty, _, _, _, _, xty, _, xsty, _, aty, mty, hty = signature.args
         w_, o_, on_, dn_, dminn_, xb_, xo_, xs_, xso_, acc_, accm_, h_ = args
