@@ -467,10 +467,10 @@ def _emit_fma_weights(context, builder, xty, xb, xo, weights, aty, acc):
 
 def _emit_q4k_tables(context, builder, qty, q, ps, xty, xb, xo, scales, aty, acc):
     """Q4_K's step over four sub-blocks (:func:`_emit_mac_q4k`'s) on hosts with AVX-512
-    (WIDE_STEPS, :func:`_q4k_step_ahead`), its weights by table lookups: per sub-block the weight of every nibble value t, (d * scale) * t, as a <16 x float>
-    table, then each 16 weights by one VPERMPS of the table by the nibbles (it reads the low 4
-    bits of each index, so they need no mask), in the same lanes as the other path (lane 8t + i:
-    element 4i + t). The same products: the same bits. One core of an AMD EPYC znver4 (AVX-512
+    (WIDE_STEPS, :func:`_q4k_step_ahead`), its weights by table lookups: per sub-block the
+    weight of every nibble value t, (d * scale) * t, as a <16 x float> table, then each 16
+    weights by one VPERMPS of the table by the nibbles (it reads the low 4 bits of each index,
+    so they need no mask), in the same lanes as the other path (lane 8t + i: element 4i + t). The same products: the same bits. One core of an AMD EPYC znver4 (AVX-512
     on 256-bit units), Gemma's 640 x 2048 ffn_down in L2, best of 7: 97-98 -> 85-86 us
     (the mask, convert and multiply per vector gone). ``scales``: the four sub-blocks' scales,
     each a <16 x float> splat; q[ps[k]:ps[k] + 32] (ps i64 IR values) as in _emit_mac_q4k."""
@@ -684,7 +684,11 @@ def _emit_q45k_head(context, builder, qty, q_, off, d_, dmin_):
 def _opaque_ptr(builder, p):
     """Pointer ``p`` through an empty inline asm (x86-64 hosts only call this), so that
     LLVM cannot tell which memory it points to: it keeps the loads and stores through it in
-    memory, neither forwarding a stored value to a later load nor hoisting them."""
+    memory, neither forwarding a stored value to a later load nor hoisting them. (The asm is
+    not marked as having side effects, so an LLVM could still hoist it out of a loop and then
+    forward through it: the results would be the same, the speed not. Compiled with LLVM 22,
+    the steps' hot loops load each scale from the slot: ``tools.mca_steps.compile_asm`` and
+    ``hot_loop`` give their assembly.)"""
     return builder.call(ir.InlineAsm(ir.FunctionType(p.type, [p.type]), "", "=r,0"), [p])
 
 
