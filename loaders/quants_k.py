@@ -523,9 +523,8 @@ def _emit_mac_sub16(context, builder, xty, xb, j, quants, scv, aty, acc):
         builder.store(scv, slot)
         fp = _opaque_ptr(builder, builder.bitcast(slot, ir.FloatType().as_pointer()))
 
-        def splat(i):
-            return ir_splat(builder, builder.load(builder.gep(fp, [ir.Constant(_I32, i)]), align=4), vf16)
-        scales = [builder.shuffle_vector(splat(8 * j + 2 * k), splat(8 * j + 2 * k + 1),
+        scales = [builder.shuffle_vector(_load_splat(builder, fp, 8 * j + 2 * k),
+                                         _load_splat(builder, fp, 8 * j + 2 * k + 1),
                                          ir.Constant(sel, list(range(32)))) for k in range(4)]
     else:
         scales = [builder.shuffle_vector(scv, ir.Constant(vf16, ir.Undefined),
@@ -692,6 +691,13 @@ def _opaque_ptr(builder, p):
     return builder.call(ir.InlineAsm(ir.FunctionType(p.type, [p.type]), "", "=r,0"), [p])
 
 
+def _load_splat(builder, fp, i):
+    """float fp[i] in every lane of a <16 x float> (fp an opaque float*, :func:`_opaque_ptr`):
+    on x86-64 a broadcast load, folded into the instruction that takes it."""
+    return ir_splat(builder, builder.load(builder.gep(fp, [ir.Constant(_I32, i)]), align=4),
+                    ir.VectorType(ir.FloatType(), 16))
+
+
 def _ahead_ptr(context, builder, hty, h):
     """float* to the 16-float slot ``h`` of :func:`_q4k_step_ahead` (opaque: :func:`_opaque_ptr`)."""
     fp = ir_ptr(context, builder, hty, h, ir.Constant(ir.IntType(64), 0), ir.FloatType())
@@ -740,10 +746,9 @@ def _q4k_step_ahead(typingctx, w, o, on, dn, dminn, xb, xo, xs, xso, acc, accm, 
         qty, _, _, _, _, xty, _, xsty, _, aty, mty, hty = signature.args
         w_, o_, on_, dn_, dminn_, xb_, xo_, xs_, xso_, acc_, accm_, h_ = args
         i64 = ir.IntType(64)
-        vf8, vf16 = ir.VectorType(ir.FloatType(), 8), ir.VectorType(ir.FloatType(), 16)
+        vf8 = ir.VectorType(ir.FloatType(), 8)
         hp = _ahead_ptr(context, builder, hty, h_)
-        spl = [ir_splat(builder, builder.load(builder.gep(hp, [ir.Constant(_I32, k)]), align=4), vf16)
-               for k in range(8)]
+        spl = [_load_splat(builder, hp, k) for k in range(8)]
         mins = builder.load(builder.bitcast(builder.gep(hp, [ir.Constant(_I32, 8)]), vf8.as_pointer()), align=4)
         xsv = builder.load(ir_ptr(context, builder, xsty, xs_, xso_, vf8), align=4)
         mp = ir_ptr(context, builder, mty, accm_, ir.Constant(i64, 0), vf8)
