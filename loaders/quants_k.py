@@ -753,10 +753,10 @@ def _q4k_step_ahead(typingctx, w, o, on, dn, dminn, xb, xo, xs, xso, acc, accm, 
         xsv = builder.load(ir_ptr(context, builder, xsty, xs_, xso_, vf8), align=4)
         mp = ir_ptr(context, builder, mty, accm_, ir.Constant(i64, 0), vf8)
         builder.store(builder.fadd(builder.load(mp, align=4), builder.fmul(mins, xsv)), mp, align=4)
-        o64 = builder.sext(o_, i64) if o_.type.width < 64 else o_
+        o64, xo64 = (builder.sext(v, i64) if v.type.width < 64 else v for v in (o_, xo_))
         for j in range(2):
             ps = (builder.add(o64, ir.Constant(i64, 16 + 64 * j)), builder.add(o64, ir.Constant(i64, 48 + 64 * j)))
-            xo = builder.add(builder.sext(xo_, i64) if xo_.type.width < 64 else xo_, ir.Constant(i64, 128 * j))
+            xo = builder.add(xo64, ir.Constant(i64, 128 * j))
             _emit_q4k_tables(context, builder, qty, w_, ps, xty, xb_, xo, spl[4 * j:4 * j + 4], aty, acc_)
         _store_head(context, builder, qty, w_, on_, dn_, dminn_, hp)
         return context.get_dummy_value()
@@ -947,13 +947,13 @@ def _matvec_k(raw, raw1, raw2, x, out, f16, head, quad, bsz, sub, has_min, vbloc
 
 
 @jit.njit(inline="always")
-def _matvec_q4k_ahead(raw, raw1, raw2, x, out, f16):
+def _matvec_q4k_ahead(raw, raw1, raw2, x, out, f16, bsz):
     """Q4_K's fp32 matvec on AVX-512 hosts: :func:`_matvec_k`'s operations (the same bits) by
     :func:`_q4k_step_ahead`, each block's scales and mins decoded one block ahead into a stack
-    slot. The next block of the row's last is itself (decoded again, not used)."""
+    slot. The next block of the row's last is itself (decoded again, not used). ``bsz``: Q4_K's
+    bytes per block (_TYPES)."""
     rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
     nb = x.shape[0] // QK_K
-    bsz = 144                             # BLOCK_BYTES[QT.Q4_K]
     xs = _xsums(x, 32)
     xv = _permute_blocks(x, K_LANE_ELEMENT)
     nchunk = min(rows, _ROW_CHUNKS)
@@ -1386,7 +1386,7 @@ def _k_kernels(qtype: QT, head: str, quad: str, bsz: int, sub: int, nmin: int, o
     dec = f"{head}, {quad}, {bsz}, {sub}"
     return _quant_kernels(globals(), qtype, QT.Q8_K, _ggml_act,
                           f"_dequantize_k(raw, out, f16, {dec})",
-                          "_matvec_q4k_ahead(raw, raw1, raw2, x, out, f16)" if qtype in AHEAD else
+                          f"_matvec_q4k_ahead(raw, raw1, raw2, x, out, f16, {bsz})" if qtype in AHEAD else
                           f"_matvec_k(raw, raw1, raw2, x, out, f16, {dec}, {nmin > 0}, "
                           f"{_VECTOR_IR.get(qtype, '_vblock_none')}, {qtype in PERMUTED_LANES}, "
                           f"{qtype in WEIGHT_FIRST})",
