@@ -290,8 +290,8 @@ def ir_u4_lanes(context, builder, sig_args, args):
         lane_bit = [int(e) for e in U4_LANE_ELEMENT[:8]]             # group 0: qh bit of lane i
         h = ir_opaque(builder, builder.lshr(ir_splat(builder, _arg_i32(builder, qhty, qh), v8),
                                             ir.Constant(v8, lane_bit)))
-    groups = []
-    for g in range(4):
+
+    def group(g):
         nib, pair = g // 2, g % 2
         shifts = [16 * pair + 4 * nib] * 8 if h is not None else \
             [16 * pair + 4 * nib] * 4 + [16 * pair + 8 + 4 * nib] * 4
@@ -301,7 +301,9 @@ def ir_u4_lanes(context, builder, sig_args, args):
             b = builder.lshr(h, ir.Constant(v8, [up] * 8)) if up >= 0 else \
                 builder.shl(h, ir.Constant(v8, [-up] * 8))
             q = builder.or_(q, builder.and_(b, ir.Constant(v8, [16] * 8)))
-        groups.append(builder.sub(q, o))
+        return builder.sub(q, o)
+    q4_0 = h is None and isinstance(mty, types.NoneType)       # its quant offset is 8
+    groups = _q4_0_groups(builder, w8) if q4_0 else [group(g) for g in range(4)]
     vf = ir.VectorType(ir.FloatType(), 16)
     dv = ir_splat(builder, d, vf)
     out = []
@@ -311,6 +313,26 @@ def ir_u4_lanes(context, builder, sig_args, args):
         if not isinstance(mty, types.NoneType):
             r = builder.fadd(r, ir_splat(builder, m, vf))
         out.append(r)
+    return out
+
+
+def _q4_0_groups(builder, w8):
+    """Q4_0's four lane groups of :func:`ir_u4_lanes` (lane group g = 2n + s: nibble n of byte
+    2s of word i in lane i < 4, of byte 2s + 1 in lane i >= 4), q - 8 by sign extension: with
+    every nibble's top bit flipped (one XOR a block), nibble t - 8 is the signed 4-bit value of
+    the flipped one, brought to the top of its lane and shifted back arithmetically. A shift
+    left by 8 of lanes 0-3 first puts their bytes where lanes 4-7 have theirs, so each group
+    shifts by constants: nibble n of byte 2s + 1 sits at bit p = 16s + 8 + 4n, and group 3
+    (p = 28) needs only the arithmetic shift. Two shifts a group where the shift, mask and
+    subtract took three."""
+    v8 = ir.VectorType(ir.IntType(32), 8)
+    x = ir_opaque(builder, builder.shl(builder.xor(w8, ir.Constant(v8, [0x88888888 - (1 << 32)] * 8)),
+                                       ir.Constant(v8, [8] * 4 + [0] * 4)))
+    out = []
+    for g in range(4):
+        p = 16 * (g % 2) + 8 + 4 * (g // 2)
+        top = builder.shl(x, ir.Constant(v8, [28 - p] * 8)) if p < 28 else x
+        out.append(builder.ashr(top, ir.Constant(v8, [28] * 8)))
     return out
 
 
