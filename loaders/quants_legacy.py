@@ -213,9 +213,9 @@ def ir_u4_weights(context, builder, sig_args, args):
     vf = ir.VectorType(ir.FloatType(), 16)
     dv = ir_splat(builder, d, vf)
     out = []
-    for half in (range(16), range(16, 32)):
+    for elems in (range(16), range(16, 32)):
         qh16 = builder.shuffle_vector(q, ir.Constant(v8, ir.Undefined),
-                                      ir.Constant(ir.VectorType(ir.IntType(32), 16), list(half)))
+                                      ir.Constant(ir.VectorType(ir.IntType(32), 16), list(elems)))
         r = builder.fmul(dv, builder.sitofp(qh16, vf))
         if not isinstance(mty, types.NoneType):
             r = builder.fadd(r, ir_splat(builder, m, vf))
