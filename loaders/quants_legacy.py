@@ -324,7 +324,10 @@ def _q4_0_groups(builder, w8):
     left by 8 of lanes 0-3 first puts their bytes where lanes 4-7 have theirs, so each group
     shifts by constants: nibble n of byte 2s + 1 sits at bit p = 16s + 8 + 4n, and group 3
     (p = 28) needs only the arithmetic shift. Two shifts a group where the shift, mask and
-    subtract took three."""
+    subtract took three: compiled for znver3, 35.5 -> 32 instructions a block; one core of an
+    AMD EPYC znver4, TinyLlama-shape attn_q rows in L2 8.0 -> 7.8 cycles a block. (Masking
+    each nibble where it lies, with the activations scaled by 2^-p per lane, took no shifts
+    at all and ran slower: 8.6.)"""
     v8 = ir.VectorType(ir.IntType(32), 8)
     x = ir_opaque(builder, builder.shl(builder.xor(w8, ir.Constant(v8, [0x88888888 - (1 << 32)] * 8)),
                                        ir.Constant(v8, [8] * 4 + [0] * 4)))
