@@ -302,7 +302,8 @@ def ir_u4_lanes(context, builder, sig_args, args):
                 builder.shl(h, ir.Constant(v8, [-up] * 8))
             q = builder.or_(q, builder.and_(b, ir.Constant(v8, [16] * 8)))
         return builder.sub(q, o)
-    q4_0 = h is None and isinstance(mty, types.NoneType)       # its quant offset is 8
+    # Q4_0: no qh, no minimum and the quant offset 8 (a constant from _U4_FIELDS)
+    q4_0 = h is None and isinstance(mty, types.NoneType) and getattr(off, "constant", None) == 8
     groups = _q4_0_groups(builder, w8) if q4_0 else [group(g) for g in range(4)]
     vf = ir.VectorType(ir.FloatType(), 16)
     dv = ir_splat(builder, d, vf)
