@@ -409,55 +409,29 @@ def _emit_mac4(context, builder, xty, xb, xo, quants, scales, aty, acc):
 
 
 def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, acc, hbits=None):
-    """One fp32 step over four 32-element sub-blocks of Q4_K (weight first: (d * scale) * q, then
-    an fma, by :func:`_emit_q4k_groups`; on AVX-512 hosts Q4_K takes :func:`_q4k_step_ahead`
-    instead) or Q5_K (:func:`_emit_mac4`): q0, q1 the low and high nibbles of bytes
+    """One fp32 step over four 32-element sub-blocks of Q4_K or Q5_K on hosts without AVX-512
+    (there Q4_K takes :func:`_q4k_step_ahead`): q0, q1 the low and high nibbles of bytes
     q[p0:p0 + 32], q2, q3 those of q[p1:p1 + 32]; ``scales`` four float IR values (one per
-    sub-block). Q5_K: ``hbits`` = (the 32 qh bytes as eight i32 words, j): bit 4j + k of qh
-    byte b is bit 4 of quant qk of element b, taken from the words as the nibbles are.
+    sub-block). For k = 0..3 in turn, lane b: Q4_K ``acc[b] = fma((d * scale_k) * qk, xk,
+    acc[b])`` (the weight first, WEIGHT_FIRST), Q5_K ``acc[b] = fma(scale_k, qk * xk, acc[b])``
+    (:func:`_emit_mac4`'s), xk = xb[xo + 32k + b]. Q5_K: ``hbits`` = (the 32 qh bytes as eight
+    i32 words, j): bit 4j + k of qh byte b is bit 4 of quant qk of element b, taken from the
+    words as the nibbles are.
 
     The lanes are in :func:`_lane` order (``perm``): the 32 bytes are read as eight 32-bit
     words and byte t of every word is shifted down and masked (lane 8t + i holds element
     4i + t), so the quants reach 32-bit lanes without byte shuffles (zero-extending the bytes
     in order took a shuffle instruction per conversion; one znver3 core, a matrix in L2:
-    38 -> 28 ns a block). xb holds the block's activations in that order."""
-    if hbits is None:
-        _emit_q4k_groups(context, builder, qty, q, (p0, p1), xty, xb, xo, scales, aty, acc)
-        return
-    v8 = ir.VectorType(ir.IntType(32), 8)
-    vf = ir.VectorType(ir.FloatType(), 32)
-    cat16 = ir.Constant(ir.VectorType(ir.IntType(32), 16), list(range(16)))
-    cat32 = ir.Constant(ir.VectorType(ir.IntType(32), 32), list(range(32)))
-    hw, j = hbits
-    quants = []
-    for pi, p in enumerate((p0, p1)):
-        w = builder.load(ir_ptr(context, builder, qty, q, p, v8), align=1)
-        for nib in (0, 4):                  # low nibbles: sub-block 2j; high: 2j + 1
-            parts = [builder.and_(builder.lshr(w, ir.Constant(v8, [nib + 8 * t] * 8)) if nib + 8 * t else w,
-                                  ir.Constant(v8, [15] * 8)) for t in range(4)]
-            bit = 4 * j + 2 * pi + nib // 4     # qh bit 4j + k of byte 4i + t to bit 4 of lane i
-            for t in range(4):
-                sh = 8 * t + bit - 4
-                b = (builder.lshr(hw, ir.Constant(v8, [sh] * 8)) if sh > 0 else
-                     builder.shl(hw, ir.Constant(v8, [-sh] * 8)) if sh < 0 else hw)
-                parts[t] = builder.or_(parts[t], builder.and_(b, ir.Constant(v8, [16] * 8)))
-            lo = builder.shuffle_vector(parts[0], parts[1], cat16)
-            hi = builder.shuffle_vector(parts[2], parts[3], cat16)
-            quants.append(builder.sitofp(builder.shuffle_vector(lo, hi, cat32), vf))
-    _emit_mac4(context, builder, xty, xb, xo, quants, [ir_splat(builder, a, vf) for a in scales], aty, acc)
+    38 -> 28 ns a block). xb holds the block's activations in that order.
 
-
-def _emit_q4k_groups(context, builder, qty, q, ps, xty, xb, xo, scales, aty, acc):
-    """Q4_K's step over four sub-blocks on hosts without AVX-512 (:func:`_emit_mac_q4k`'s
-    arguments; q0, q1 from q[ps[0]:], q2, q3 from q[ps[1]:]), in the lanes of _emit_mac_q4k:
-    ``acc[b] = fma(wk, xk, acc[b])`` for k = 0..3 in turn, wk = (d * scale_k) * qk, the eight
-    accumulators of lanes 8t..8t + 7 (t = 0..3) apart. The IR takes one group of eight lanes
-    at a time, its nibbles shifted and masked, converted, scaled and summed before the next
-    group's: made as four <32 x float> vectors first, LLVM had kept all sixteen <8 x float>
-    parts of a half block live, more than AVX2's sixteen registers, and spilled about 30 of
-    them a block. The same operations on the same values: the same bits. One core of an AMD
-    EPYC znver4 running the kernels compiled for znver3 (AVX2), Gemma's 640 x 2048 ffn_down in
-    L2, best of 300: 81 -> 66 cycles a block (209 instructions a block instead of 249)."""
+    The IR takes one group of eight lanes at a time (t = 0..3: its own accumulator), its
+    quants unpacked, converted and summed before the next group's. Made as four <32 x float>
+    vectors first, LLVM had kept all sixteen <8 x float> parts of a half block live, more than
+    AVX2's sixteen registers, and spilled about 30 of them a block. The same operations on the
+    same values: the same bits. One core of an AMD EPYC znver4 running the kernels compiled
+    for znver3 (AVX2), Gemma's 640 x 2048 Q4_K ffn_down in L2, best of 300: 81 -> 66 cycles a
+    block (209 instructions a block instead of 249); a 512 x 2048 Q5_K matrix in L2, 96 cycles
+    a block either way compiled for znver3, 99 -> 86 compiled for the znver4 host."""
     i32 = ir.IntType(32)
     v8 = ir.VectorType(i32, 8)
     vf8 = ir.VectorType(ir.FloatType(), 8)
@@ -465,16 +439,24 @@ def _emit_q4k_groups(context, builder, qty, q, ps, xty, xb, xo, scales, aty, acc
     xp = ir_ptr(context, builder, xty, xb, xo, vf8)
     ap = ir_ptr(context, builder, aty, acc, ir.Constant(ir.IntType(64), 0), vf8)
     accs = [builder.load(builder.gep(ap, [ir.Constant(i32, t)]), align=4) for t in range(4)]
-    words = [builder.load(ir_ptr(context, builder, qty, q, p, v8), align=1) for p in ps]
+    words = [builder.load(ir_ptr(context, builder, qty, q, p, v8), align=1) for p in (p0, p1)]
     for k in range(4):
-        w, nib = words[k // 2], 4 * (k % 2)
+        pi, nib = k // 2, 4 * (k % 2)       # low nibbles: sub-block 2pi; high: 2pi + 1
         sc = ir_splat(builder, scales[k], vf8)
         for t in range(4):
             sh = nib + 8 * t
-            qv = builder.and_(builder.lshr(w, ir.Constant(v8, [sh] * 8)) if sh else w, ir.Constant(v8, [15] * 8))
-            wk = builder.fmul(sc, builder.sitofp(qv, vf8))
+            qv = builder.and_(builder.lshr(words[pi], ir.Constant(v8, [sh] * 8)) if sh else words[pi],
+                              ir.Constant(v8, [15] * 8))
+            if hbits is not None:           # Q5_K: qh bit 4j + k of byte 4i + t to bit 4 of lane i
+                hw, j = hbits
+                up = 8 * t + 4 * j + k - 4
+                b = (builder.lshr(hw, ir.Constant(v8, [up] * 8)) if up > 0 else
+                     builder.shl(hw, ir.Constant(v8, [-up] * 8)) if up < 0 else hw)
+                qv = builder.or_(qv, builder.and_(b, ir.Constant(v8, [16] * 8)))
+            qf = builder.sitofp(qv, vf8)
             xk = builder.load(builder.gep(xp, [ir.Constant(i32, 4 * k + t)]), align=4)
-            accs[t] = builder.call(fma, [wk, xk, accs[t]])
+            accs[t] = (builder.call(fma, [builder.fmul(sc, qf), xk, accs[t]]) if hbits is None else
+                       builder.call(fma, [sc, builder.fmul(qf, xk), accs[t]]))
     for t in range(4):
         builder.store(accs[t], builder.gep(ap, [ir.Constant(i32, t)]), align=4)
 
