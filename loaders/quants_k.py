@@ -409,10 +409,10 @@ def _emit_mac4(context, builder, xty, xb, xo, quants, scales, aty, acc):
 
 
 def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, acc, hbits=None):
-    """One fp32 step over four 32-element sub-blocks of Q4_K or Q5_K on hosts without AVX-512
-    (there Q4_K takes :func:`_q4k_step_ahead`): q0, q1 the low and high nibbles of bytes
-    q[p0:p0 + 32], q2, q3 those of q[p1:p1 + 32]; ``scales`` four float IR values (one per
-    sub-block). For k = 0..3 in turn, lane b: Q4_K ``acc[b] = fma((d * scale_k) * qk, xk,
+    """One fp32 step over four 32-element sub-blocks of Q4_K (hosts without AVX-512; with it,
+    Q4_K takes :func:`_q4k_step_ahead`) or Q5_K (every host): q0, q1 the low and high
+    nibbles of bytes q[p0:p0 + 32], q2, q3 those of q[p1:p1 + 32]; ``scales`` four float IR
+    values (one per sub-block). For k = 0..3 in turn, lane b: Q4_K ``acc[b] = fma((d * scale_k) * qk, xk,
     acc[b])`` (the weight first, WEIGHT_FIRST), Q5_K ``acc[b] = fma(scale_k, qk * xk, acc[b])``
     (:func:`_emit_mac4`'s), xk = xb[xo + 32k + b]. Q5_K: ``hbits`` = (the 32 qh bytes as eight
     i32 words, j): bit 4j + k of qh byte b is bit 4 of quant qk of element b, taken from the
@@ -464,7 +464,8 @@ def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, ac
 def _emit_fma_weights(context, builder, xty, xb, xo, weights, aty, acc):
     """IR of ``acc[b] = fma(w3, x3, fma(w2, x2, fma(w1, x1, fma(w0, x0, acc[b]))))`` for lanes
     b = 0..31, wk lane b of the <32 x float> ``weights[k]`` (four 32-element sub-blocks' weights
-    d * scale * q, the min terms apart), xk = xb[xo + 32k + b]: Q4_K's step (WEIGHT_FIRST)."""
+    d * scale * q, the min terms apart), xk = xb[xo + 32k + b]: Q4_K's step on AVX-512 hosts
+    (:func:`_emit_q4k_tables`, WEIGHT_FIRST)."""
     vf = ir.VectorType(ir.FloatType(), 32)
     fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v32f32")
     xp = ir_ptr(context, builder, xty, xb, xo, vf)
