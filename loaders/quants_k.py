@@ -108,7 +108,7 @@ from .ggml_types import TypeKernels
 from .quants_legacy import (_I32, _X86_64, I8_DOT, PREFETCH_BYTES, WIDE_STEPS, _ROW_CHUNKS, _far_pair,
                             _fma32, _hsum8, _i8, _stack_f32,
                             _I8T as _I8, _group_row, _lanes_sum32, _permute_blocks, _prefetch,
-                            _quant_kernels, _u16, _v, ir_lane_sums, ir_ptr, ir_splat)
+                            _quant_kernels, _u16, _v, ir_fma, ir_lane_sums, ir_ptr, ir_splat)
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -398,7 +398,7 @@ def _emit_mac4(context, builder, xty, xb, xo, quants, scales, aty, acc):
     of the four products, then one add, cost an add per weight more.)"""
     i32 = ir.IntType(32)
     vf = ir.VectorType(ir.FloatType(), 32)
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v32f32")
+    fma = ir_fma(builder, vf)
     xp = ir_ptr(context, builder, xty, xb, xo, vf)
     ap = ir_ptr(context, builder, aty, acc, ir.Constant(ir.IntType(64), 0), vf)
     a = builder.load(ap, align=4)
@@ -435,7 +435,7 @@ def _emit_mac_q4k(context, builder, qty, q, p0, p1, xty, xb, xo, scales, aty, ac
     i32 = ir.IntType(32)
     v8 = ir.VectorType(i32, 8)
     vf8 = ir.VectorType(ir.FloatType(), 8)
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf8, [vf8, vf8, vf8]), "llvm.fma.v8f32")
+    fma = ir_fma(builder, vf8)
     xp = ir_ptr(context, builder, xty, xb, xo, vf8)
     ap = ir_ptr(context, builder, aty, acc, ir.Constant(ir.IntType(64), 0), vf8)
     accs = [builder.load(builder.gep(ap, [ir.Constant(i32, t)]), align=4) for t in range(4)]
@@ -467,7 +467,7 @@ def _emit_fma_weights(context, builder, xty, xb, xo, weights, aty, acc):
     d * scale * q, the min terms apart), xk = xb[xo + 32k + b]: Q4_K's step on AVX-512 hosts
     (:func:`_emit_q4k_tables`, WEIGHT_FIRST)."""
     vf = ir.VectorType(ir.FloatType(), 32)
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v32f32")
+    fma = ir_fma(builder, vf)
     xp = ir_ptr(context, builder, xty, xb, xo, vf)
     ap = ir_ptr(context, builder, aty, acc, ir.Constant(ir.IntType(64), 0), vf)
     a = builder.load(ap, align=4)
@@ -482,8 +482,9 @@ def _emit_q4k_tables(context, builder, qty, q, ps, xty, xb, xo, scales, aty, acc
     (WIDE_STEPS, :func:`_q4k_step_ahead`), its weights by table lookups: per sub-block the
     weight of every nibble value t, (d * scale) * t, as a <16 x float> table, then each 16
     weights by one VPERMPS of the table by the nibbles (it reads the low 4 bits of each index,
-    so they need no mask), in the same lanes as the other path (lane 8t + i: element 4i + t). The same products: the same bits. One core of an AMD EPYC znver4 (AVX-512
-    on 256-bit units), Gemma's 640 x 2048 ffn_down in L2, best of 7: 97-98 -> 85-86 us
+    so they need no mask), in the same lanes as the other path (lane 8t + i: element 4i + t).
+    The same products: the same bits. One core of an AMD EPYC znver4 (AVX-512 on 256-bit
+    units), Gemma's 640 x 2048 ffn_down in L2, best of 7: 97-98 -> 85-86 us
     (the mask, convert and multiply per vector gone). ``scales``: the four sub-blocks' scales,
     each a <16 x float> splat; q[ps[k]:ps[k] + 32] (ps i64 IR values) as in _emit_mac_q4k."""
     i32 = ir.IntType(32)

@@ -187,6 +187,13 @@ def ir_ptr(context, builder, aryty, ary, idx, vty):
     return builder.bitcast(p, vty.as_pointer())
 
 
+def ir_fma(builder, vty):
+    """llvm.fma for float vector type vty (``<N x float>``), declared in the builder's module:
+    call it as ``builder.call(ir_fma(builder, vty), [a, b, c])`` for a * b + c, one rounding."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(vty, [vty, vty, vty]),
+                                          f"llvm.fma.v{vty.count}f32")
+
+
 def ir_splat(builder, x, vty):
     """x broadcast to every lane of vector type vty."""
     und = ir.Constant(vty, ir.Undefined)
@@ -395,8 +402,7 @@ def _fma_u4x32_codegen(lanes):
     vectors from ``lanes``, each into an FMA with 16 activations and 16 accumulators."""
     def codegen(context, builder, signature, args):
         vf = ir.VectorType(ir.FloatType(), 16)
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]),
-                                             "llvm.fma.v16f32")
+        fma = ir_fma(builder, vf)
         ws = lanes(context, builder, signature.args[:6], args[:6])
         xp = ir_ptr(context, builder, signature.args[6], args[6], args[7], vf)
         ap = ir_ptr(context, builder, signature.args[8], args[8], ir.Constant(ir.IntType(64), 0), vf)
@@ -1206,7 +1212,7 @@ def ir_lane_sums(builder, q, a, c, use_vnni, signed=False):
 def ir_fma_lanes(context, builder, accty, acc, oo, d, s):
     """acc[oo:oo+8] = fma(splat(d), float32(s), acc[oo:oo+8]) for <8 x i32> s."""
     vf = _v(ir.FloatType(), 8)
-    fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vf, vf]), "llvm.fma.v8f32")
+    fma = ir_fma(builder, vf)
     ap = ir_ptr(context, builder, accty, acc, oo, vf)
     builder.store(builder.call(fma, [ir_splat(builder, d, vf), builder.sitofp(s, vf), builder.load(ap, align=4)]),
                   ap, align=4)
@@ -1488,8 +1494,7 @@ def _fma_dot_tile_wide(typingctx, ws, wo, qhs, bits, aq, ad, corr, rows, b, dws,
         ca = context.make_array(cty)(context, builder, c_)
         dp = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16, [v16, v16, v16]),
                                             "llvm.x86.avx512.vpdpbusd.512")
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf16, [vf16, vf16, vf16]),
-                                             "llvm.fma.v16f32")
+        fma = ir_fma(builder, vf16)
 
         def ptr(aty, arr, idx, vty):
             p = cgutils.get_item_pointer(context, builder, aty, arr, idx, wraparound=False)
