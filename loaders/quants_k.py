@@ -107,7 +107,7 @@ from . import jit, quants_legacy
 from .ggml_types import TypeKernels
 from .quants_legacy import (_I32, _X86_64, I8_DOT, PREFETCH_BYTES, WIDE_STEPS, _ROW_CHUNKS, _far_pair,
                             _fma32, _hsum8, _i8, _stack_f32,
-                            _I8T as _I8, _group_row, _lanes_sum32, _permute_blocks, _prefetch,
+                            _I8T as _I8, _group_row, _lanes_sum32, _prefetch,
                             _quant_kernels, _u16, _v, ir_fma, ir_lane_sums, ir_ptr, ir_splat)
 
 jit.kernel_module(__file__, quants_legacy)
@@ -900,6 +900,17 @@ def _lane(b, perm):
 # the element of a 32-element sub-block in each lane of Q4_K's / Q5_K's vector IR block (the
 # inverse of _lane's permutation: lane 8t + i holds element 4i + t)
 K_LANE_ELEMENT = np.array([4 * (L % 8) + L // 8 for L in range(32)], np.int64)
+
+
+@jit.njit(inline="always")
+def _permute_blocks(x, lane_element):
+    """x with each 32-element block's activations in a vector block step's lane order:
+    out[32b + L] = x[32b + lane_element[L]] (K_LANE_ELEMENT)."""
+    out = np.empty_like(x)
+    for b in range(x.shape[0] // 32):
+        for k in range(32):
+            out[32 * b + k] = x[32 * b + lane_element[k]]
+    return out
 
 
 @jit.njit(inline="always")

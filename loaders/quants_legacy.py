@@ -210,7 +210,7 @@ def ir_u4_weights(context, builder, sig_args, args):
     is None). The quants are unpacked and offset at byte width
     (:func:`ir_unpack_u8x32`; q - off lies in [-16, 31], an int8), then widened: the same
     values with fewer instructions than unpacking at 32 bits (the fp32 matvec of Q5_0 went
-    from 7.1 to 8.7 GB/s with it, before it took :func:`ir_u4_lanes`)."""
+    from 7.1 to 8.7 GB/s with it, before it took a step of its own)."""
     wty, _, qhty, _, mty, offty = sig_args
     w, wo, qh, d, m, off = args
     nbits = 4 if isinstance(qhty, types.NoneType) else 5
@@ -228,23 +228,6 @@ def ir_u4_weights(context, builder, sig_args, args):
             r = builder.fadd(r, ir_splat(builder, m, vf))
         out.append(r)
     return out
-
-
-def _u4_lane_elements() -> np.ndarray:
-    """U4_LANE_ELEMENT[L]: the element of a 32-element Q4_0 / Q4_1 / Q5_0 / Q5_1 block in lane
-    L of the fp32 matvec (:func:`_fma_u4x32`). The 16 qs bytes, read as four 32-bit words into
-    both halves of a vector, give by one shift and mask per lane group: group g = 2n + s (n
-    the nibble, s the word's byte pair) holds in lane i < 4 byte 4i + 2s of every word, in
-    lane i >= 4 byte 4(i - 4) + 2s + 1; the low nibble of byte t is element t, its high one
-    element 16 + t."""
-    lanes = np.arange(32)
-    g, i = lanes // 8, lanes % 8
-    return (16 * (g // 2) + 4 * (i % 4) + 2 * (g % 2) + i // 4).astype(np.int64)
-
-
-U4_LANE_ELEMENT = _u4_lane_elements()
-# the lane of each element (the inverse permutation)
-U4_ELEMENT_LANE = np.argsort(U4_LANE_ELEMENT)
 
 
 # the widest vector an x86 register ("x" constraint) holds on that target, in bits
@@ -267,83 +250,61 @@ def ir_opaque(builder, v):
     return builder.call(asm, [v])
 
 
-def ir_u4_lanes(context, builder, sig_args, args):
+def ir_u4_groups(context, builder, sig_args, args):
     """The 32 weights of a Q4_0 / Q4_1 / Q5_0 / Q5_1 block (arguments as :func:`ir_u4_weights`)
-    as two <16 x float> vectors in U4_LANE_ELEMENT order: the qs bytes reach 32-bit lanes by
-    shifts and masks of whole words, with no byte shuffles, and bit 4 of each quant from
-    ``qh`` likewise. The same values as ir_u4_weights, lane for lane of the permutation.
+    as four <8 x float> vectors in element order (vector k: elements 8k .. 8k + 7), for hosts
+    with 256-bit vectors. Each 8 qs bytes reach 32-bit lanes by one zero-extending load
+    (VPMOVZXBD); a mask keeps the low nibbles (elements 0-15), a shift right by 4 the high ones
+    (16-31). Each weight is then one fma, d * float32(q) + c with c = -off * d (Q4_0, Q5_0) or
+    m (Q4_1, Q5_1): the exact product d * q plus c, rounded once, which is d * float32(q - off)
+    (+ m), the value of the other steps (d * (q - off) has at most 16 significant bits, so it
+    is exact). One difference: a zero weight (q = off, no m) is +0 here where d * 0.0 is -0
+    for a negative d; that changes a sum only where an accumulator is -0, which takes a product
+    that underflows to zero. A 5-bit quant's bit 4 (qh bit j for element j) is brought to the
+    sign bit of its lane by one per-lane shift; a blend then picks (16 - off) d over c for Q5_0
+    (0, kept opaque so that LLVM does not turn the blend into a compare and an and-not), or 16
+    over 0 to add to float32(q) for Q5_1 (m + 16 d would be rounded before the sum: two
+    roundings).
 
-    Lane group g = 2n + s takes its nibbles by one per-lane (variable) shift of the words and
-    a mask. For Q5_0 / Q5_1, one per-lane shift per block first brings byte 2s + 1 of each
-    word down to byte 2s in lanes 4-7, and another brings qh bit 4(i % 4) + i // 4 of lane i
-    to bit 0; then each group takes its nibble, and its quants' bit 4 (qh bit 16n + 2s of
-    that), by shifts by constants, which need no register of counts: AVX2's 16 registers then
-    hold the loop without spills (ir_opaque keeps LLVM from merging the shifts back). Measured
-    against a variable shift per group for the qs and the qh bits, 2 threads, znver3, 4096 x
-    4096 matrices: Q5_0 11.2 -> 13.0 GB/s, Q5_1 10.7 -> 12.4; Q4_0 lost 5% that way (it has
-    no qh bits to take), so it keeps a variable shift per group. Against unpacking in element
-    order (ir_unpack_u8x32, then widening shuffles): Q5_0 ffn_gate 8.8 -> 9.3 GB/s, a 4096 x
-    4096 Q5_0 matrix 10.1 -> 11.2, Q4_0 9.5 -> 11.4."""
+    It replaced a step that unpacked the qs words by shifts in a permuted lane order (x
+    permuted once a call) and made each weight by a convert and a multiply. Compiled for
+    znver3, one core of an AMD EPYC znver4, 4096 x 2048 matrices, cycles a block: Q4_0 7.1 ->
+    6.5, Q4_1 8.1 -> 6.2, Q5_0 10.4 -> 9.2, Q5_1 12.2 -> 9.6; two threads, Gemma 3 270M's Q5_0
+    ffn_gate 13.5 -> 14.9 GB/s."""
     wty, _, qhty, _, mty, offty = sig_args
     w, wo, qh, d, m, off = args
     i32 = ir.IntType(32)
-    v4, v8, v16 = (ir.VectorType(i32, n) for n in (4, 8, 16))
-    words = builder.load(ir_ptr(context, builder, wty, w, wo, v4), align=1)
-    w8 = builder.shuffle_vector(words, ir.Constant(v4, ir.Undefined), ir.Constant(v8, [0, 1, 2, 3] * 2))
-    o = ir_splat(builder, _arg_i32(builder, offty, off), v8)
-    h = None
-    if not isinstance(qhty, types.NoneType):
-        w8 = ir_opaque(builder, builder.lshr(w8, ir.Constant(v8, [0] * 4 + [8] * 4)))
-        lane_bit = [int(e) for e in U4_LANE_ELEMENT[:8]]             # group 0: qh bit of lane i
-        h = ir_opaque(builder, builder.lshr(ir_splat(builder, _arg_i32(builder, qhty, qh), v8),
-                                            ir.Constant(v8, lane_bit)))
+    v8, f8 = ir.VectorType(i32, 8), ir.VectorType(ir.FloatType(), 8)
+    fma = ir_fma(builder, f8)
+    dv = ir_splat(builder, d, f8)
+    has_min, five = not isinstance(mty, types.NoneType), not isinstance(qhty, types.NoneType)
 
-    def group(g):
-        nib, pair = g // 2, g % 2
-        shifts = [16 * pair + 4 * nib] * 8 if h is not None else \
-            [16 * pair + 4 * nib] * 4 + [16 * pair + 8 + 4 * nib] * 4
-        q = builder.and_(builder.lshr(w8, ir.Constant(v8, shifts)), ir.Constant(v8, [15] * 8))
-        if h is not None:
-            up = 16 * nib + 2 * pair - 4        # group g's qh bit is bit 16n + 2s of h; to bit 4
-            b = builder.lshr(h, ir.Constant(v8, [up] * 8)) if up >= 0 else \
-                builder.shl(h, ir.Constant(v8, [-up] * 8))
-            q = builder.or_(q, builder.and_(b, ir.Constant(v8, [16] * 8)))
-        return builder.sub(q, o)
-    # Q4_0: no qh, no minimum and the quant offset 8 (a constant from _U4_FIELDS)
-    q4_0 = h is None and isinstance(mty, types.NoneType) and getattr(off, "constant", None) == 8
-    groups = _q4_0_groups(builder, w8) if q4_0 else [group(g) for g in range(4)]
-    vf = ir.VectorType(ir.FloatType(), 16)
-    dv = ir_splat(builder, d, vf)
+    def times_d(k):                     # k * d for an int32 k, exact (at most 16 bits)
+        return builder.fmul(dv, builder.sitofp(ir_splat(builder, k, v8), f8))
+    offset = _arg_i32(builder, offty, off)
+    c = ir_splat(builder, m, f8) if has_min else times_d(builder.neg(offset))
+    if five:
+        h = ir_splat(builder, _arg_i32(builder, qhty, qh), v8)
+        zero = ir_opaque(builder, ir.Constant(f8, [0.0] * 8))
+        if has_min:                     # bit 4 adds 16 to the quant: m + 16 d would round
+            hi = ir.Constant(f8, [16.0] * 8)
+        else:                           # c + 16 d = (16 - off) d: 0 for Q5_0
+            hi = zero if getattr(off, "constant", None) == 16 else times_d(builder.sub(ir.Constant(i32, 16), offset))
+    zs = [builder.zext(builder.load(ir_ptr(context, builder, wty, w, builder.add(wo, ir.Constant(wo.type, 8 * k)),
+                                           ir.VectorType(ir.IntType(8), 8)), align=1), v8) for k in range(2)]
     out = []
-    for k in range(2):
-        q16 = builder.shuffle_vector(groups[2 * k], groups[2 * k + 1], ir.Constant(v16, list(range(16))))
-        r = builder.fmul(dv, builder.sitofp(q16, vf))
-        if not isinstance(mty, types.NoneType):
-            r = builder.fadd(r, ir_splat(builder, m, vf))
-        out.append(r)
-    return out
-
-
-def _q4_0_groups(builder, w8):
-    """Q4_0's four lane groups of :func:`ir_u4_lanes` (lane group g = 2n + s: nibble n of byte
-    2s of word i in lane i < 4, of byte 2s + 1 in lane i >= 4), q - 8 by sign extension: with
-    every nibble's top bit flipped (one XOR a block), nibble t - 8 is the signed 4-bit value of
-    the flipped one, brought to the top of its lane and shifted back arithmetically. A shift
-    left by 8 of lanes 0-3 first puts their bytes where lanes 4-7 have theirs, so each group
-    shifts by constants: nibble n of byte 2s + 1 sits at bit p = 16s + 8 + 4n, and group 3
-    (p = 28) needs only the arithmetic shift. Two shifts a group where the shift, mask and
-    subtract took three: compiled for znver3, 35.5 -> 32 instructions a block; one core of an
-    AMD EPYC znver4, TinyLlama-shape attn_q rows in L2 8.0 -> 7.8 cycles a block. (Masking
-    each nibble where it lies, with the activations scaled by 2^-p per lane, took no shifts
-    at all and ran slower: 8.6.)"""
-    v8 = ir.VectorType(ir.IntType(32), 8)
-    x = ir_opaque(builder, builder.shl(builder.xor(w8, ir.Constant(v8, [0x88888888 - (1 << 32)] * 8)),
-                                       ir.Constant(v8, [8] * 4 + [0] * 4)))
-    out = []
-    for g in range(4):
-        p = 16 * (g % 2) + 8 + 4 * (g // 2)
-        top = builder.shl(x, ir.Constant(v8, [28 - p] * 8)) if p < 28 else x
-        out.append(builder.ashr(top, ir.Constant(v8, [28] * 8)))
+    for k in range(4):
+        z = zs[k % 2]
+        q = builder.and_(z, ir.Constant(v8, [15] * 8)) if k < 2 else builder.lshr(z, ir.Constant(v8, [4] * 8))
+        qf, ck = builder.sitofp(q, f8), c
+        if five:
+            top = builder.shl(h, ir.Constant(v8, [31 - (8 * k + i) for i in range(8)]))
+            bit = builder.icmp_signed("<", top, ir.Constant(v8, [0] * 8))
+            if has_min:
+                qf = builder.fadd(qf, builder.select(bit, hi, zero))
+            else:
+                ck = builder.select(bit, hi, c)
+        out.append(builder.call(fma, [dv, qf, ck]))
     return out
 
 
@@ -398,12 +359,12 @@ def ir_u4_lanes_wide(context, builder, sig_args, args):
 
 
 def _fma_u4x32_codegen(lanes):
-    """The codegen of :func:`_fma_u4x32` / :func:`_fma_u4x32_wide`: the block's two weight
-    vectors from ``lanes``, each into an FMA with 16 activations and 16 accumulators."""
+    """The codegen of :func:`_fma_u4x32` / :func:`_fma_u4x32_wide`: the block's weight vectors
+    from ``lanes`` (element order), each into an FMA with as many activations and accumulators."""
     def codegen(context, builder, signature, args):
-        vf = ir.VectorType(ir.FloatType(), 16)
-        fma = ir_fma(builder, vf)
         ws = lanes(context, builder, signature.args[:6], args[:6])
+        vf = ws[0].type
+        fma = ir_fma(builder, vf)
         xp = ir_ptr(context, builder, signature.args[6], args[6], args[7], vf)
         ap = ir_ptr(context, builder, signature.args[8], args[8], ir.Constant(ir.IntType(64), 0), vf)
         for k, wv in enumerate(ws):
@@ -417,17 +378,16 @@ def _fma_u4x32_codegen(lanes):
 
 @intrinsic
 def _fma_u4x32(typingctx, w, wo, qh, d, m, off, x, xo, acc):
-    """acc[L] = fma(weight[U4_LANE_ELEMENT[L]], x[xo + L], acc[L]) over the 32 weights of one
-    Q4_0 / Q4_1 / Q5_0 / Q5_1 block (arguments w..off as :func:`ir_u4_weights`): x holds the
-    block's activations in lane order (:func:`_permute_blocks`); acc float32[32]. The weights
-    unpacked by :func:`ir_u4_lanes` (256-bit groups)."""
-    return types.void(w, wo, qh, d, m, off, x, xo, acc), _fma_u4x32_codegen(ir_u4_lanes)
+    """acc[L] = fma(weight[L], x[xo + L], acc[L]) over the 32 weights of one Q4_0 / Q4_1 /
+    Q5_0 / Q5_1 block (arguments w..off as :func:`ir_u4_weights`); acc float32[32]. The weights
+    made by :func:`ir_u4_groups` (256-bit vectors)."""
+    return types.void(w, wo, qh, d, m, off, x, xo, acc), _fma_u4x32_codegen(ir_u4_groups)
 
 
 @intrinsic
 def _fma_u4x32_wide(typingctx, w, wo, qh, d, m, off, x, xo, acc):
-    """:func:`_fma_u4x32` with the weights made by :func:`ir_u4_lanes_wide` (AVX-512 only), in
-    element order: acc[L] takes element L (x in element order, not permuted)."""
+    """:func:`_fma_u4x32` with the weights made by :func:`ir_u4_lanes_wide` (AVX-512 only): the
+    same products in the same lanes."""
     return types.void(w, wo, qh, d, m, off, x, xo, acc), _fma_u4x32_codegen(ir_u4_lanes_wide)
 
 
@@ -479,10 +439,15 @@ def _i8(u):
     return v - ((v & 0x80) << 1)
 
 
-@jit.njit(inline="always")
-def _u16(w, o):
-    """Little-endian uint16 at byte offset o of a uint8 row."""
-    return np.int32(w[o]) | (np.int32(w[o + 1]) << 8)
+@intrinsic
+def _u16(typingctx, w, o):
+    """Little-endian uint16 at byte offset o of a uint8 row (no bounds check), as int32: one
+    16-bit load (Numba's targets are little-endian), where the two bytes' loads, shift and OR
+    stayed four instructions (LLVM did not merge them). Every block type's fp16 scale index."""
+    def codegen(context, builder, signature, args):
+        p = ir_ptr(context, builder, signature.args[0], args[0], args[1], ir.IntType(16))
+        return builder.zext(builder.load(p, align=1), _I32)
+    return types.int32(w, o), codegen
 
 
 @jit.njit(inline="always")
@@ -945,17 +910,6 @@ def _chunk(c, n, nchunk):
     return ci * n // nchunk, (ci + 1) * n // nchunk
 
 
-@jit.njit(inline="always")
-def _permute_blocks(x, lane_element):
-    """x with each 32-element block's activations in a vector block step's lane order:
-    out[32b + L] = x[32b + lane_element[L]] (U4_LANE_ELEMENT here, quants_k.K_LANE_ELEMENT)."""
-    out = np.empty_like(x)
-    for b in range(x.shape[0] // 32):
-        for k in range(32):
-            out[32 * b + k] = x[32 * b + lane_element[k]]
-    return out
-
-
 # a group's unused member (see _group_row): no rows; read-only like the weights as_raw gives,
 # so a one-matrix call and a group's are one specialization
 NO_ROWS = np.empty((0, 0), np.uint8)
@@ -976,12 +930,11 @@ def _group_row(raw, raw1, raw2, r):
 
 
 @jit.njit(inline="always")
-def _matvec_blocks(raw, raw1, raw2, x, out, f16, bsz, vec, perm):
+def _matvec_blocks(raw, raw1, raw2, x, out, f16, bsz, vec):
     """fp32 numerics: each weight the exact dequantized value, 32 lane accumulators. ``vec``
-    is the type's block step (``_fma_q4_0`` ...: one block's 32 lanes as two vector FMAs,
-    one rounding per term; ``_mac_q8_0``: Q8_0's product and sum, which LLVM vectorizes as
-    written). ``perm``: the block step's lanes hold the elements in U4_LANE_ELEMENT order,
-    so it reads x permuted likewise (made once per call). The rows are those of a group
+    is the type's block step (``_fma_q4_0`` ...: one block's 32 lanes as vector FMAs, one
+    rounding per term, lane L element L; ``_mac_q8_0``: Q8_0's product and sum, which LLVM
+    vectorizes as written). The rows are those of a group
     (:func:`_group_row`: raw, raw1, raw2 one after another, out likewise), so matrices that
     read the same x (a layer's q, k, v) are one call. Work items are _ROW_CHUNKS
     contiguous row ranges; the accumulators are a _stack_f32 buffer, held in registers (a
@@ -989,7 +942,6 @@ def _matvec_blocks(raw, raw1, raw2, x, out, f16, bsz, vec, perm):
     block's FMA wait on the previous block's store)."""
     rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
     nb = x.shape[0] // 32
-    xv = _permute_blocks(x, U4_LANE_ELEMENT) if perm else x
     nchunk = min(rows, _ROW_CHUNKS)
     for c in prange(nchunk):
         lo, hi = _chunk(c, rows, nchunk)
@@ -998,7 +950,7 @@ def _matvec_blocks(raw, raw1, raw2, x, out, f16, bsz, vec, perm):
             w = _group_row(raw, raw1, raw2, r)
             acc[:] = 0.0
             for b in range(nb):
-                vec(w, b * bsz, f16, xv, b * 32, acc)
+                vec(w, b * bsz, f16, x, b * 32, acc)
             out[r] = _lanes_sum32(acc)
 
 
@@ -1012,7 +964,7 @@ def _far_pair(p, half, rows):
 
 
 @jit.njit(inline="always")
-def _matvec_blocks_far_pairs(raw, raw1, raw2, x, out, f16, bsz, vec, perm):
+def _matvec_blocks_far_pairs(raw, raw1, raw2, x, out, f16, bsz, vec):
     """_matvec_blocks with rows r and r + ceil(rows / 2) per step, each prefetched
     PREFETCH_BYTES bytes ahead: the same operations per row (the same bits), two memory streams
     far apart that the hardware prefetchers alone do not keep fed. For the types whose block
@@ -1020,7 +972,6 @@ def _matvec_blocks_far_pairs(raw, raw1, raw2, x, out, f16, bsz, vec, perm):
     ranges of steps, accumulators in registers as in _matvec_blocks; rows of a group as there."""
     rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
     nb = x.shape[0] // 32
-    xv = _permute_blocks(x, U4_LANE_ELEMENT) if perm else x
     half = (rows + 1) // 2
     nchunk = min(half, _ROW_CHUNKS)
     for c in prange(nchunk):
@@ -1036,8 +987,8 @@ def _matvec_blocks_far_pairs(raw, raw1, raw2, x, out, f16, bsz, vec, perm):
             for b in range(nb):
                 _prefetch(w0, b * bsz + PREFETCH_BYTES)
                 _prefetch(w1, b * bsz + PREFETCH_BYTES)
-                vec(w0, b * bsz, f16, xv, b * 32, acc0)
-                vec(w1, b * bsz, f16, xv, b * 32, acc1)
+                vec(w0, b * bsz, f16, x, b * 32, acc0)
+                vec(w1, b * bsz, f16, x, b * 32, acc1)
             out[r0] = _lanes_sum32(acc0)
             out[r1] = _lanes_sum32(acc1)
 
@@ -1718,14 +1669,13 @@ def _quant_kernels(ns: dict, qtype: QT, act_type: QT, split_act, deq_call: str, 
 def _matvec_call(qtype: QT, wide: bool) -> str:
     """The fp32 matvec driver call of a block type: for Q4_0 / Q4_1 / Q5_0 / Q5_1 with the
     512-bit block step by far row pairs (``wide``, see WIDE_STEPS) or the 256-bit step row by
-    row; Q8_0 by far row pairs (FAR_PAIR_MATVEC). The 256-bit step's lanes hold the elements in
-    U4_LANE_ELEMENT order (x permuted once a call), the 512-bit step's in element order: the
-    same products, summed in other lanes (the last bits differ)."""
+    row; Q8_0 by far row pairs (FAR_PAIR_MATVEC). Both steps hold element L in lane L: the same
+    products in the same lanes, the same sums (a zero weight's sign aside, see ir_u4_groups)."""
     _, _, bsz, _, _, _, vec = _BLOCK_TYPES[qtype]
     u4 = vec in _U4_STEPS
     far = qtype in _FAR_PAIR_ALWAYS or (u4 and wide)
     driver = "_matvec_blocks_far_pairs" if far else "_matvec_blocks"
-    return f"{driver}(raw, raw1, raw2, x, out, f16, {bsz}, {vec}{'_wide' if u4 and wide else ''}, {u4 and not wide})"
+    return f"{driver}(raw, raw1, raw2, x, out, f16, {bsz}, {vec}{'_wide' if u4 and wide else ''})"
 
 
 def u4_matvec(qtype: QT, wide: bool):
@@ -1823,7 +1773,7 @@ def i8_matmul_ggml(qtype: QT, variant: str):
 # 22.5-23.3 -> 30.1-30.3, Q5_1 17.9-18.1 -> 25.6-27.5 GB/s (the wide step alone: 23.6-25.0,
 # 20.4-21.4, 21.5-22.2): its lighter step leaves each row's one FMA chain a block the limit
 _FAR_PAIR_ALWAYS = frozenset({QT.Q8_0})
-# the block steps whose lanes hold U4_LANE_ELEMENT order (the driver permutes x for them)
+# the 4/5-bit types' block steps (a 256-bit and a 512-bit one each)
 _U4_STEPS = frozenset({"_fma_q4_0", "_fma_q4_1", "_fma_q5_0", "_fma_q5_1"})
 # the types whose fp32 matvec runs by far row pairs on this host
 FAR_PAIR_MATVEC = _FAR_PAIR_ALWAYS | (frozenset({QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1}) if WIDE_STEPS

@@ -167,9 +167,8 @@ def test_matvec_fp32_vs_float64(qtype, seed, rows, nblocks):
 
 
 # The fp32 block matvec's lane arithmetic written per element (scalar decode, one llvm.fma.f32
-# per weight into the lane of element j: U4_ELEMENT_LANE for the 256-bit step, j itself for the
-# 512-bit one; then the pairwise lane sum): the vector-IR block steps must give these bits
-# exactly, not only stay within the float64 bound above.
+# per weight into lane j for element j, both steps; then the pairwise lane sum): the vector-IR
+# block steps must give these bits exactly, not only stay within the float64 bound above.
 # the block steps this host compiles: the 512-bit one (True) needs AVX-512
 _STEPS = (False, True) if L.WIDE_STEPS else (False,)
 _SCALAR_DECODERS = {QT.Q4_0: (L._head_d, L._pair_q4_0, 18, False),
@@ -181,18 +180,15 @@ _SCALAR_DECODERS = {QT.Q4_0: (L._head_d, L._pair_q4_0, 18, False),
 _SCALAR_LANES: dict = {}
 
 
-def _scalar_lanes(head, pair, bsz, has_min, wide=False):
-    """The scalar lanes' matvec for one type and step, compiled once (not per example)."""
-    key = (bsz, wide)                     # bsz names the type (18, 20, 22, 24)
-    if key not in _SCALAR_LANES:
-        _SCALAR_LANES[key] = _compile_scalar_lanes(head, pair, bsz, has_min, wide)
-    return _SCALAR_LANES[key]
+def _scalar_lanes(head, pair, bsz, has_min):
+    """The scalar lanes' matvec for one type, compiled once (not per example)."""
+    if bsz not in _SCALAR_LANES:          # bsz names the type (18, 20, 22, 24)
+        _SCALAR_LANES[bsz] = _compile_scalar_lanes(head, pair, bsz, has_min)
+    return _SCALAR_LANES[bsz]
 
 
-def _compile_scalar_lanes(head, pair, bsz, has_min, wide):
+def _compile_scalar_lanes(head, pair, bsz, has_min):
     from numba import njit
-
-    lane = np.arange(32) if wide else L.U4_ELEMENT_LANE
 
     @njit
     def mv(raw, x, out, f16):
@@ -204,9 +200,8 @@ def _compile_scalar_lanes(head, pair, bsz, has_min, wide):
                 d, m, aux = head(w, o, f16)
                 for j in range(16):
                     lo, hi = pair(w, o, aux, j)
-                    k0, k1 = lane[j], lane[16 + j]
-                    acc[k0] = L._fma32(L._weight(d, m, lo, has_min), x[b * 32 + j], acc[k0])
-                    acc[k1] = L._fma32(L._weight(d, m, hi, has_min), x[b * 32 + 16 + j], acc[k1])
+                    acc[j] = L._fma32(L._weight(d, m, lo, has_min), x[b * 32 + j], acc[j])
+                    acc[16 + j] = L._fma32(L._weight(d, m, hi, has_min), x[b * 32 + 16 + j], acc[16 + j])
             out[r] = L._lanes_sum32(acc)
     return mv
 
@@ -216,47 +211,48 @@ def _compile_scalar_lanes(head, pair, bsz, has_min, wide):
 @given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 5), nblocks=st.integers(1, 24),
        x_exp=st.integers(-30, 30))
 def test_matvec_fp32_block_step_bit_exact(qtype, seed, rows, nblocks, x_exp):
-    """Both block steps (the 256-bit one row by row in U4_LANE_ELEMENT lanes; the 512-bit one,
-    where the host has AVX-512, by far row pairs in element lanes) and the host's own dispatch
-    give the bits of the scalar lanes in their order."""
-    assert sorted(L.U4_LANE_ELEMENT) == list(range(32))          # a permutation of a block
+    """Both block steps (the 256-bit one row by row; the 512-bit one, where the host has
+    AVX-512, by far row pairs) and the host's own dispatch give the bits of the scalar lanes.
+    x never underflows a product here: the sign of a zero weight (ir_u4_groups) cannot show."""
     rng = np.random.default_rng(seed)
     n = 32 * nblocks
     raw = random_raw(qtype, rows, n, rng)
     x = (rng.standard_normal(n) * 2.0 ** x_exp).astype(np.float32)
     x[rng.random(n) < 0.1] = 0.0
-    want = {}
+    want = np.empty(rows, np.float32)
+    _scalar_lanes(*_SCALAR_DECODERS[qtype])(raw, x, want, L.F16_TO_F32)
     for wide in _STEPS:
-        want[wide] = np.empty(rows, np.float32)
-        _scalar_lanes(*_SCALAR_DECODERS[qtype], wide)(raw, x, want[wide], L.F16_TO_F32)
         got = np.full(rows, np.nan, np.float32)
         L.u4_matvec(qtype, wide)(raw, L.NO_ROWS, L.NO_ROWS, x, got, L.F16_TO_F32)
-        assert bits_equal(got, want[wide]), f"wide={wide}"
-    assert bits_equal(run_matvec(qtype, raw, x), want[L.WIDE_STEPS])
+        assert bits_equal(got, want), f"wide={wide}"
+    assert bits_equal(run_matvec(qtype, raw, x), want)
 
 
 @pytest.mark.parametrize("qtype", list(_SCALAR_DECODERS), ids=lambda t: t.name)
-def test_matvec_fp32_wide_step_extreme_quants(qtype):
+@pytest.mark.parametrize("d, m", [(-0.375, 1.5), (0.003, -700.0)])
+def test_matvec_fp32_wide_step_extreme_quants(qtype, d, m):
     """The quants' ends (the 512-bit step's table ends, its qh mask all set or all clear): every
     quant 0 or every quant 15 / 31, against the scalar lanes, both steps (where the host has
-    them)."""
+    them). With d = 0.003 and m = -700 (fp16: 0.0030003 and -700), m + 16 d is not a float32:
+    a weight d * q + m for a quant with bit 4 made as d * (q - 16) + (m + 16 d) would round
+    twice and differ (for q = 31 here)."""
     bsz = _SCALAR_DECODERS[qtype][2]
     raw = np.empty((4, 3 * bsz), np.uint8)
     for r, (qs, qh) in enumerate(((0x00, 0x00), (0xFF, 0xFF), (0x0F, 0xFF), (0xF0, 0x00))):
         blk = raw[r].reshape(3, bsz)
         blk[:] = qs
-        blk[:, 0:2] = np.frombuffer(np.float16(-0.375).tobytes(), np.uint8)
+        blk[:, 0:2] = np.frombuffer(np.float16(d).tobytes(), np.uint8)
         if qtype in (QT.Q4_1, QT.Q5_1):
-            blk[:, 2:4] = np.frombuffer(np.float16(1.5).tobytes(), np.uint8)
+            blk[:, 2:4] = np.frombuffer(np.float16(m).tobytes(), np.uint8)
         if qtype in (QT.Q5_0, QT.Q5_1):
             o = 4 if qtype == QT.Q5_1 else 2
             blk[:, o:o + 4] = qh
     x = np.random.default_rng(5).standard_normal(96).astype(np.float32)
     w = L.dequantize_reference(qtype, raw)
+    want = np.empty(4, np.float32)
+    _scalar_lanes(*_SCALAR_DECODERS[qtype])(raw, x, want, L.F16_TO_F32)
+    assert np.all(np.abs(want - L.matvec_reference(qtype, raw, x)) <= fp32_bound(96, w, x))
     for wide in _STEPS:
-        want = np.empty(4, np.float32)
-        _scalar_lanes(*_SCALAR_DECODERS[qtype], wide)(raw, x, want, L.F16_TO_F32)
-        assert np.all(np.abs(want - L.matvec_reference(qtype, raw, x)) <= fp32_bound(96, w, x))
         got = np.full(4, np.nan, np.float32)
         L.u4_matvec(qtype, wide)(raw, L.NO_ROWS, L.NO_ROWS, x, got, L.F16_TO_F32)
         assert bits_equal(got, want), f"wide={wide}"
