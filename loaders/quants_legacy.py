@@ -210,7 +210,8 @@ def ir_u4_weights(context, builder, sig_args, args):
     is None). The quants are unpacked and offset at byte width
     (:func:`ir_unpack_u8x32`; q - off lies in [-16, 31], an int8), then widened: the same
     values with fewer instructions than unpacking at 32 bits (the fp32 matvec of Q5_0 went
-    from 7.1 to 8.7 GB/s with it, before it took a step of its own)."""
+    from 7.1 to 8.7 GB/s with it, before it took steps of its own: ir_u4_groups,
+    ir_u4_lanes_wide). The dequantization of these types takes it."""
     wty, _, qhty, _, mty, offty = sig_args
     w, wo, qh, d, m, off = args
     nbits = 4 if isinstance(qhty, types.NoneType) else 5
@@ -238,9 +239,8 @@ def ir_opaque(builder, v):
     """``v``, hidden from LLVM's optimizer: an empty inline asm on x86-64 where one register
     holds ``v`` (``v`` itself elsewhere: a 256-bit vector on a target without AVX, e.g.
     NUMBA_CPU_NAME=generic, has no register for the asm and LLVM would refuse to compile it).
-    Shifts by constants that follow a per-lane shift then stay one instruction each, with no
-    register of counts; LLVM would otherwise merge each into a per-lane shift of its own (a
-    register of counts apiece, and AVX2 has 16)."""
+    LLVM then cannot rewrite what takes ``v`` by its value: :func:`ir_u4_groups`' blend with a
+    zero vector stays one blend, where LLVM would make a compare and an and-not of it."""
     t = v.type
     el, n = (t.element, t.count) if isinstance(t, ir.VectorType) else (t, 1)
     bits = n * (el.width if isinstance(el, ir.IntType) else 32 if isinstance(el, ir.FloatType) else 64)
@@ -268,9 +268,11 @@ def ir_u4_groups(context, builder, sig_args, args):
 
     It replaced a step that unpacked the qs words by shifts in a permuted lane order (x
     permuted once a call) and made each weight by a convert and a multiply. Compiled for
-    znver3, one core of an AMD EPYC znver4, 4096 x 2048 matrices, cycles a block: Q4_0 7.1 ->
-    6.5, Q4_1 8.1 -> 6.2, Q5_0 10.4 -> 9.2, Q5_1 12.2 -> 9.6; two threads, Gemma 3 270M's Q5_0
-    ffn_gate 13.5 -> 14.9 GB/s."""
+    znver3, one core of an AMD EPYC znver4, 4096 x 2048 matrices, cycles a block (with the
+    scale's index by one load, :func:`_u16`): Q4_0 7.2 -> 6.5, Q4_1 7.9 -> 5.9, Q5_0 10.5 ->
+    9.1, Q5_1 12.3 -> 9.3; two threads, Gemma 3 270M's Q5_0 ffn_gate 13.5 -> 14.9 GB/s.
+    Far row pairs of it ran slower (Q4_0, two threads, 19.6 -> 16.5 GB/s), and so did bit 4 by
+    an arithmetic shift and an and-not in place of the blend (Q5_0 9.1 -> 10.0 cycles)."""
     wty, _, qhty, _, mty, offty = sig_args
     w, wo, qh, d, m, off = args
     i32 = ir.IntType(32)
@@ -445,7 +447,8 @@ def _u16(typingctx, w, o):
     16-bit load (Numba's targets are little-endian), where the two bytes' loads, shift and OR
     stayed four instructions (LLVM did not merge them). Every block type's fp16 scale index."""
     def codegen(context, builder, signature, args):
-        p = ir_ptr(context, builder, signature.args[0], args[0], args[1], ir.IntType(16))
+        o = context.cast(builder, args[1], signature.args[1], types.intp)
+        p = ir_ptr(context, builder, signature.args[0], args[0], o, ir.IntType(16))
         return builder.zext(builder.load(p, align=1), _I32)
     return types.int32(w, o), codegen
 
