@@ -386,7 +386,7 @@ def _scalar_matvec(qtype: QT):
 
 
 def test_k_lane_table_is_the_inverse_of_the_scalar_lane_order():
-    """The vector IR block reads x permuted by K_LANE_ELEMENT (quants_legacy._permute_blocks);
+    """The vector IR block reads x permuted by K_LANE_ELEMENT (quants_k._permute_blocks);
     the scalar loop puts element b in lane _lane(b, True): the two orders must agree."""
     assert [int(K.K_LANE_ELEMENT[K._lane(b, True)]) for b in range(32)] == list(range(32))
     x = np.arange(64, dtype=np.float32)
