@@ -36,6 +36,9 @@ def test_blocks_per_iteration_counts_lanes_by_register_width():
     assert M.blocks_per_iteration(["vfmadd231ps %zmm1, %zmm2, %zmm3"], 4, 32) == 2.0
     assert M.blocks_per_iteration(["vfmadd231ps %ymm1, %ymm2, %ymm3"], 4, 32) == 1.0
     assert M.blocks_per_iteration(["vfmadd231ps %zmm1, %zmm2, %zmm3"], 16, 256) == 1.0
+    # the 4/5-bit types' 256-bit step: one FMA makes each weight, one sums it
+    assert M.blocks_per_iteration(["vfmadd231ps %ymm1, %ymm2, %ymm3"], 16, 32, 2) == 2.0
+    assert [M.fmas_per_weight(k) for k in ("Q5_0 256-bit", "Q5_0 512-bit pairs", "Q4_K")] == [2, 1, 1]
 
 
 @pytest.mark.parametrize("argv, word", [(["--targets", "znver9"], "znver9"),

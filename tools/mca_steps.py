@@ -98,11 +98,18 @@ def hot_loop(asm: str) -> tuple[list[str], int]:
     return ins, len(re.findall(r"\bvfn?madd", best))
 
 
-def blocks_per_iteration(ins: list[str], fmas: int, weights: int) -> float:
-    """Weight blocks one pass of the loop computes: every weight takes one FMA lane, 16 lanes
-    to a zmm FMA, 8 to a ymm one."""
+def fmas_per_weight(kernel: str) -> int:
+    """FMA lanes a kernel's step takes per weight: two for the 4/5-bit types' 256-bit step (one
+    makes the weight, d * q + c, loaders.quants_legacy.ir_u4_groups; one sums it), one for the
+    others."""
+    return 2 if kernel.endswith("256-bit") else 1
+
+
+def blocks_per_iteration(ins: list[str], fmas: int, weights: int, per_weight: int = 1) -> float:
+    """Weight blocks one pass of the loop computes: every weight takes ``per_weight`` FMA lanes
+    (:func:`fmas_per_weight`), 16 lanes to a zmm FMA, 8 to a ymm one."""
     lanes = 16 if any("zmm" in i for i in ins if "madd" in i) else 8
-    return fmas * lanes / weights
+    return fmas * lanes / (weights * per_weight)
 
 
 def mca_cycles(mca: str, cpu: str, ins: list[str], iterations: int = 200) -> float:
@@ -182,7 +189,7 @@ def _table(mca: str, targets: list[str], kernels: list[str]) -> None:
                 continue
             nbytes, weights = block_shape(name)
             ins, fmas = hot_loop(asms[name])
-            nblk = blocks_per_iteration(ins, fmas, weights)
+            nblk = blocks_per_iteration(ins, fmas, weights, fmas_per_weight(name))
             if nblk <= 0:
                 raise RuntimeError(f"{name} for {target}: no FMA loop found in its assembly")
             cyc = mca_cycles(mca, TARGETS[target][2], ins) / nblk
