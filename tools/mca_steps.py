@@ -13,8 +13,13 @@ They are a model's estimates, not measurements: llvm-mca knows the ports, latenc
 dependency chains, not the caches, the prefetchers or the frequency. Where a step's fma takes
 its scale as a broadcast load (the K types' sub-block scales, loaders.quants_k._emit_mac_sub16),
 LLVM 14's models add the load's latency to the accumulator's chain, which a core does not: the
-Q2_K / Q3_K / Q6_K rows then read slower than they run. The Sapphire Rapids row
-uses the Ice Lake server model (the nearest LLVM 14 has), with Sapphire Rapids' ISA.
+Q2_K / Q3_K / Q6_K rows then read slower than they run. LLVM 14's znver3 model gives a 256-bit
+FMA a reciprocal throughput of 1 cycle (a vmulps 0.5; Zen 3 has two FMA pipes) and a
+VPMOVZXBD from memory 1.5: the 4/5-bit types' 256-bit step, which takes two FMAs a weight and
+two such loads a block, reads slower there than the step it replaced (Q5_0 11.6 -> 15.2
+cycles a block) while it ran faster compiled for znver3 on a Zen 4 core (10.5 -> 9.1). The
+Sapphire Rapids row uses the Ice Lake server model (the nearest LLVM 14 has), with Sapphire
+Rapids' ISA.
 
     python -m tools.mca_steps [--targets znver3 sapphirerapids] [--mca PATH]
 """
