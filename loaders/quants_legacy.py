@@ -181,7 +181,7 @@ def _q5(typingctx, u, qh, j, off):
 # ``llvm.fma.v16f32`` rounds once per lane as ``llvm.fma.f32`` does.
 
 def ir_ptr(context, builder, aryty, ary, idx, vty):
-    """Pointer to ary[idx] as a pointer to vector type vty (no bounds check)."""
+    """Pointer to ary[idx] as a pointer to type vty, a vector or a scalar (no bounds check)."""
     a = context.make_array(aryty)(context, builder, ary)
     p = cgutils.get_item_pointer(context, builder, aryty, a, [idx], wraparound=False)
     return builder.bitcast(p, vty.as_pointer())
