@@ -214,3 +214,31 @@ def test_a_target_this_host_cannot_run_is_one_line(capsys):
     err = capsys.readouterr().err
     assert err.startswith("tools.bench: error: --target sapphirerapids: this CPU lacks ")
     assert "avx512fp16" in err and err.count("\n") == 1
+
+
+def test_kernel_timing_runs_for_its_count_and_its_time_floor():
+    """tools.bench_kernels.time_call: a fast call repeats until the time floor has passed, a
+    slow one until its count is reached; best and median are of the timed calls."""
+    import time
+
+    from tools.bench_kernels import time_call
+    calls = []
+
+    def fast():
+        calls.append(time.perf_counter())
+
+    t0 = time.perf_counter()
+    best, med = time_call(fast, reps=3, min_seconds=0.05)
+    assert time.perf_counter() - t0 >= 0.05
+    assert len(calls) > 3 + 1          # the warm-up call, then far more than 3 timed calls
+    assert 0 <= best <= med
+
+    calls.clear()
+    time_call(lambda: (calls.append(0), time.sleep(0.002)), reps=5, min_seconds=0.0)
+    assert len(calls) == 1 + 5          # warm-up + exactly the count when the floor is zero
+    # two slow calls meet the count; the floor keeps it going, and the fast calls after
+    # them set the best (the slow stretch a best of reps alone would have reported)
+    import itertools
+    delays = itertools.chain([0.0, 0.02, 0.02], itertools.repeat(0.0))
+    best, med = time_call(lambda: time.sleep(next(delays)), reps=2, min_seconds=0.1)
+    assert best < 0.005

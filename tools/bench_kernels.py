@@ -64,8 +64,8 @@ def read_bandwidth(gb: float = 1.0, reps: int = 4) -> float:
 
 
 # Each timing repeats its call for at least this long. A call of these kernels takes about a
-# millisecond, and on a VM one stretch of a few milliseconds can run at half speed (another
-# guest on the core): a best of 3 such calls then read Gemma's Q4_K matrices at 33% of read
+# millisecond, and on a VM one stretch of a few milliseconds can run at half speed (a vCPU
+# taken away for a moment): a best of 3 such calls then read Gemma's Q4_K matrices at 33% of read
 # bandwidth in one run and 59-62% in the next ones.
 MIN_SECONDS = 0.25
 
@@ -217,8 +217,8 @@ def main(argv=None) -> int:
                     help="GGUF file whose tensors to time (default: the default model, Gemma 3 270M Q4_K_M)")
     ap.add_argument("--no-real", action="store_true", help="time synthetic matrices only")
     ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
-    ap.add_argument("--reps", type=int, default=15, help="timed calls per measurement, at least (each also runs for at least "
-                         f"{MIN_SECONDS} s)")
+    ap.add_argument("--reps", type=int, default=15,
+                    help=f"timed calls per measurement, at least (and at least {MIN_SECONDS} s of calls)")
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time subprocesses")
     args = ap.parse_args(argv)
     model = None if args.no_real else resolve_model(args.model)
