@@ -242,3 +242,13 @@ def test_kernel_timing_runs_for_its_count_and_its_time_floor():
     delays = itertools.chain([0.0, 0.02, 0.02], itertools.repeat(0.0))
     best, med = time_call(lambda: time.sleep(next(delays)), reps=2, min_seconds=0.1)
     assert best < 0.005
+
+
+@pytest.mark.parametrize("flag", ["--reps", "--threads"])
+def test_kernel_bench_refuses_a_count_below_one_in_one_line(flag, capsys):
+    from tools import bench_kernels
+    with pytest.raises(SystemExit) as e:
+        bench_kernels.main([flag, "0", "--no-real", "--no-compile"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"error: {flag} 0: must be at least 1" in err and "Traceback" not in err

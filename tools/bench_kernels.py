@@ -221,6 +221,10 @@ def main(argv=None) -> int:
                     help=f"timed calls per measurement, at least (and at least {MIN_SECONDS} s of calls)")
     ap.add_argument("--no-compile", action="store_true", help="skip the compile-time subprocesses")
     args = ap.parse_args(argv)
+    if args.reps < 1:
+        ap.error(f"--reps {args.reps}: must be at least 1")
+    if args.threads < 1:
+        ap.error(f"--threads {args.threads}: must be at least 1")
     model = None if args.no_real else resolve_model(args.model)
 
     import numba
