@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -120,16 +122,51 @@ def quiet_stdout() -> None:
         pass
 
 
+# the most bytes of prompt text -f / --stdin read (pyimp-run, pyimp-dump, pyimp-tokenize): far
+# more than any model's context holds, and a bound on what an endless input (/dev/zero, a pipe
+# that never closes) can take before it is refused
+MAX_PROMPT_BYTES = 64 << 20
+
+
+class PromptTooLarge(OSError):
+    """An input holds more than :data:`MAX_PROMPT_BYTES`; the message names it and the limit."""
+
+
+def read_capped(fh, name: str) -> bytes:
+    """The bytes of the binary stream ``fh`` (called ``name`` in messages), at most
+    :data:`MAX_PROMPT_BYTES` of them: a regular file over the limit is refused by its size,
+    any other stream after reading one byte more than the limit (PromptTooLarge)."""
+    from .memory import fmt_bytes
+    cap = MAX_PROMPT_BYTES
+    too_large = PromptTooLarge(f"{name}: more than the {fmt_bytes(cap)} a prompt may have "
+                               f"({cap} bytes)")
+    try:
+        st = os.fstat(fh.fileno())
+    except (OSError, AttributeError, ValueError):
+        st = None
+    if st is not None and stat.S_ISREG(st.st_mode) and st.st_size > cap:
+        raise too_large
+    data = fh.read(cap + 1)
+    if len(data) > cap:
+        raise too_large
+    return data
+
+
 def read_prompt(args: argparse.Namespace) -> str:
-    """The prompt of ``-p TEXT`` or ``-f FILE`` ("" when neither is given); a file that cannot
-    be read raises OSError with a message naming it."""
+    """The prompt of ``-p TEXT`` or ``-f FILE`` ("" when neither is given), a file read as
+    UTF-8 text (undecodable bytes kept as surrogates, newlines translated) of at most
+    :data:`MAX_PROMPT_BYTES`; a file that cannot be read or is larger raises OSError with a
+    message naming it."""
     if getattr(args, "file", None) is None:
         return args.prompt if args.prompt is not None else ""
     try:
-        with open(args.file, encoding="utf-8", errors="surrogateescape") as fh:
-            return fh.read()
+        with open(args.file, "rb") as fh:
+            data = read_capped(fh, f"prompt file {args.file}")
+    except PromptTooLarge:
+        raise
     except OSError as e:
         raise OSError(f"cannot read prompt file {args.file}: {e.strerror}") from None
+    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape").read()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -140,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text")
-    src.add_argument("-f", "--file", help="read the prompt from this file")
+    src.add_argument("-f", "--file", help=f"read the prompt from this file (at most {MAX_PROMPT_BYTES >> 20} MiB)")
     p.add_argument("-n", "--n-predict", type=_int_at_least(-1, "--n-predict"), default=128,
                    help="tokens to generate (-1 = until end of text or context)")
     p.add_argument("--temp", type=_float_in(0.0, 1e6, "--temp"), default=0.8, help="temperature (0 = greedy)")

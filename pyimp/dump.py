@@ -403,7 +403,7 @@ def _glob(s: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .cli import _Help, _int_at_least, _Parser, add_model_args
+    from .cli import MAX_PROMPT_BYTES, _Help, _int_at_least, _Parser, add_model_args
 
     p = _Parser(prog="pyimp-dump", formatter_class=_Help,
                 description="Write every named intermediate tensor of a greedy run (prefill + "
@@ -413,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text")
-    src.add_argument("-f", "--file", help="read the prompt from this file")
+    src.add_argument("-f", "--file", help=f"read the prompt from this file (at most {MAX_PROMPT_BYTES >> 20} MiB)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.gguf", help="the dump to write")
     p.add_argument("--steps", type=_int_at_least(0, "--steps"), default=4,
                    help="greedy decode steps after the prefill (0 = prefill only)")

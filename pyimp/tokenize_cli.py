@@ -55,6 +55,8 @@ def _piece_text(piece: bytes) -> tuple[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from . import cli
+    from .cli import PromptTooLarge, read_capped
     from .runtime import configure_process
     configure_process()
     p = _Parser(prog=PROG, description="Print the token ids of a text for a GGUF vocabulary "
@@ -65,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the same, as llama-tokenize's -m")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="text to tokenize")
-    src.add_argument("-f", "--file", help="read the text from this file (bytes as they are)")
-    src.add_argument("--stdin", action="store_true", help="read the text from standard input")
+    src.add_argument("-f", "--file", help=f"read the text from this file (bytes as they are; at most {cli.MAX_PROMPT_BYTES >> 20} MiB)")
+    src.add_argument("--stdin", action="store_true", help=f"read the text from standard input (at most {cli.MAX_PROMPT_BYTES >> 20} MiB)")
     p.add_argument("--ids", action="store_true", help="print only the ids, as a list")
     sp = p.add_mutually_exclusive_group()
     sp.add_argument("--parse-special", dest="parse_special", action="store_true", default=True,
@@ -101,11 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     elif a.file is not None:
         try:
             with open(a.file, "rb") as f:
-                text = f.read()
+                text = read_capped(f, a.file)
+        except PromptTooLarge as e:
+            fail(str(e))
         except OSError as e:
             fail(f"cannot read {a.file}: {e.strerror or e}")
     else:
-        text = sys.stdin.buffer.read()
+        try:
+            text = read_capped(sys.stdin.buffer, "standard input")
+        except PromptTooLarge as e:
+            fail(str(e))
+        except OSError as e:
+            fail(f"cannot read standard input: {e.strerror or e}")
     if not a.no_escape:
         text = process_escapes(text)
 

@@ -405,3 +405,34 @@ def test_numba_settings_that_cannot_run_are_one_error(tiny, var, value, needle):
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     _one_line_error(r.returncode, r.stderr, needle)
     assert r.stdout == ""
+
+
+def test_prompt_file_beyond_the_limit_is_one_error(capsys, tiny, tmp_path, monkeypatch):
+    """-f reads at most MAX_PROMPT_BYTES + 1 bytes: /dev/zero (endless) and a regular file over
+    the limit are one line naming the file and the limit, before the model is loaded."""
+    import pyimp.cli as cli
+    monkeypatch.setattr(cli, "MAX_PROMPT_BYTES", 1024)
+    code, out, err = _run([tiny, "-f", "/dev/zero"], capsys)
+    _one_line_error(code, err, "prompt file /dev/zero: more than the 1.0 KiB")
+    assert code == 1 and out == ""
+    big = tmp_path / "big.txt"
+    big.write_bytes(b"a" * 1025)
+    code, out, err = _run([tiny, "-f", str(big)], capsys)
+    _one_line_error(code, err, f"prompt file {big}: more than the 1.0 KiB")
+    assert out == ""
+    ok = tmp_path / "ok.txt"
+    ok.write_bytes(b"ab\r\ncd" + b"e" * 1018)            # exactly the limit: read as text
+    code, out, err = _run([tiny, "-f", str(ok), "-n", "1", "--temp", "0", "--json"], capsys)
+    assert code == 0, err
+    assert cli.MAX_PROMPT_BYTES == 1024
+    monkeypatch.undo()
+    assert cli.MAX_PROMPT_BYTES == 64 << 20                # the documented limit
+
+
+def test_prompt_file_keeps_its_newlines_translated(tmp_path):
+    import argparse
+
+    from pyimp.cli import read_prompt
+    f = tmp_path / "p.txt"
+    f.write_bytes(b"a\r\nb\rc\n\xff")
+    assert read_prompt(argparse.Namespace(file=str(f), prompt=None)) == "a\nb\nc\n\udcff"

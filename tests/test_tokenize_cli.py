@@ -25,3 +25,27 @@ def test_special_tokens_parsed_by_default(gemma_path, capsys):
     assert "105" not in plain and plain.count(",") >= 3          # the markup spelled out in pieces
     assert main([gemma_path, "-p", "<start_of_turn>user", "--ids", "--no-bos", "--parse-special"]) == 0
     assert capsys.readouterr().out == "[105, 2364]\n"             # the old flag still works
+
+
+def test_input_beyond_the_limit_is_one_error(gemma_path, capsys, monkeypatch, tmp_path):
+    """-f and --stdin read at most MAX_PROMPT_BYTES + 1 bytes: an endless input (/dev/zero)
+    is one line naming it and the limit."""
+    import io
+
+    import pyimp.cli as cli
+    monkeypatch.setattr(cli, "MAX_PROMPT_BYTES", 1024)
+    with pytest.raises(SystemExit) as e:
+        main([gemma_path, "-f", "/dev/zero", "--ids"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and out == "" and err.count("\n") == 1, err
+    assert "/dev/zero: more than the 1.0 KiB" in err and "Traceback" not in err
+    with open("/dev/zero", "rb") as zero:
+        monkeypatch.setattr("sys.stdin", io.TextIOWrapper(zero))
+        with pytest.raises(SystemExit) as e:
+            main([gemma_path, "--stdin", "--ids"])
+    out, err = capsys.readouterr()
+    assert e.value.code == 1 and out == "" and err.count("\n") == 1, err
+    assert "standard input: more than the 1.0 KiB" in err
+    f = tmp_path / "t.txt"
+    f.write_bytes(b"Hello world" + b" " * 1013)            # exactly the limit
+    assert main([gemma_path, "-f", str(f), "--ids"]) == 0
