@@ -89,7 +89,10 @@ producers. Metadata (``general.architecture`` is ``pyimp.dump``)::
 ``--layers``, ``--tensors`` and ``--steps`` limit what is written: layer filters keep tensors
 without a layer (embd, result_*); ``inp_tokens`` is always written; a ``--tensors`` glob (fnmatch, repeatable) matches
 the full name or the name without its ``@s``. The prefill is one forward (one llama.cpp ubatch):
-the batch size is raised to the prompt length.
+the batch size is raised to the prompt length. A trace is held in memory until it is written:
+its size (:func:`estimate_bytes`, from the model's shapes, the filters and the steps) with the KV
+cache is checked against the available memory (:mod:`pyimp.memory`) before the run, and a dump
+that does not fit is refused with one line.
 """
 from __future__ import annotations
 
@@ -100,6 +103,7 @@ import re
 import struct
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -271,6 +275,90 @@ def run_trace(engine, prompt, steps: int = 0, keep=None, add_bos: bool = True) -
                "prompt": prompt if text else "", "steps": steps, "numerics": o.numerics,
                "architecture": engine.cfg.arch, "kv_type": kv}
     return tr
+
+
+def _forward_taps(engine, T: int) -> list:
+    """(name without @step, bytes) of every tensor a traced forward of ``T`` tokens records,
+    in the order Engine.forward taps them (one prefill or decode step, logits of the last row)."""
+    cfg, A = engine.cfg, engine.weights.arch
+    E, F, D, Hq, Hkv = cfg.n_embd, cfg.n_ff, cfg.head_dim, cfg.n_head, cfg.n_head_kv
+    taps: list = [("inp_tokens", -1, 4 * T), ("embd", -1, 4 * T * E)]
+    if A.embd_scale:
+        taps.append(("inp_scaled", -1, 4 * T * E))
+    for il, lw in enumerate(engine.weights.layers):
+        rows = 1 if il == cfg.n_layer - 1 else T        # the last layer keeps one row
+        q, kv = 4 * T * Hq * D, 4 * T * Hkv * D
+        taps.append(("attn_norm", il, 4 * T * E))
+        for name, nb, bias in (("Qcur", q, lw.attn_q_bias), ("Kcur", kv, lw.attn_k_bias),
+                               ("Vcur", kv, lw.attn_v_bias)):
+            taps += [(name, il, nb)] * (1 if bias is None else 2)
+        taps += [("Qcur", il, q), ("Kcur", il, kv), ("Vcur", il, kv)]
+        if A.qk_norm:
+            taps += [("Qcur_normed", il, q), ("Kcur_normed", il, kv)]
+        taps += [("Qcur", il, q), ("Kcur", il, kv), ("kqv", il, q), ("kqv_out", il, q)]
+        if lw.attn_output_bias is not None:
+            taps.append(("kqv_wo", il, 4 * T * E))
+        taps.append(("attn_post_norm", il, 4 * rows * E) if A.post_norms else
+                    ("attn_out", il, 4 * T * E))
+        act = "ffn_geglu" if A.ffn_act == "gelu_tanh" else "ffn_swiglu"
+        taps += [("sa_out" if A.post_norms else "ffn_inp", il, 4 * rows * E),
+                 ("ffn_norm", il, 4 * rows * E), ("ffn_gate", il, 4 * rows * F),
+                 ("ffn_up", il, 4 * rows * F), (act, il, 4 * rows * F),
+                 ("ffn_out", il, 4 * rows * E)]
+        if A.post_norms:
+            taps.append(("ffn_post_norm", il, 4 * rows * E))
+        taps.append(("l_out", il, 4 * rows * E))
+    taps += [("result_norm", -1, 4 * E), ("result_output", -1, 4 * cfg.n_vocab)]
+    count: dict = {}
+    out = []
+    for name, il, nb in taps:                 # named as the Recorder names them
+        base = f"{name}-{il}" if il >= 0 else name
+        k = count.get(base, 0)
+        count[base] = k + 1
+        out.append((f"{base}#{k}" if k else base, nb))
+    return out
+
+
+def _ceil_sum(n: int, B: int) -> int:
+    """sum(ceil(m / B) for m in 1..n)."""
+    q, r = divmod(n, B)
+    return B * q * (q + 1) // 2 + r * (q + 1)
+
+
+def estimate_bytes(engine, n_prompt: int, steps: int, keep=None) -> int:
+    """The bytes a trace of a ``n_prompt``-token prompt and ``steps`` decode steps holds in
+    memory before it is written: the tensors ``keep`` accepts (None: all) and each step's
+    logits, from the model's and the sparse state's shapes, before anything runs. An upper
+    bound (every sparse layer's selection counted as every block); a name filter is judged on
+    the prefill and on the first and last decode step, which stand for all decode steps."""
+    ok = (lambda name: True) if keep is None else keep
+    decode = sorted({1, steps}) if steps else []
+
+    def kept_in_decode(name: str) -> bool:
+        return any(ok(f"{name}@{s}") for s in decode)
+
+    total = (steps + 1) * 4 * engine.cfg.n_vocab               # Trace.logits
+    total += sum(nb for name, nb in _forward_taps(engine, n_prompt) if ok(f"{name}@0"))
+    total += steps * sum(nb for name, nb in _forward_taps(engine, 1) if kept_in_decode(name))
+    sp = engine.sparse
+    if sp is not None:
+        from .sparse.retrieval import n_sets
+        B, cfg = engine.cache.block_len, engine.cfg
+        blocks0 = -(-n_prompt // B)                              # blocks held after the prefill
+        blocks_dec = _ceil_sum(n_prompt + steps, B) - _ceil_sum(n_prompt, B)
+        per_block = {f"importance_-{il}": sp.importance_[il][:1].nbytes
+                     for il in range(cfg.n_layer)}
+        per_block.update({f"anchor_-{il}": sp.anchor_.storage(il)[:1].nbytes
+                          for il in sp.anchor_.layers})
+        for name, nb in per_block.items():
+            total += nb * (blocks0 * ok(f"{name}@0") + blocks_dec * kept_in_decode(name))
+        sets = n_sets(sp.retrieval_type, cfg.n_head, cfg.n_head_kv)
+        for il in sp.sparse_layers:                              # sel [sets, <= blocks], cnt
+            if kept_in_decode(f"sel-{il}"):
+                total += 4 * sets * blocks_dec
+            if kept_in_decode(f"cnt-{il}"):
+                total += 4 * sets * steps
+    return total
 
 
 # ------------------------------------------------------------------ file format
@@ -494,6 +582,7 @@ def run(args: argparse.Namespace) -> int:
     from .cli import model_path, read_prompt
     from .default_model import DefaultModelError
     from .engine import Engine, EngineOptions
+    from .memory import check_fits
     from .ops import NonFiniteError
     from .sparse_policy import SparseOptions
 
@@ -510,6 +599,7 @@ def run(args: argparse.Namespace) -> int:
         prompt = read_prompt(args)
     except OSError as e:
         return _error(str(e))
+    engine = None
     try:
         path = model_path(args)
         ids, n_layer = _tokenize(path, prompt, not args.no_bos)
@@ -524,14 +614,28 @@ def run(args: argparse.Namespace) -> int:
                           f"context size {n_ctx} (raise -c/--ctx-size)")
         sparse = SparseOptions(enabled=args.sparse, anchor=args.anchor, topk=args.topk,
                                init_blocks=args.init_blocks, local_blocks=args.local_blocks)
-        engine = Engine(path, EngineOptions(n_ctx=n_ctx, block_len=args.block_len,
-                                            batch_size=max(512, len(ids)), n_threads=args.threads,
-                                            numerics=args.numerics, kv_type=args.kv_type,
-                                            sparse=sparse))
+        # the engine's warnings (a context beyond the model's training) are shown only when
+        # the dump goes ahead: a refusal is one line
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            engine = Engine(path, EngineOptions(n_ctx=n_ctx, block_len=args.block_len,
+                                                batch_size=max(512, len(ids)),
+                                                n_threads=args.threads, numerics=args.numerics,
+                                                kv_type=args.kv_type, sparse=sparse))
+        keep = _keep(args)
+        check_fits(estimate_bytes(engine, len(ids), args.steps, keep)
+                   + sum(engine.buffer_bytes.values()),
+                   f"--steps {args.steps}: the dump of {args.steps + 1} steps ({len(ids)} prompt "
+                   f"tokens) with its KV cache",
+                   "lower --steps, or write fewer tensors (--layers, --tensors)")
     except (GGUFError, DefaultModelError, ValueError, MemoryError) as e:
+        if engine is not None:
+            engine.close()
         return _error(str(e) if str(e) else "out of memory")
+    for w in caught:
+        print(f"pyimp-dump: warning: {w.message}", file=sys.stderr)
     try:
-        tr = engine.trace(ids, steps=args.steps, keep=_keep(args))
+        tr = engine.trace(ids, steps=args.steps, keep=keep)
         if args.tensors and all(n.startswith("inp_tokens@") for n in tr.tensors):
             return _error(f"--tensors {' '.join(args.tensors)}: matches no tensor of this model "
                           f"(names look like l_out-0@0, Qcur-0#1@0, result_output@1; see "

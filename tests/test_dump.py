@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import fnmatch
+import os
 
 import gguf
 import numpy as np
@@ -236,3 +237,50 @@ class _nullctx:
 
     def __exit__(self, *exc):
         return False
+
+
+def _trace_bytes(tr) -> int:
+    return sum(a.nbytes for a in tr.tensors.values()) + sum(x.nbytes for x in tr.logits)
+
+
+@pytest.mark.parametrize("arch, sparse, layers, globs", [
+    ("llama", False, None, None),
+    ("gemma3", False, None, None),
+    ("llama", True, None, None),
+    ("gemma3", False, frozenset({1}), ["l_out-*", "Qcur-1#2@0", "embd"]),
+    ("llama", True, None, ["importance_-*"]),
+])
+def test_dump_size_estimate_bounds_the_trace(models, arch, sparse, layers, globs):
+    """estimate_bytes, the memory a trace will hold, computed before it runs: never below what
+    the trace records, and close to it (within 10 %: only the sparse selections are bounded above)."""
+    import argparse
+    eng = _engine(models[arch], block_len=2, **({"sparse": dump_sparse()} if sparse else {}))
+    keep = dump._keep(argparse.Namespace(layers=layers, tensors=globs))
+    prompt = PROMPT * 2
+    est = dump.estimate_bytes(eng, len(prompt), 5, keep)
+    got = _trace_bytes(eng.trace(prompt, steps=5, keep=keep))
+    assert got <= est <= 1.1 * got + 4096, (got, est)
+
+
+def test_dump_larger_than_memory_is_refused_before_the_run(models, tmp_path, capsys, monkeypatch):
+    """--steps whose dump cannot fit in the available memory: one line naming --steps, the
+    size and the memory, before any step runs, and no output file."""
+    from pyimp.engine import Engine
+    path = models["llama"]
+    out = tmp_path / "big.gguf"
+    monkeypatch.setenv("PYIMP_MEMORY_LIMIT", "16M")
+    ran = []
+    real = Engine.trace
+    monkeypatch.setattr(Engine, "trace", lambda self, *a, **k: ran.append(1) or real(self, *a, **k))
+    # 3000 steps: past the model's training context (2048) too, whose warning is not shown
+    rc = dump.main([path, "-p", "hello", "--steps", "3000", "-o", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 1 and not ran and not out.exists(), err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("pyimp-dump: error: --steps 3000: the dump")
+    assert "more than the 16.0 MiB of memory available" in err
+    assert os.listdir(tmp_path) == []
+    # the same steps of one layer's l_out fit
+    assert dump.main([path, "-p", "hello", "--steps", "2000", "--tensors", "l_out-0",
+                      "-o", str(out)]) == 0
+    assert ran and out.exists()
