@@ -181,8 +181,11 @@ def test_generate_greedy_matches_argmax_and_stops(models):
     eng = Engine(path, EngineOptions(n_ctx=64, block_len=8, kv_type="f32"))
     from pyimp.sampling import SamplingParams
     out = list(eng.generate(_prompt(8, 10), max_tokens=6, sampling=SamplingParams(temperature=0)))
-    assert len(out) <= 6
     toks = [t for t, _ in out]
+    # no end-of-generation token comes up (the synthetic vocabulary's is </s>, id 2), so
+    # generation runs to max_tokens
+    assert eng.eog_ids() == {2} and 2 not in toks
+    assert len(out) == 6
     # replay: each greedy token is the argmax of the logits after the previous ones
     eng2 = Engine(path, EngineOptions(n_ctx=64, block_len=8, kv_type="f32"))
     logits = eng2.eval(_prompt(8, 10))[-1]
@@ -190,6 +193,57 @@ def test_generate_greedy_matches_argmax_and_stops(models):
         assert t == int(np.argmax(logits))
         assert lp == pytest.approx(float(log_softmax(logits)[t]), abs=1e-6)
         logits = eng2.eval([t])[-1]
+
+
+def _with_eos(src: str, dst, eos: int) -> str:
+    """A GGUF holding only the vocabulary of ``src``, with ``eos`` as its end-of-sequence id
+    (a vocabulary source for tools.write_synthetic_gguf.write)."""
+    import gguf
+
+    from loaders.gguf_file import GGUFFile
+    with GGUFFile(src) as f:
+        v = f.vocab()
+    w = gguf.GGUFWriter(str(dst), "llama")
+    w.add_tokenizer_model(v.model)
+    w.add_tokenizer_pre(v.pre)
+    w.add_token_list(list(v.tokens))
+    w.add_token_scores([float(x) for x in v.scores])
+    w.add_token_types([int(x) for x in v.token_types])
+    for key, val in (("bos", v.special["bos"]), ("eos", eos), ("unknown", v.special["unk"])):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", int(val))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(dst)
+
+
+def test_generate_stops_at_the_end_of_generation_token(models, tmp_path):
+    """Greedy generation on a model whose end-of-sequence id is a token that greedy decoding
+    reaches: the output is the run of the same weights under the usual vocabulary (</s> = 2,
+    never generated here) up to and including that token's first occurrence, and nothing
+    after it, though max_tokens allows more."""
+    from pyimp.sampling import SamplingParams
+    greedy = SamplingParams(temperature=0)
+    path = models("llama", "F32")
+    prompt = _prompt(11, 10)
+    eng = Engine(path, EngineOptions(n_ctx=64, block_len=8, kv_type="f32"))
+    free = list(eng.generate(prompt, max_tokens=8, sampling=greedy))
+    toks = [t for t, _ in free]
+    assert len(toks) == 8 and 2 not in toks
+    # the end token: the first generated token that differs from the first one, so that the
+    # stop comes after some generated tokens, not at the first
+    k = next(i for i, t in enumerate(toks) if t != toks[0])
+    eog = toks[k]
+    assert 0 < k < len(toks) - 1 and eog not in toks[:k] and eog != 1
+    vocab = _with_eos(path, tmp_path / "vocab.gguf", eog)
+    stopping = write(tmp_path / "eos.gguf", _spec("llama", "F32"), vocab_path=vocab)
+    eng2 = Engine(stopping, EngineOptions(n_ctx=64, block_len=8, kv_type="f32"))
+    assert eng2.eog_ids() == {eog, 2}       # </s> stays one by its text, as in llama.cpp
+    out = list(eng2.generate(prompt, max_tokens=8, sampling=greedy))
+    assert [t for t, _ in out] == toks[:k + 1]              # stopped right after the end token
+    assert [lp for _, lp in out] == [lp for _, lp in free[:k + 1]]   # same weights, same bits
+    assert len(eng2.tokens) == len(prompt) + k              # the end token was never evaluated
 
 
 def test_seeded_sampling_is_reproducible(models):
