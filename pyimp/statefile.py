@@ -11,7 +11,12 @@ API
   writes the file atomically (a temporary file in the same directory, flushed and
   fsynced, then ``os.replace``'d onto ``path``, then the directory fsynced). On any
   exception the temporary file is removed and a file already at ``path`` is left
-  untouched. Refusals of the input (unsupported dtype, a name that is not a string, a
+  untouched. SIGTERM during the write (where the process leaves it at its default action,
+  on the main thread) is handled as SIGINT is: the write unwinds, the temporary is removed,
+  then the signal ends the process as it would have. The writer holds an exclusive
+  ``flock`` on its temporary (``.<name>.<12 hex digits>.tmp``); a write removes the
+  temporaries of that name that no process holds and that are older than
+  :data:`STALE_TMP_S` (left by a process that was killed). Refusals of the input (unsupported dtype, a name that is not a string, a
   header that is not JSON, a ``rotary`` entry that is not a :class:`Rotary` of one of
   the arrays) are ``ValueError`` naming the offending key, raised before anything is
   written. ``rotary`` gives the RoPE frame of sections of keys (see ``pred-f16``).
@@ -97,10 +102,13 @@ import contextlib
 import json
 import math
 import os
+import re
 import secrets
+import signal
 import stat
 import struct
 import sys
+import threading
 import time
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -109,6 +117,11 @@ from typing import Any, BinaryIO, NoReturn
 
 import numpy as np
 import zstandard
+
+try:
+    import fcntl
+except ImportError:          # no flock: temporaries are neither locked nor cleared
+    fcntl = None
 
 from . import floatcodec
 from .floatcodec import Rotary
@@ -144,6 +157,10 @@ _RAW_BELOW = 64                  # sections smaller than this are stored raw
 _TRY_BOTH_UP_TO = 256 * 1024     # sections up to this size try both zstd codecs
 _PRED_FROM = 4096                # float16 sections from this size also try pred-f16
 _LITTLE = sys.byteorder == "little"
+# seconds after which a temporary of an earlier write that no process holds is removed (a
+# live writer holds its lock from just after creating the file until just before renaming it)
+STALE_TMP_S = 60
+_TMP_TAIL = re.compile(r"[0-9a-f]{12}\.tmp")     # after ".<name>.": secrets.token_hex(6)
 
 
 class StateFileError(ValueError):
@@ -376,6 +393,90 @@ def _check_rotary(rotary: Any, names: set[str]) -> dict[str, Rotary]:
     return dict(rotary)
 
 
+class _Terminated(BaseException):
+    """SIGTERM arrived while a state was being written (see :class:`_TermUnwinds`)."""
+
+
+class _TermUnwinds:
+    """While a state is written: SIGTERM raises :class:`_Terminated`, so the write unwinds
+    and removes its temporary file as on SIGINT's KeyboardInterrupt; on leaving, the default
+    action is restored and, if SIGTERM arrived, the signal is raised again, which ends the
+    process as SIGTERM would have. Only on the main thread, and only where SIGTERM has its
+    default action (a process's own handler or SIG_IGN is left alone)."""
+
+    def __enter__(self):
+        self.armed = False
+        try:
+            if threading.current_thread() is threading.main_thread() and \
+                    signal.getsignal(signal.SIGTERM) == signal.SIG_DFL:
+                signal.signal(signal.SIGTERM, self._handler)
+                self.armed = True
+        except (ValueError, OSError):       # no signals here (an embedded interpreter)
+            pass
+        self.installed = self.armed
+        return self
+
+    def _handler(self, signum, frame):
+        if self.armed:
+            raise _Terminated
+        # the write is over (the temporary renamed or removed): the default action, now
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+
+    def __exit__(self, exc_type, exc, tb):
+        self.armed = False
+        if self.installed:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if exc_type is _Terminated:
+            signal.raise_signal(signal.SIGTERM)
+        return False
+
+
+def _lock(fd: int) -> None:
+    """Hold an exclusive flock on the writer's temporary (a filesystem without locks: none)."""
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            pass
+
+
+def _remove_stale_temporaries(dirpath: str, base: str) -> None:
+    """Remove ``.<base>.<12 hex digits>.tmp`` files in ``dirpath`` that are regular files,
+    older than STALE_TMP_S and locked by no process: left by a writer that was killed."""
+    if fcntl is None:
+        return
+    prefix = f".{base}."
+    try:
+        names = [n for n in os.listdir(dirpath)
+                 if n.startswith(prefix) and _TMP_TAIL.fullmatch(n, len(prefix))]
+    except OSError:
+        return
+    now = time.time()
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
+    for name in names:
+        full = os.path.join(dirpath, name)
+        try:
+            fd = os.open(full, flags)
+        except OSError:
+            continue
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or now - st.st_mtime < STALE_TMP_S:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:                  # a live writer holds it (or no locks here)
+                continue
+            cur = os.lstat(full)
+            if (cur.st_dev, cur.st_ino) == (st.st_dev, st.st_ino):
+                os.unlink(full)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
 def write_state(path: str | os.PathLike, header: dict, arrays: Mapping[str, np.ndarray], *,
                 level: int | None = None, rotary: Mapping[str, Rotary] | None = None) -> dict:
     """Write ``header`` and ``arrays`` to ``path`` atomically; see the module docstring.
@@ -409,10 +510,25 @@ def write_state(path: str | os.PathLike, header: dict, arrays: Mapping[str, np.n
 
     path = os.fspath(path)
     dirpath, base = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(dirpath, f".{base}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    with _TermUnwinds():
+        _remove_stale_temporaries(dirpath, base)
+        tmp = os.path.join(dirpath, f".{base}.{secrets.token_hex(6)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+        file_bytes, sections = _write_file(fd, tmp, path, preamble, hdr, table_len, table_at,
+                                           prepared, level, frames)
+    _fsync_dir(dirpath)
+    return {"path": path, "file_bytes": file_bytes,
+            "raw_bytes": sum(s["raw_bytes"] for s in sections.values()),
+            "seconds": time.perf_counter() - t0, "sections": sections}
+
+
+def _write_file(fd: int, tmp: str, path: str, preamble: bytes, hdr: bytes, table_len: int,
+                table_at: int, prepared: list, level: int, frames: dict) -> tuple[int, dict]:
+    """Write the state into the new temporary ``tmp`` (open as ``fd``, locked while written),
+    rename it onto ``path``; on any exception remove it. Returns (file bytes, sections)."""
     sections: dict[str, dict] = {}
     try:
+        _lock(fd)
         with os.fdopen(fd, "wb") as f, _pool(len(prepared)) as submit:
             jobs = [submit(_encode, a, level, frames.get(name)) for name, _, a, _ in prepared]
             f.write(preamble)
@@ -441,10 +557,7 @@ def write_state(path: str | os.PathLike, header: dict, arrays: Mapping[str, np.n
         except OSError:
             pass
         raise
-    _fsync_dir(dirpath)
-    return {"path": path, "file_bytes": file_bytes,
-            "raw_bytes": sum(s["raw_bytes"] for s in sections.values()),
-            "seconds": time.perf_counter() - t0, "sections": sections}
+    return file_bytes, sections
 
 
 # ----------------------------------------------------------------------------- read

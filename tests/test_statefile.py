@@ -573,3 +573,113 @@ def test_bad_rotary_is_refused(tmp_path, rotary, match):
 def test_bad_level_is_refused(tmp_path, level):
     with pytest.raises(ValueError, match="level"):
         write_state(tmp_path / "x.pkv", {}, {}, level=level)
+
+
+# ------------------------------------------------------------- termination, stale temporaries
+_TERM_CHILD = r"""
+import sys, time
+import numpy as np
+from pyimp import statefile
+real = statefile._encode
+def encode(*args):
+    print("encoding", flush=True)          # the temporary file exists now
+    time.sleep(0.5)
+    return real(*args)
+statefile._encode = encode
+statefile.write_state(sys.argv[1], {"generation": 2},
+                      {"a": np.arange(4096, dtype=np.int32), "b": np.ones(4096, np.float32)})
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_sigterm_during_a_write_removes_the_temporary(tmp_path, existing):
+    """SIGTERM while a state is written: the temporary file is removed, a file already at the
+    path is left as it was, and the process still ends by SIGTERM, without a traceback."""
+    import signal
+    import subprocess
+    import sys
+    path = tmp_path / "state.pkv"
+    if existing:
+        write_state(path, {"generation": 1}, {"a": np.zeros(3, np.int8)})
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    child = subprocess.Popen([sys.executable, "-c", _TERM_CHILD, str(path)], cwd=root,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "encoding\n"
+        assert any(n.endswith(".tmp") for n in os.listdir(tmp_path))
+        child.send_signal(signal.SIGTERM)
+        out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == -signal.SIGTERM, (out, err)
+    assert "finished" not in out and "Traceback" not in err, err
+    assert _listing(tmp_path) == (["state.pkv"] if existing else [])
+    if existing:
+        assert read_state(path)[0] == {"generation": 1}
+
+
+def test_the_sigterm_handler_is_installed_only_while_writing(tmp_path, monkeypatch):
+    import signal
+    seen = []
+    real = statefile._encode
+
+    def encode(*args):
+        seen.append(signal.getsignal(signal.SIGTERM))
+        return real(*args)
+    monkeypatch.setattr(statefile, "_workers", lambda: 1)      # encode on this thread
+    monkeypatch.setattr(statefile, "_encode", encode)
+    prev = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        write_state(tmp_path / "s.pkv", {}, {"a": np.zeros(3, np.int8)})
+        assert seen and callable(seen[0]) and seen[0] not in (signal.SIG_DFL, signal.SIG_IGN)
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+        # a process's own handling of SIGTERM (here: ignoring it) is left alone
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        seen.clear()
+        write_state(tmp_path / "s.pkv", {}, {"a": np.zeros(3, np.int8)})
+        assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+
+
+def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path, monkeypatch):
+    """Writing ``state.pkv`` removes the temporaries of earlier writes of it that no process
+    holds (the writer holds a lock on its temporary) and that are older than STALE_TMP_S;
+    a locked one, a fresh one and other names stay."""
+    import fcntl
+    import time
+    old = time.time() - 3600
+    names = {"stale": ".state.pkv.0123456789ab.tmp", "locked": ".state.pkv.aaaaaaaaaaaa.tmp",
+             "fresh": ".state.pkv.bbbbbbbbbbbb.tmp", "other": ".other.pkv.0123456789ab.tmp",
+             "odd": ".state.pkv.notahexname1.tmp"}
+    for key, name in names.items():
+        (tmp_path / name).write_bytes(b"partial")
+        if key != "fresh":
+            os.utime(tmp_path / name, (old, old))
+    held = os.open(tmp_path / names["locked"], os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    locked_seen = []
+    real = statefile._encode
+
+    def encode(*args):               # the writer's own temporary is locked while it writes
+        mine = [n for n in os.listdir(tmp_path) if n.endswith(".tmp") and n not in names.values()]
+        fd = os.open(tmp_path / mine[0], os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            locked_seen.append(False)
+        except BlockingIOError:
+            locked_seen.append(True)
+        finally:
+            os.close(fd)
+        return real(*args)
+    monkeypatch.setattr(statefile, "_encode", encode)
+    try:
+        write_state(tmp_path / "state.pkv", {}, {"a": np.zeros(3, np.int8)})
+    finally:
+        os.close(held)
+    assert locked_seen and all(locked_seen)
+    left = set(_listing(tmp_path))
+    assert left == {"state.pkv"} | {n for k, n in names.items() if k != "stale"}
+    assert statefile.STALE_TMP_S <= 600
