@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import shutil
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -169,6 +171,31 @@ class EngineOptions:
 _NO_WEIGHT = np.zeros(0, np.float32)
 
 
+class EngineBusyError(RuntimeError):
+    """A call on an engine whose sequence another call holds: one running in another thread,
+    or a :meth:`Engine.generate` iterator that has not finished."""
+
+
+def _exclusive(method):
+    """The method holds the engine's sequence while it runs (:meth:`Engine._hold`)."""
+    @functools.wraps(method)
+    def held(self, *args, **kwargs):
+        with self._hold(method.__name__):
+            return method(self, *args, **kwargs)
+    return held
+
+
+def _check_max_tokens(n) -> int:
+    """``max_tokens`` as ``-n/--n-predict`` takes it: an integer >= -1 (-1: no limit)."""
+    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
+        raise TypeError(f"max_tokens must be an integer (-1: until an end-of-generation token or "
+                        f"a full context), got {n!r}")
+    if n < -1:
+        raise ValueError(f"max_tokens must be >= -1 (-1: until an end-of-generation token or a "
+                         f"full context), got {int(n)}")
+    return int(n)
+
+
 def _no_tap(name: str, il: int, x: np.ndarray) -> None:
     """The forward's tap while no trace runs: records nothing (see :meth:`Engine.trace`)."""
 
@@ -223,10 +250,15 @@ def _check_numba() -> None:
 
 
 class Engine:
-    """A loaded model with its KV cache. Not thread-safe; one sequence."""
+    """A loaded model with its KV cache: one sequence. Calls that run or change it take the
+    engine for their duration (a generate iterator until it ends); a call from another thread
+    meanwhile raises :class:`EngineBusyError`."""
 
     def __init__(self, path: str | os.PathLike, options: EngineOptions | None = None):
         t0 = time.perf_counter()
+        self._busy = threading.Lock()       # held by the call (or generate iterator) running
+        self._owner: int | None = None      # ident of the thread running it (None: suspended)
+        self._suspended_in: int | None = None   # that thread, while a generate iterator waits
         _check_numba()
         self.options = opts = options or EngineOptions()
         opts.validate()
@@ -335,7 +367,18 @@ class Engine:
         """Release the model's memory map and the cache buffers; the engine cannot run afterwards.
 
         Arrays obtained from the engine earlier (weights, vocabulary views) keep the map alive
-        until they are collected."""
+        until they are collected. An unfinished generate iterator of this thread does not stop
+        it (its next token raises "the engine is closed"); a call running in another thread
+        does (EngineBusyError)."""
+        try:
+            with self._hold("close"):
+                self._close()
+        except EngineBusyError:
+            if self._suspended_in != threading.get_ident():
+                raise
+            self._close()
+
+    def _close(self) -> None:
         if self.file is None:
             return
         self.weights = self._vocab = self._tokenizer = None
@@ -354,6 +397,37 @@ class Engine:
 
     def _closed(self) -> RuntimeError:
         return RuntimeError("the engine is closed")
+
+    @contextlib.contextmanager
+    def _hold(self, what: str):
+        """Hold the engine's sequence inside (calls nested in one of this thread's are inside
+        it already); EngineBusyError, naming ``what``, when another call holds it."""
+        me = threading.get_ident()
+        if self._owner == me:
+            yield
+            return
+        self._take(what)
+        try:
+            yield
+        finally:
+            self._give_back()
+
+    def _take(self, what: str) -> None:
+        if not self._busy.acquire(blocking=False):
+            if self._suspended_in == threading.get_ident():
+                raise EngineBusyError(f"Engine.{what}: the engine is in use by an unfinished "
+                                      f"generate() iterator of this thread: run it to its end "
+                                      f"or close() it first")
+            raise EngineBusyError(f"Engine.{what}: the engine is in use by another thread (one "
+                                  f"engine holds one sequence: give each thread an engine of its "
+                                  f"own, or let one call finish before the next starts)")
+        self._owner = threading.get_ident()
+        self._suspended_in = None
+
+    def _give_back(self) -> None:
+        self._owner = None
+        self._suspended_in = None
+        self._busy.release()
 
     # ------------------------------------------------------------ tokenizer
     @property
@@ -381,6 +455,7 @@ class Engine:
             memo[key] = ops.rope_cache(pos, cfg.rope_dim, key[0], key[1], self.weights.rope_freqs)
         return memo[key]
 
+    @_exclusive
     def forward(self, tokens: np.ndarray, all_logits: bool = False, prompt_end: int | None = None,
                 logits: bool = True) -> np.ndarray | None:
         """Run ``tokens`` through the model (see :meth:`_forward`) with the engine's thread count."""
@@ -655,17 +730,43 @@ class Engine:
         return self._act(g) * u
 
     # ----------------------------------------------------------------- API
+    def _token_ids(self, tokens) -> np.ndarray:
+        """``tokens`` as int64[T]: a 1-D integer array (not bool) or a sequence of Python /
+        NumPy integers, each in [0, n_vocab); TypeError or ValueError naming what was given."""
+        n_vocab = self.cfg.n_vocab
+        if isinstance(tokens, np.ndarray):
+            if tokens.ndim != 1:
+                raise ValueError(f"token ids must be a 1-D sequence, got an array of shape "
+                                 f"{tokens.shape}")
+            if tokens.dtype.kind not in "iu":
+                raise TypeError(f"token ids must be integers, got an array of {tokens.dtype}")
+            bad = tokens[(tokens < 0) | (tokens >= n_vocab)]
+            if bad.size:
+                raise ValueError(f"token id {int(bad[0])} is outside the vocabulary (size {n_vocab})")
+            return tokens.astype(np.int64)
+        if isinstance(tokens, (np.generic, int, float)):
+            raise ValueError(f"token ids must be a 1-D sequence, got a scalar of shape () "
+                             f"({tokens!r})")
+        if isinstance(tokens, (str, bytes)):
+            raise TypeError(f"token ids must be integers, got a {type(tokens).__name__} "
+                            f"(tokenize text first)")
+        seq = list(tokens)
+        for t in seq:
+            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
+                raise TypeError(f"token ids must be integers, got {t!r} ({type(t).__name__})")
+            if not 0 <= t < n_vocab:
+                raise ValueError(f"token id {int(t)} is outside the vocabulary (size {n_vocab})")
+        return np.array(seq, dtype=np.int64)
+
     def _check_tokens(self, tokens) -> np.ndarray:
-        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if arr.size and (arr.min() < 0 or arr.max() >= self.cfg.n_vocab):
-            bad = arr[(arr < 0) | (arr >= self.cfg.n_vocab)][0]
-            raise ValueError(f"token id {int(bad)} is outside the vocabulary (size {self.cfg.n_vocab})")
+        arr = self._token_ids(tokens)
         room = self.n_ctx - len(self.tokens)
         if arr.size > room:
             raise ValueError(f"{arr.size} tokens do not fit: {len(self.tokens)} cached, context size "
                              f"{self.n_ctx} (use a larger -c/--ctx-size)")
         return arr
 
+    @_exclusive
     def eval(self, tokens, all_logits: bool = False, progress=None) -> np.ndarray:
         """Append ``tokens`` to the cache in prefill chunks.
 
@@ -721,6 +822,7 @@ class Engine:
             self.timings.decode_s += dt
         return np.concatenate(outs, axis=0) if all_logits else outs[-1]
 
+    @_exclusive
     def trace(self, prompt, steps: int = 0, keep=None, add_bos: bool = True):
         """Run ``prompt`` (text or token ids) as one prefill forward and ``steps`` greedy decode
         steps, recording every named intermediate tensor under llama.cpp's graph names; returns
@@ -731,6 +833,7 @@ class Engine:
         from .dump import run_trace
         return run_trace(self, prompt, steps, keep, add_bos)
 
+    @_exclusive
     def reset(self) -> None:
         """Empty the KV cache (and the importance matrix and anchors)."""
         if self.file is None:
@@ -742,12 +845,13 @@ class Engine:
         if self.policy is not None:
             self.policy.forget()
 
+    @_exclusive
     def prime(self, tokens, progress=None) -> np.ndarray:
         """Make the cache hold exactly ``tokens`` and return the last token's logits, reusing
         the longest prefix already cached (as llama.cpp reuses a prompt cache): the cache is cut
         back to that prefix, at least one token is evaluated (for its logits), the rest runs
         as a prefill. The reused tokens keep their KV, importance_ and anchors."""
-        arr = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        arr = self._token_ids(tokens)
         if arr.size == 0:
             raise ValueError("no tokens to evaluate")
         cached = np.asarray(self.tokens, dtype=np.int64)
@@ -761,6 +865,7 @@ class Engine:
         self.timings.extra["prefix_restarted"] = restarted
         return self.eval(arr[keep:], progress=progress)
 
+    @_exclusive
     def evict(self) -> None:
         """Apply the eviction policy now, as at the end of a prefill (snapkv / pyramidkv compress
         the cache here; a state loaded with :meth:`load_state` is compressed as if its prompt had
@@ -770,6 +875,7 @@ class Engine:
         if self.policy is not None and self.tokens:
             self.policy.after_forward(len(self.tokens), True)
 
+    @_exclusive
     def save_state(self, path: str | os.PathLike) -> dict:
         """Save the cached tokens, KV, importance_ and anchors to ``path`` (see :mod:`pyimp.state`);
         returns the writer's statistics."""
@@ -779,6 +885,7 @@ class Engine:
         from . import state
         return state.save(self, path)
 
+    @_exclusive
     def load_state(self, path: str | os.PathLike) -> int:
         """Replace the cache by a state saved with :meth:`save_state`; returns the tokens loaded.
         A file that does not fit this engine raises :class:`pyimp.statefile.StateFileError`
@@ -794,6 +901,7 @@ class Engine:
             raise ValueError(f"{what} (--prompt-cache) needs the cache on the host: run with "
                              f"--device cpu")
 
+    @_exclusive
     def compile_decode_attention(self) -> None:
         """Compile (or load) the decode attention kernels of this cache's types: one call over a
         zero token in layer 0, then the cache is empty again. :mod:`pyimp.compile_helper` runs it
@@ -812,6 +920,7 @@ class Engine:
         finally:
             self.reset()
 
+    @_exclusive
     def warmup(self, compile_helper: bool = False) -> float:
         """Compile (or load from cache) every kernel of prefill and decode; returns seconds.
 
@@ -868,42 +977,59 @@ class Engine:
                  reuse_prefix: bool = False) -> Iterator[tuple[int, float]]:
         """Yield (token id, log-probability) pairs, continuing ``prompt`` (text or ids).
 
-        Stops at end-of-generation tokens, after ``max_tokens``, or when the
+        Stops at end-of-generation tokens, after ``max_tokens`` (an integer >= -1, as
+        ``-n/--n-predict``: -1 = no limit, 0 = none), at a full context, or when the
         generated text contains one of ``stop`` (the stop string itself is
         yielded as part of the tokens that produced it). The cache is reset first, or with
         ``reuse_prefix`` cut back to the longest prefix it shares with the prompt (:meth:`prime`).
+        Arguments are checked here; the iterator holds the engine from its first token until it
+        ends or is closed (meanwhile another thread's calls raise :class:`EngineBusyError`).
         """
+        max_tokens = _check_max_tokens(max_tokens)
         sampler = Sampler(sampling or SamplingParams())
-        ids = self.tokenize(prompt, add_bos=add_bos) if isinstance(prompt, str) else list(prompt)
+        ids = self.tokenize(prompt, add_bos=add_bos) if isinstance(prompt, str) else prompt
+        ids = [int(t) for t in self._token_ids(ids)]
         if not ids:
             raise ValueError("the prompt is empty")
-        if not reuse_prefix:
-            self.reset()
-            self._check_tokens(ids)
-        if max_tokens > 0 and len(ids) + max_tokens > self.n_ctx:
-            max_tokens = self.n_ctx - len(ids)
-        if reuse_prefix:
-            logits = self.prime(ids, progress=progress)[-1]
-        else:
-            logits = self.eval(ids, all_logits=False, progress=progress)[-1]
-        eog = self.eog_ids()
-        decoder = self.tokenizer.incremental_decoder(continuation=True) if stop else None
-        text = ""
-        n = 0
-        while max_tokens < 0 or n < max_tokens:
-            tok = sampler.sample(logits, self.tokens)
-            logp = ops.token_logprob(logits, tok)
-            n += 1
-            yield tok, logp
-            if tok in eog:
-                return
-            if stop:
-                text += decoder.feed(tok)
-                if any(s in text for s in stop):
+        return self._generate(ids, max_tokens, sampler, stop, progress, reuse_prefix)
+
+    def _generate(self, ids: list, max_tokens: int, sampler: Sampler, stop, progress,
+                  reuse_prefix: bool) -> Iterator[tuple[int, float]]:
+        """:meth:`generate`'s iterator: it holds the engine from its first step to its end,
+        and between tokens belongs to no thread (any thread may advance it)."""
+        self._take("generate")
+        try:
+            if not reuse_prefix:
+                self.reset()
+                self._check_tokens(ids)
+            if max_tokens > 0 and len(ids) + max_tokens > self.n_ctx:
+                max_tokens = self.n_ctx - len(ids)
+            if reuse_prefix:
+                logits = self.prime(ids, progress=progress)[-1]
+            else:
+                logits = self.eval(ids, all_logits=False, progress=progress)[-1]
+            eog = self.eog_ids()
+            decoder = self.tokenizer.incremental_decoder(continuation=True) if stop else None
+            text = ""
+            n = 0
+            while max_tokens < 0 or n < max_tokens:
+                tok = sampler.sample(logits, self.tokens)
+                logp = ops.token_logprob(logits, tok)
+                n += 1
+                self._owner, self._suspended_in = None, threading.get_ident()
+                yield tok, logp
+                self._owner, self._suspended_in = threading.get_ident(), None
+                if tok in eog:
                     return
-            if len(self.tokens) >= self.n_ctx or n == max_tokens:
-                return
-            logits = self.eval([tok], all_logits=False)[-1]
+                if stop:
+                    text += decoder.feed(tok)
+                    if any(s in text for s in stop):
+                        return
+                if len(self.tokens) >= self.n_ctx or n == max_tokens:
+                    return
+                logits = self.eval([tok], all_logits=False)[-1]
+        finally:
+            self._give_back()
 
     @property
     def vocab(self):

@@ -294,3 +294,152 @@ def test_compile_decode_leaves_the_thread_choice_untimed(llama):
         assert tc.parallel is None and tc._times == ([], [])
     with pytest.raises(ValueError):
         lin.compile_decode("fp16")
+
+
+# ------------------------------------------------------------ one sequence, one caller at a time
+def _busy_error():
+    return getattr(pyimp.engine, "EngineBusyError", RuntimeError)
+
+
+def _block_worker_forward(eng, worker: dict, entered: threading.Event, release: threading.Event):
+    """Make eng.forward wait on ``release`` inside the worker thread (after setting ``entered``);
+    other threads run it as before."""
+    real = eng.forward
+
+    def forward(*a, **k):
+        if threading.current_thread() is worker.get("thread"):
+            entered.set()
+            assert release.wait(30)
+        return real(*a, **k)
+    eng.forward = forward
+
+
+def test_second_thread_gets_a_busy_error_while_generate_runs(llama, tmp_path):
+    """A generate running in one thread holds the engine: every call of another thread that
+    would touch the sequence raises one error naming the engine as in use by another thread,
+    and the first thread's output is that of a run on its own."""
+    from pyimp.sampling import SamplingParams
+    greedy = SamplingParams(temperature=0)
+    alone = [t for t, _ in Engine(llama, EngineOptions(n_ctx=64, block_len=8)).generate(
+        _ids(10), max_tokens=6, sampling=greedy)]
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8))
+    eng.eval(_ids(4))
+    eng.save_state(tmp_path / "s.kv")
+    eng.reset()
+    entered, release = threading.Event(), threading.Event()
+    worker: dict = {}
+    _block_worker_forward(eng, worker, entered, release)
+    got = []
+
+    def run():
+        got.extend(t for t, _ in eng.generate(_ids(10), max_tokens=6, sampling=greedy))
+    worker["thread"] = t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert entered.wait(30)
+        calls = {"generate": lambda: list(eng.generate(_ids(5, 1), max_tokens=3, sampling=greedy)),
+                 "eval": lambda: eng.eval(_ids(3)), "reset": eng.reset,
+                 "prime": lambda: eng.prime(_ids(3)), "evict": eng.evict,
+                 "save_state": lambda: eng.save_state(tmp_path / "t.kv"),
+                 "load_state": lambda: eng.load_state(tmp_path / "s.kv"),
+                 "trace": lambda: eng.trace(_ids(3)), "warmup": eng.warmup,
+                 "compile_decode_attention": eng.compile_decode_attention, "close": eng.close}
+        for name, call in calls.items():
+            with pytest.raises(_busy_error(), match="in use by another thread") as ei:
+                call()
+            assert isinstance(ei.value, RuntimeError) and "\n" not in str(ei.value), name
+            assert name in str(ei.value), name
+    finally:
+        release.set()
+        t.join(60)
+    assert got == alone
+    assert not (tmp_path / "t.kv").exists()
+    eng.reset()                                   # free again once the generate has ended
+    assert eng.eval(_ids(3)).shape == (1, 300)
+
+
+def test_an_unfinished_generate_holds_the_engine(llama):
+    """Between its tokens a generate iterator still holds the sequence: a call of another
+    thread is refused, so is one of the thread that holds the iterator (it names the
+    iterator); run to its end or closed, the engine is free. The iterator itself may be
+    advanced from another thread (as a thread pool serving a stream does)."""
+    from pyimp.sampling import SamplingParams
+    greedy = SamplingParams(temperature=0)
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8))
+    alone = [t for t, _ in eng.generate(_ids(10), max_tokens=5, sampling=greedy)]
+    g = eng.generate(_ids(10), max_tokens=5, sampling=greedy)
+    seen = [next(g)[0]]
+    err = []
+
+    def other():
+        try:
+            eng.eval(_ids(3))
+        except Exception as e:       # noqa: BLE001 - the test inspects it
+            err.append(e)
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(30)
+    assert len(err) == 1 and isinstance(err[0], _busy_error()), err
+    assert "in use by another thread" in str(err[0])
+    with pytest.raises(_busy_error(), match=r"unfinished generate\(\)"):
+        eng.reset()
+    t = threading.Thread(target=lambda: seen.append(next(g)[0]))
+    t.start()
+    t.join(30)
+    seen.extend(tok for tok, _ in g)
+    assert seen == alone
+    g = eng.generate(_ids(10), max_tokens=5, sampling=greedy)
+    next(g)
+    g.close()
+    assert eng.eval(_ids(3)).shape == (1, 300)
+
+
+# ------------------------------------------------------------------------ token ids, max_tokens
+@pytest.mark.parametrize("tokens,err,match", [
+    ([2, 1.5], TypeError, "token ids must be integers.*1.5"),
+    ([2, True], TypeError, "token ids must be integers.*bool"),
+    (np.array([1, 0], dtype=bool), TypeError, "token ids must be integers.*bool"),
+    (np.array([2.0, 3.0]), TypeError, "token ids must be integers.*float64"),
+    (np.array([[1, 2], [3, 4]]), ValueError, r"1-D.*\(2, 2\)"),
+    ([[1, 2], [3, 4]], TypeError, "token ids must be integers.*list"),
+    (np.int64(5), ValueError, r"1-D.*\(\)"),
+    ("abc", TypeError, "token ids must be integers.*str"),
+    (np.array([2**63], dtype=np.uint64), ValueError, "token id 9223372036854775808 "),
+    ([3, 2**70], ValueError, f"token id {2**70} "),
+    ([3, -1], ValueError, "token id -1 "),
+    (np.array([3, 300], dtype=np.int32), ValueError, "token id 300 "),
+])
+def test_eval_accepts_only_1d_integer_ids(llama, tokens, err, match):
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8))
+    calls = [eng.eval, eng.prime]
+    if not isinstance(tokens, str):      # generate tokenizes text
+        calls.append(lambda ids: eng.generate(ids, max_tokens=2))
+    for call in calls:
+        with pytest.raises(err, match=match):
+            call(tokens)                   # generate: at the call, not at the first token
+    assert eng.tokens == []
+    ok = [np.array([3, 4], np.uint8), np.array([3, 4], np.uint64), [np.int16(3), 4], (3, 4)]
+    for ids in ok:
+        eng.reset()
+        assert eng.eval(ids).shape == (1, 300) and eng.tokens == [3, 4]
+
+
+@pytest.mark.parametrize("n,err,match", [
+    (-5, ValueError, "max_tokens must be >= -1.*-5"),
+    (-2, ValueError, "max_tokens must be >= -1.*-2"),
+    (2.5, TypeError, "max_tokens must be an integer.*2.5"),
+    (True, TypeError, "max_tokens must be an integer.*True"),
+    ("3", TypeError, "max_tokens must be an integer.*'3'"),
+])
+def test_generate_checks_max_tokens_as_the_cli_checks_n_predict(llama, n, err, match):
+    from pyimp.sampling import SamplingParams
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8))
+    with pytest.raises(err, match=match):
+        eng.generate(_ids(5), max_tokens=n)
+    greedy = SamplingParams(temperature=0)
+    eos = eng.eog_ids()
+    assert list(eng.generate(_ids(5), max_tokens=0, sampling=greedy)) == []
+    out = list(eng.generate(_ids(5), max_tokens=np.int64(3), sampling=greedy))
+    assert len(out) == 3 or out[-1][0] in eos
+    out = list(eng.generate(_ids(5), max_tokens=-1, sampling=greedy))   # until eog or full
+    assert out[-1][0] in eos or len(eng.tokens) == 64
