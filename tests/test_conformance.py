@@ -198,6 +198,111 @@ def test_cli_bad_input_is_one_line(args, code, needle):
     assert needle in p.stderr and "Traceback" not in p.stderr
 
 
+def _cli_with(tmp_path, source: str, *args):
+    """The command line against a backend module of ``source``, run in ``tmp_path``."""
+    (tmp_path / "user_backend.py").write_text(source)
+    return subprocess.run([sys.executable, "-m", "pyimp.testing", "--backend", "user_backend",
+                           *args], capture_output=True, text=True, timeout=600, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)})
+
+
+def test_cli_leaves_no_hypothesis_folder_in_the_working_directory(tmp_path):
+    # hypothesis writes its cache of the constants in the backend's source when a check fails
+    p = _cli_with(tmp_path, "from pyimp.testing.reference import select_blocks as _s\n"
+                            "def select_blocks(*args):\n"
+                            "    sel, cnt = _s(*args)\n"
+                            "    return sel, cnt + 1\n",
+                  "--check", "select_blocks", "--examples", "3")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "0 passed, 1 failed" in p.stdout
+    assert sorted(x.name for x in tmp_path.iterdir() if x.name != "__pycache__") == \
+        ["user_backend.py"]
+
+
+def test_cli_interrupted_is_one_line_and_130(tmp_path):
+    p = _cli_with(tmp_path, "def select_blocks(*args):\n    raise KeyboardInterrupt\n",
+                  "--check", "select_blocks")
+    assert p.returncode == 130, p.stdout + p.stderr
+    assert p.stderr.strip() == "pyimp.testing: interrupted"
+
+
+@pytest.mark.parametrize("source, args", [
+    ("", ()),                                                         # exports nothing
+    ("", ("--check", "select_blocks")),
+    ("from pyimp.testing.reference import matvec\n", ("--check", "select_blocks")),
+])
+def test_cli_nothing_checked_is_an_error(tmp_path, source, args):
+    p = _cli_with(tmp_path, source, *args)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert p.stdout == ""
+    assert len(p.stderr.strip().splitlines()) == 1 and "nothing checked" in p.stderr, p.stderr
+
+
+def test_cli_backend_calling_sys_exit_fails(tmp_path):
+    p = _cli_with(tmp_path, "import sys\ndef select_blocks(*args):\n    sys.exit(0)\n",
+                  "--check", "select_blocks", "--examples", "3")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "FAIL" in p.stdout and "sys.exit(0)" in p.stdout and "0 passed, 1 failed" in p.stdout
+    p = _cli_with(tmp_path, "import sys\nsys.exit(0)\n", "--check", "select_blocks")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "cannot import backend" in p.stderr and "sys.exit(0)" in p.stderr
+    assert "Traceback" not in p.stderr
+
+
+def _wrong_matvec(qtype, raw, n, x):
+    return np.append(nb.matvec(qtype, raw, n, x), np.float32(0))
+
+
+def _f64_dequantize(qtype, raw, n):
+    return nb.dequantize(qtype, raw, n).astype(np.float64)
+
+
+def _one_array_select(*args):
+    return nb.select_blocks(*args)[0]
+
+
+def _int64_select(*args):
+    sel, cnt = nb.select_blocks(*args)
+    return sel.astype(np.int64), cnt
+
+
+def _transposed_scores(*args):
+    return nb.block_scores(*args).T.copy()
+
+
+def _list_lse(*args):
+    return list(nb.attention_decode(*args))
+
+
+@pytest.mark.parametrize("fns, check, needles", [
+    (dict(matvec=_wrong_matvec), "matvec[Q4_K]", ["matvec", "expected float32[", "got float32["]),
+    (dict(dequantize=_f64_dequantize), "dequantize[Q4_K]",
+     ["dequantize", "expected float32[", "got float64["]),
+    (dict(select_blocks=_one_array_select), "select_blocks",
+     ["select_blocks", "expected a pair (sel, cnt)", "got int32["]),
+    (dict(select_blocks=_int64_select), "select_blocks",
+     ["select_blocks sel", "expected int32[", "got int64["]),
+    (dict(block_scores=_transposed_scores), "block_scores", ["block_scores", "expected float32["]),
+    (dict(attention_decode=_list_lse), "attention_decode",
+     ["attention_decode lse", "expected float32[", "got list"]),
+])
+def test_wrong_output_shape_or_dtype_is_named(fns, check, needles):
+    name = next(iter(fns))
+    results = suite.run_suite(_mutant(**fns), names=[check], max_examples=5, shrink=False,
+                              types=["Q4_K"])
+    failed, r = _failed(results, check)
+    assert failed, r
+    assert "raised" not in r.detail and "Error" not in r.detail, r.detail
+    assert all(n in r.detail for n in needles), r.detail
+    assert r.detail.startswith(name), r.detail
+
+
+def test_run_suite_refuses_a_backend_that_exports_nothing_checked():
+    with pytest.raises(ValueError, match="nothing checked"):
+        suite.run_suite(types.SimpleNamespace())
+    with pytest.raises(ValueError, match="nothing checked"):
+        suite.run_suite(types.SimpleNamespace(matvec=nb.matvec), names=["select_blocks"])
+
 
 # ----------------------------------------------------------------- the strategies
 

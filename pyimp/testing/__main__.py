@@ -4,10 +4,20 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shutil
 import sys
+import tempfile
 
 
 def main(argv=None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("\npyimp.testing: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         prog="python -m pyimp.testing",
         description="Check a backend module's functions against pyimp's NumPy references "
@@ -45,16 +55,27 @@ def main(argv=None) -> int:
             ap.error(f"--check: no check or function named {name!r} (see the table of a full run)")
     try:
         backend = importlib.import_module(args.backend)
+    except SystemExit as e:
+        print(f"pyimp.testing: cannot import backend {args.backend!r}: it called "
+              f"sys.exit({e.code!r})", file=sys.stderr)
+        return 1
     except Exception as e:      # the user's module: its import error, in one line
         print(f"pyimp.testing: cannot import backend {args.backend!r}: {type(e).__name__}: {e}",
               file=sys.stderr)
         return 1
+    # hypothesis keeps files (constants it found in the backend's source) under its home
+    # folder, by default ./.hypothesis: a temporary folder here, removed afterwards
+    from hypothesis import configuration
+    home = tempfile.mkdtemp(prefix="pyimp-testing-hypothesis-")
+    configuration.set_hypothesis_home_dir(home)
     try:
         results = suite.run_suite(backend, args.check, args.examples, not args.no_shrink,
                                   args.types)
     except ValueError as e:
         print(f"pyimp.testing: backend {args.backend}: {e}", file=sys.stderr)
         return 1
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
     if args.json:
         print(json.dumps({"backend": args.backend, "results": suite.as_dicts(results)}, indent=1))
     else:

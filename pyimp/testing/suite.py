@@ -36,6 +36,10 @@ class Mismatch(AssertionError):
     """A backend's result differs from the reference beyond the check's tolerance."""
 
 
+class BackendExit(Exception):
+    """The backend raised SystemExit (called sys.exit) inside a check."""
+
+
 @dataclass
 class Check:
     name: str                       # e.g. "matvec[Q4_K]"
@@ -96,6 +100,32 @@ def describe(case) -> str:
     if isinstance(case, (float, np.floating)):
         return f"{float(case):.4g}"
     return str(case)
+
+
+def _kind(x) -> str:
+    """What a backend returned, for a message: dtype[shape] of an array, else the type's name."""
+    if isinstance(x, np.ndarray):
+        return f"{x.dtype}{list(x.shape)}"
+    return type(x).__name__
+
+
+def _returned(what: str, got, want: np.ndarray) -> np.ndarray:
+    """A backend's returned array, which must have the dtype and shape of the reference's
+    ``want`` (a NumPy array or scalar, as the interface states); Mismatch naming both if not."""
+    want = np.asarray(want)
+    if isinstance(got, np.generic) and not want.shape:
+        got = np.asarray(got)
+    if not isinstance(got, np.ndarray) or got.dtype != want.dtype or got.shape != want.shape:
+        raise Mismatch(f"{what}: expected {_kind(want)}, got {_kind(got)}")
+    return got
+
+
+def _pair(what: str, got) -> tuple:
+    """A backend's (sel, cnt) result; Mismatch when it is not a pair."""
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        n = f" of {len(got)}" if isinstance(got, (tuple, list)) else ""
+        raise Mismatch(f"{what}: expected a pair (sel, cnt), got {_kind(got)}{n}")
+    return tuple(got)
 
 
 def _close(what: str, got, want, tol) -> None:
@@ -159,11 +189,10 @@ def _dequantize_check(qtype: str) -> Check:
     def run(fn, case, mode):
         raw, n = case
         want = ref.dequantize(qtype, raw, n)
-        got = np.asarray(fn(qtype, raw.copy(), n))
+        got = _returned(f"dequantize {qtype}", fn(qtype, raw.copy(), n), want)
         # exact: a block's value is one or two float32 operations on its fields, which ggml
         # (and gguf.quants) define; bit patterns compared, so -0.0 vs 0.0 counts
-        _equal(f"dequantize {qtype}", np.asarray(got, np.float32).view(np.uint32),
-               want.view(np.uint32))
+        _equal(f"dequantize {qtype}", got.view(np.uint32), want.view(np.uint32))
     return Check(f"dequantize[{qtype}]", "dequantize", "exact (bit patterns)",
                  lambda: S.quant_rows(qtype), run)
 
@@ -174,7 +203,8 @@ def _matvec_check(qtype: str) -> Check:
         x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
         w = ref.dequantize(qtype, raw, n).astype(np.float64)
         want = w @ x.astype(np.float64)
-        got = np.asarray(fn(qtype, raw.copy(), n, x.copy()), np.float64)
+        got = _returned(f"matvec {qtype}", fn(qtype, raw.copy(), n, x.copy()),
+                        np.empty(raw.shape[0], np.float32)).astype(np.float64)
         # a float32 dot product of n exact terms, summed in any order (FMA or not), is within
         # (n + 2) u sum |w_j x_j| of the exact value (u = 2^-24); the float64 reference is exact
         # to far below that
@@ -245,7 +275,8 @@ def _decode_run(fn, c, mode):
                                    c["n_ctx"], c["scale"], c["window"], out_ref)
     out = np.full_like(c["q"], np.nan)
     k, v, q, bt = _copy(c, "k_cache", "v_cache", "q", "block_table")
-    lse = fn(q, _fp16(k, mode), _fp16(v, mode), bt, c["n_ctx"], c["scale"], c["window"], out)
+    lse = _returned("attention_decode lse", fn(q, _fp16(k, mode), _fp16(v, mode), bt, c["n_ctx"],
+                                               c["scale"], c["window"], out), lse_ref)
     tol_o, tol_l = _attention_tol(c["q"], c["k_cache"], c["v_cache"], c["block_table"],
                                   c["n_ctx"], c["scale"], c["q"].shape[1])
     _close("attention_decode out", out, out_ref, tol_o)
@@ -283,8 +314,9 @@ def _prefill_run(fn, c, mode):
                                     c["obs_start"])
     out = np.full_like(c["q"], np.nan)
     k, v, q, bt, imp = _copy(c, "k_cache", "v_cache", "q", "block_table", "importance")
-    lse = fn(q, _fp16(k, mode), _fp16(v, mode), bt, c["pos0"], c["scale"], c["window"], out,
-             _fp16(imp, mode), c["obs_start"])
+    lse = _returned("attention_prefill lse",
+                    fn(q, _fp16(k, mode), _fp16(v, mode), bt, c["pos0"], c["scale"], c["window"],
+                       out, _fp16(imp, mode), c["obs_start"]), lse_ref)
     tol_o, tol_l = _attention_tol(c["q"], c["k_cache"], c["v_cache"], c["block_table"],
                                   c["pos0"] + T, c["scale"], c["q"].shape[2])
     _close("attention_prefill out", out, out_ref, tol_o)
@@ -302,8 +334,9 @@ def _sparse_run(fn, c, mode):
     out = np.full_like(c["q"], np.nan)
     k, v, q, bt, sel, cnt, imp = _copy(c, "k_cache", "v_cache", "q", "block_table", "sel", "cnt",
                                        "importance")
-    lse = fn(q, _fp16(k, mode), _fp16(v, mode), bt, c["n_ctx"], c["scale"], c["window"], sel,
-             cnt, out, _fp16(imp, mode))
+    lse = _returned("sparse_attention_decode lse",
+                    fn(q, _fp16(k, mode), _fp16(v, mode), bt, c["n_ctx"], c["scale"], c["window"],
+                       sel, cnt, out, _fp16(imp, mode)), lse_ref)
     tol_o, tol_l = _attention_tol(c["q"], c["k_cache"], c["v_cache"], c["block_table"],
                                   c["n_ctx"], c["scale"], c["q"].shape[1])
     # a head whose selected blocks the window hides entirely attends to nothing: out 0, lse -inf
@@ -410,7 +443,8 @@ def _scores_run(fn, c, mode):
     want = ref.block_scores(c["q"], c["anchor"], c["block_table"], c["lb_start"], c["lb_end"],
                             c["n_slots"], G)
     q, a, bt = _copy(c, "q", "anchor", "block_table")
-    got = fn(q, _fp16(a, mode), bt, c["lb_start"], c["lb_end"], c["n_slots"], G)
+    got = _returned("block_scores", fn(q, _fp16(a, mode), bt, c["lb_start"], c["lb_end"],
+                                       c["n_slots"], G), want)
     # a float32 sum of D exact-ish products (each max_a a*q is one rounding): within
     # (D + 2) u sum_d max_a |a q| of the float64 value
     an = c["anchor"][c["block_table"][c["lb_start"]:c["lb_end"]], :c["n_slots"]].astype(np.float64)
@@ -437,9 +471,10 @@ def _select_cases(draw):
 
 def _select_run(fn, c, mode):
     want = ref.select_blocks(c["scores"], c["n_ctx"], c["B"], c["init"], c["pick"], c["local"])
-    got = fn(c["scores"].copy(), c["n_ctx"], c["B"], c["init"], c["pick"], c["local"])
-    _equal("select_blocks sel", np.asarray(got[0]), want[0])
-    _equal("select_blocks cnt", np.asarray(got[1]), want[1])
+    got = _pair("select_blocks", fn(c["scores"].copy(), c["n_ctx"], c["B"], c["init"], c["pick"],
+                                    c["local"]))
+    _equal("select_blocks sel", _returned("select_blocks sel", got[0], want[0]), want[0])
+    _equal("select_blocks cnt", _returned("select_blocks cnt", got[1], want[1]), want[1])
 
 
 @st.composite
@@ -469,11 +504,11 @@ def _retrieve_run(fn, c, mode):
             c["local"], c["anchor_type"])
     want = ref.retrieve_blocks(c["q"], c["anchor"], c["block_table"], *args)
     q, a, bt = _copy(c, "q", "anchor", "block_table")
-    got = fn(q, _fp16(a, mode), bt, *args)
+    got = _pair("retrieve_blocks", fn(q, _fp16(a, mode), bt, *args))
     # exact: integer anchors and queries make every score exact, so the ranking (ties to the
     # lower block) has one answer
-    _equal("retrieve_blocks sel", np.asarray(got[0]), want[0])
-    _equal("retrieve_blocks cnt", np.asarray(got[1]), want[1])
+    _equal("retrieve_blocks sel", _returned("retrieve_blocks sel", got[0], want[0]), want[0])
+    _equal("retrieve_blocks cnt", _returned("retrieve_blocks cnt", got[1], want[1]), want[1])
 
 
 # ----------------------------------------------------------------- the suite
@@ -520,7 +555,11 @@ def run_check(check: Check, fn, fp16: str = "float16", max_examples: int = 25,
         res.examples += 1
         res.case = describe(case)
         with np.errstate(all="ignore"):     # inf / NaN in a result are compared, not warned of
-            check.run(fn, case, fp16)
+            try:
+                check.run(fn, case, fp16)
+            except SystemExit as e:
+                raise BackendExit(f"called sys.exit({e.code!r}) (SystemExit) in "
+                                  f"{check.function}") from None
 
     log = io.StringIO()
     try:
@@ -528,7 +567,7 @@ def run_check(check: Check, fn, fp16: str = "float16", max_examples: int = 25,
             probe()
         res.passed = True
         res.case = ""
-    except Mismatch as e:
+    except (Mismatch, BackendExit) as e:
         res.detail = str(e)
     except Exception as e:      # a backend that raises fails the check, with its error
         tb = traceback.extract_tb(e.__traceback__)[-1]
@@ -539,8 +578,9 @@ def run_check(check: Check, fn, fp16: str = "float16", max_examples: int = 25,
 def run_suite(backend, names=None, max_examples: int = 25, shrink: bool = True,
               types=None) -> list[Result]:
     """Check every interface function ``backend`` (a module or any object with attributes)
-    exports; functions it does not export are reported as skipped. ``names``: only the checks
-    whose name or function is listed. The backend may set ``FP16 = "uint16"`` to receive fp16
+    exports; functions it does not export are reported as skipped, and a ValueError says
+    when that leaves nothing to check. ``names``: only the checks whose name or function is
+    listed. The backend may set ``FP16 = "uint16"`` to receive fp16
     arrays as uint16 views."""
     fp16 = getattr(backend, "FP16", "float16")
     if fp16 not in ("float16", "uint16"):
@@ -555,6 +595,11 @@ def run_suite(backend, names=None, max_examples: int = 25, shrink: bool = True,
                               detail="not exported"))
             continue
         out.append(run_check(chk, fn, fp16, max_examples, shrink))
+    if not out:
+        raise ValueError(f"no check or function is named {', '.join(names)}: nothing checked")
+    if all(r.skipped for r in out):
+        which = ", ".join(sorted({r.function for r in out}))
+        raise ValueError(f"exports none of the functions checked ({which}): nothing checked")
     return out
 
 
