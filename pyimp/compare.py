@@ -9,10 +9,12 @@ tools.llamacpp_trace``), paired by name (``<llama.cpp name>[#k]@step``). Per pai
     cos      a.b / (|a| |b|)
 
 Integer tensors (token ids, block selections) are compared by exact equality. The first
-divergent tensor is the first in A's graph order (its ``pyimp.dump.order``) whose NMSE
-exceeds ``--nmse`` (or, for integers, that differs). Tensors present in one file only are
-listed (grouped by name, e.g. llama.cpp's ``kq`` which pyimp does not produce), tensors whose
-shapes differ are reported as shape mismatches, neither counts as a divergence.
+divergent tensor is the first in A's graph order (its ``pyimp.dump.order``) whose shape
+differs, whose NMSE exceeds ``--nmse`` or, for integers, whose values differ. Tensors present
+in one file only are listed (grouped by name, e.g. llama.cpp's ``kq`` which pyimp does not
+produce) and are no divergence. A warning names dumps of different models (their
+``model_fingerprint``) or of different prompts (their ``inp_tokens@0``): tensors of such dumps
+differ by construction.
 
 The default threshold, 1e-4: NMSE is (RMS error / RMS value)^2, so 1e-4 is a 1% RMS error.
 float32 summation order alone stays below 1e-6 (measured: at most 3.2e-7 on a synthetic F32
@@ -77,6 +79,27 @@ def _group(names) -> list:
     return sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
+def input_difference(a, b) -> str | None:
+    """How the prompts of two dumps differ (their first step's token ids, else the prompt
+    text where both record one), or None where they agree or cannot be told apart."""
+    name = "inp_tokens@0"
+    if name in a and name in b:
+        x = np.asarray(a.tensor(name)).ravel().astype(np.int64)
+        y = np.asarray(b.tensor(name)).ravel().astype(np.int64)
+        if x.size != y.size:
+            return f"{name}: a prompt of {x.size} tokens in A, {y.size} in B"
+        diff = np.flatnonzero(x != y)
+        if diff.size:
+            i = int(diff[0])
+            return (f"{name}: {diff.size} of {x.size} token ids differ, the first at index {i} "
+                    f"({x[i]} in A, {y[i]} in B)")
+        return None
+    pa, pb = a.meta.get("prompt", ""), b.meta.get("prompt", "")
+    if pa and pb and pa != pb:
+        return "the prompt texts differ"
+    return None
+
+
 def compare(a, b, threshold: float = DEFAULT_NMSE) -> dict:
     """Compare two :class:`pyimp.dump.Dump` objects; the result ``--json`` prints."""
     rows = []
@@ -93,6 +116,8 @@ def compare(a, b, threshold: float = DEFAULT_NMSE) -> dict:
             row.update(status="shape mismatch", shape_b=list(_trim(y.shape)[::-1]))
             mismatched.append(name)
             rows.append(row)
+            if first is None:
+                first = row
             continue
         x, y = np.asarray(x).reshape(_trim(x.shape)), np.asarray(y).reshape(_trim(y.shape))
         if x.dtype.kind in "iub" or y.dtype.kind in "iub":
@@ -108,9 +133,11 @@ def compare(a, b, threshold: float = DEFAULT_NMSE) -> dict:
         if divergent and first is None:
             first = row
     worst = max((r for r in rows if "nmse" in r), key=lambda r: r["nmse"], default=None)
+    inputs = input_difference(a, b)
     return {"a": a.path, "b": b.path, "producer_a": a.meta.get("producer", ""),
             "producer_b": b.meta.get("producer", ""), "threshold_nmse": threshold,
             "same_model": a.meta.get("model_fingerprint") == b.meta.get("model_fingerprint"),
+            "same_input": inputs is None, "input_difference": inputs,
             "paired": len(rows), "tensors": rows, "only_in_a": only_a, "only_in_b": only_b,
             "shape_mismatch": mismatched, "first_divergence": first, "worst": worst}
 
@@ -159,6 +186,9 @@ def format_table(res: dict, diverged_only: bool = False) -> str:
     lines.append(f"A {res['a']} ({res['producer_a']}), B {res['b']} ({res['producer_b']})"
                  + ("" if res["same_model"] else "; WARNING: the dumps are of different models "
                     "(model_fingerprint)"))
+    if not res["same_input"]:
+        lines.append(f"WARNING: the dumps are of different inputs ({res['input_difference']}): "
+                     f"their tensors differ from the first one on")
     lines.append(f"paired {res['paired']} tensors")
     for side, key in (("A", "only_in_a"), ("B", "only_in_b")):
         names = res[key]
@@ -174,6 +204,9 @@ def format_table(res: dict, diverged_only: bool = False) -> str:
         worst = res["worst"]
         tail = f" (largest: {worst['name']} nmse {_fmt(worst['nmse'])})" if worst else ""
         lines.append(f"no divergence: every paired tensor within nmse {t:g}{tail}")
+    elif f["status"] == "shape mismatch":
+        lines.append(f"first divergence (A's graph order): {f['name']}: shape mismatch "
+                     f"(A {'x'.join(map(str, f['shape']))}, B {'x'.join(map(str, f['shape_b']))})")
     elif "differing" in f:
         lines.append(f"first divergence (A's graph order): {f['name']}: {f['differing']} "
                      f"values differ")

@@ -115,10 +115,38 @@ def test_one_sided_and_shape_mismatch(pyimp_dump, tmp_path, capsys):
     assert "only in A (2, not compared): kqv (2)" in out
     assert "shape mismatches (1): ffn_up-0@1" in out
     assert "ffn_up-0@1" in out and "shape mismatch: B has 1024" in out
-    assert "no divergence" in out
+    # a shape mismatch is where the dumps diverge
+    assert "first divergence (A's graph order): ffn_up-0@1: shape mismatch (A 512, B 1024)" in out
     rc, out, _ = _run(capsys, b, pyimp_dump, "--json")
     res = json.loads(out)
     assert res["only_in_b"] == ["kqv-0@0", "kqv-1@0"] and res["shape_mismatch"] == ["ffn_up-0@1"]
+
+
+@pytest.mark.parametrize("other", [PROMPT[:7], PROMPT[:4] + [18] + PROMPT[5:]],
+                         ids=["shorter", "one token changed"])
+def test_dumps_of_different_prompts_are_flagged(llama, pyimp_dump, tmp_path, capsys, other):
+    """Dumps of two prompts: a warning that the inputs differ (as for two models), and the
+    first divergence is the first tensor that differs in shape or values, inp_tokens@0, not a
+    later tensor whose shapes happen to agree (the last layer's one-row tensors)."""
+    b = tmp_path / "other.gguf"
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8, kv_type="f32", numerics="ggml"))
+    eng.trace(other, steps=3).write(b)
+    eng.close()
+    rc, out, _ = _run(capsys, pyimp_dump, b)
+    assert rc == 0
+    assert "WARNING: the dumps are of different inputs" in out
+    assert "different models" not in out
+    first = next(ln for ln in out.splitlines() if ln.startswith("first divergence"))
+    assert "inp_tokens@0" in first, first
+    if len(other) != len(PROMPT):
+        assert "shape mismatch" in first and "A 10, B 7" in first, first
+    rc, out, _ = _run(capsys, pyimp_dump, b, "--json")
+    res = json.loads(out)
+    assert res["same_model"] and not res["same_input"]
+    assert res["first_divergence"]["name"] == "inp_tokens@0"
+    # the same prompt: no warning
+    rc, out, _ = _run(capsys, pyimp_dump, _copy(pyimp_dump, tmp_path / "same.gguf"))
+    assert "WARNING" not in out
 
 
 def test_bad_inputs_one_line(pyimp_dump, llama, tmp_path, capsys):
