@@ -2,12 +2,14 @@
 over kept tokens, budgets and memory, and the engine end to end."""
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import prefill_path
+from conftest import count_sparse_steps, prefill_path
 
 import pyimp
 from pyimp import attention
@@ -310,11 +312,17 @@ def gemma(tmp_path_factory):
                            swa_pattern=4, rope_base=1e6, rope_base_swa=1e4, seed=6))
 
 
-def _run(path, ids, n_decode, **opts):
+def _run(path, ids, n_decode, sparse_ran=None, **opts):
+    """Prefill ids, greedy-decode n_decode tokens: (engine, logits [n_decode + 1, V]). With a
+    list ``sparse_ran`` the sparse decode never falls back to the dense kernel and the list
+    collects its sparse steps (conftest.count_sparse_steps)."""
     eng = pyimp.load(path, n_ctx=256, block_len=8, batch_size=16, **opts)
+    ran = count_sparse_steps(eng) if sparse_ran is not None else None
     rows = [eng.eval(ids)[-1]]
     for _ in range(n_decode):
         rows.append(eng.eval([int(np.argmax(rows[-1]))])[-1])
+    if ran is not None:
+        sparse_ran.extend(ran)
     return eng, np.array(rows)
 
 
@@ -551,7 +559,12 @@ def test_depth_and_observation_with_sparse_attention(llama, kv):
     kw = dict(kv_policy="h2o", kv_budget=48, kv_recent=8, keep=4, kv_obs_window=16,
               kv_obs_weight=1.0, kv_depth_ratio=2.0, kv_type=kv, track=True)
     _, dense = _run(llama, ids, 12, **kw)
-    eng, sparse = _run(llama, ids, 12, sparse=True, topk=64, local_blocks=1, **kw)
+    ran = []
+    eng, sparse = _run(llama, ids, 12, sparse=True, topk=64, local_blocks=1, sparse_ran=ran, **kw)
+    # every decode step took the sparse kernels in each lead layer (their slot counts differ
+    # under depth budgets, so steps are counted per layer)
+    per_layer = collections.Counter(il for il, _ in ran)
+    assert per_layer and set(per_layer.values()) == {12}
     np.testing.assert_allclose(sparse, dense, rtol=0, atol=1e-4 * np.abs(dense).max())
     assert eng.policy.evicted > 0 and list(eng.policy.budgets) == [64, 32]
     for il in range(eng.cfg.n_layer):

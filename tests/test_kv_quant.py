@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 import pyimp
 from pyimp import ops
-from conftest import prefill_path
+from conftest import count_sparse_steps, prefill_path
 
 from pyimp.attention import attention_decode, attention_prefill
 from pyimp.kvcache import QUANT_TYPES, KVCache, QuantizedKV
@@ -214,12 +214,17 @@ def llama32(tmp_path_factory):
 
 
 
-def _logits(path, ids, n_decode=8, **opts):
-    """Prefill ids then greedy-decode n_decode tokens; every step's logits [n_decode + 1, V]."""
+def _logits(path, ids, n_decode=8, sparse_ran=None, **opts):
+    """Prefill ids then greedy-decode n_decode tokens; every step's logits [n_decode + 1, V].
+    With a list ``sparse_ran`` the sparse decode never falls back to the dense kernel and the
+    list collects its sparse steps (conftest.count_sparse_steps)."""
     eng = pyimp.load(path, n_ctx=256, block_len=32, batch_size=32, **opts)
+    ran = count_sparse_steps(eng) if sparse_ran is not None else None
     rows = [eng.eval(ids)[-1]]
     for _ in range(n_decode):
         rows.append(eng.eval([int(np.argmax(rows[-1]))])[-1])
+    if ran is not None:
+        sparse_ran.extend(ran)
     return np.array(rows)
 
 
@@ -243,9 +248,12 @@ def test_engine_quantized_kv_costs_what_its_bits_say(llama32):
 def test_engine_mixed_types_and_sparse_run(llama32):
     ids = _ids(120, seed=2)
     dense = _logits(llama32, ids, n_decode=4, cache_type_k="q8_0", cache_type_v="q4_1")
-    # sparse with a budget covering every block: the same kernels over every block
+    # sparse with a budget covering every block and no dense fallback: the block-sparse
+    # kernels over every block of the quantized cache
+    ran = []
     sparse = _logits(llama32, ids, n_decode=4, cache_type_k="q8_0", cache_type_v="q4_1",
-                     sparse=True, topk=16, anchor="block_mean")
+                     sparse=True, topk=16, anchor="block_mean", sparse_ran=ran)
+    assert sorted({n for _, n in ran}) == [121, 122, 123, 124]   # every decode step ran sparse
     np.testing.assert_allclose(sparse, dense, rtol=1e-4, atol=1e-4)   # f32 merge order only
 
 

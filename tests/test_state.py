@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import pyimp
+from conftest import count_sparse_steps
 from pyimp.cli import main
 from pyimp import state as state_mod
 from pyimp.statefile import StateFileError, read_state, write_state
@@ -53,15 +54,20 @@ CONFIGS = [dict(kv_type="f16"),
 def test_reloaded_state_gives_bit_identical_logits(model, tmp_path, opts):
     ids = _ids(90)                       # 90 = 2 full blocks of 32 and a partial (float) tail
     a = pyimp.load(model, n_ctx=256, block_len=32, batch_size=32, **opts)
+    # sparse configurations: the block-sparse kernels on every decode step, never the dense
+    # fallback (a selection of every block), so the reload is checked on the sparse path
+    ran_a = count_sparse_steps(a) if a.sparse is not None else None
     first = a.eval(ids)[-1]
     path = tmp_path / "s.pkv"
     a.save_state(path)
     ref = _greedy(a, first, 40)          # crosses into a new block: the tail gets quantized
     b = pyimp.load(model, n_ctx=256, block_len=32, batch_size=32, **opts)
+    ran_b = count_sparse_steps(b) if b.sparse is not None else None
     assert b.load_state(path) == 90 and b.tokens == ids
     got = _greedy(b, first, 40)
     assert np.array_equal(got, ref)
     if a.sparse is not None:
+        assert len({n for _, n in ran_a}) == 40 and ran_b == ran_a
         assert np.array_equal(np.asarray(a.sparse.importance_), np.asarray(b.sparse.importance_))
 
 
