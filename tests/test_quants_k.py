@@ -11,8 +11,8 @@
 - Q8_K activations: byte-identical to libggml's ``from_float``.
 
 The real-model tests read the default model (Gemma 3 270M Q4_K_M, the
-``gemma_path`` fixture). It holds Q4_K and Q6_K tensors only: for Q2_K, Q3_K and
-Q5_K those tests skip and say so; random and ggml-quantized blocks cover them.
+``gemma_path`` fixture). It holds Q4_K and Q6_K tensors only, so those tests run for
+these two types; random and ggml-quantized blocks cover Q2_K, Q3_K and Q5_K.
 """
 import numpy as np
 import pytest
@@ -172,12 +172,7 @@ def gemma(gemma_path):
 
 
 def gemma_tensor(gemma, qtype: QT):
-    """The default model's tensor of ``qtype``; skips, saying so, for types it does not hold."""
-    if qtype not in GEMMA_TENSORS:
-        assert not any(t.qtype == qtype for t in gemma.tensors.values()), \
-            f"the default model holds {qtype.name} tensors now: add one to GEMMA_TENSORS"
-        pytest.skip(f"the default model (Gemma 3 270M Q4_K_M) has no {qtype.name} tensor; "
-                    f"{qtype.name} is covered by random and ggml-quantized blocks only")
+    """The default model's tensor of ``qtype`` (one of GEMMA_TENSORS)."""
     t = gemma.tensor(GEMMA_TENSORS[qtype])
     assert t.qtype == qtype
     return t
@@ -203,7 +198,14 @@ def test_dequantize_many_random_blocks_bit_exact(qtype):
     check_dequantize(qtype, random_blocks(qtype, 37, 5, np.random.default_rng(int(qtype))))
 
 
-@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
+def test_the_default_model_holds_only_the_k_types_read_here(gemma):
+    """The real-model tests run on GEMMA_TENSORS' types; the default model has no tensor of
+    the other K types (they are covered by random and ggml-quantized blocks only)."""
+    held = {t.qtype for t in gemma.tensors.values()} & set(K_TYPES)
+    assert held == set(GEMMA_TENSORS), "the default model's K types changed: update GEMMA_TENSORS"
+
+
+@pytest.mark.parametrize("qtype", list(GEMMA_TENSORS), ids=lambda q: q.name)
 def test_dequantize_gemma_tensor_bit_exact(gemma, qtype):
     t = gemma_tensor(gemma, qtype)
     check_dequantize(qtype, t.raw)  # the whole tensor, read-only memory-mapped bytes
@@ -239,7 +241,7 @@ def test_matvec_and_dequantize_ggml_quantized_weights(qtype):
     check_matvec(qtype, raw, rng.standard_normal(1536).astype(np.float32))
 
 
-@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
+@pytest.mark.parametrize("qtype", list(GEMMA_TENSORS), ids=lambda q: q.name)
 def test_matvec_gemma_tensor(gemma, qtype):
     t = gemma_tensor(gemma, qtype)
     x = np.random.default_rng(3).standard_normal(t.n_per_row).astype(np.float32)
@@ -340,9 +342,11 @@ def case_gemma_rows(qtype, request):
 
 
 MATMUL_CASES = [case_random_blocks, case_ggml_quantized, case_gemma_rows]
+# the default model's rows only for the types it holds
+MATMUL_PARAMS = [(c, q) for c in MATMUL_CASES for q in K_TYPES
+                 if c is not case_gemma_rows or q in GEMMA_TENSORS]
 matmul_params = pytest.mark.parametrize(
-    "case, qtype", [(c, q) for c in MATMUL_CASES for q in K_TYPES],
-    ids=[f"{c.__name__[5:]}-{q.name}" for c in MATMUL_CASES for q in K_TYPES])
+    "case, qtype", MATMUL_PARAMS, ids=[f"{c.__name__[5:]}-{q.name}" for c, q in MATMUL_PARAMS])
 
 
 @matmul_params
