@@ -61,6 +61,16 @@ def test_full_budget_is_lossless(rows):
     assert r.attended == 1.0          # every real token of the context, counted exactly
 
 
+def test_sparse_steps_are_what_the_engine_ran(model, ids):
+    """sparse_steps counts the steps on which the engine took the block-sparse path, as its
+    observers saw them: with the dense fallback on, a budget covering every block runs none
+    of them (recall and attended then count the dense steps as 1)."""
+    fallback = ev.SparseConfig("quest", topk=10_000)          # dense_fallback on
+    [r] = ev.decode_quality(model, ids, CTX, 3, [fallback], block_len=B, oracle=False)
+    assert r.sparse_steps == 0 and r.steps == 3
+    assert r.recall == 1.0 and r.attended == 1.0 and r.max_kl == 0.0
+
+
 def test_small_budget_recall_in_unit_interval(rows):
     for r in rows[1:]:
         # 24-25 full blocks > 1 + 18 + 2, so every config here takes the sparse path every step

@@ -237,17 +237,20 @@ def track_oracle(state, cache, config: SparseConfig, out: list) -> None:
     state.observe(on_decode)
 
 
-def _decode(eng, ids: Sequence[int]) -> np.ndarray:
-    """Feed ``ids`` one at a time; float32[len(ids), V] logits after each."""
+def _decode(eng, ids: Sequence[int], took_sparse: list | None = None) -> np.ndarray:
+    """Feed ``ids`` one at a time; float32[len(ids), V] logits after each. With a list
+    ``took_sparse``, one bool a step is appended to it: whether any layer of that step took
+    the block-sparse path (as the engine reports it to its observers)."""
     out = np.empty((len(ids), eng.cfg.n_vocab), np.float32)
+    hit: list = []
+    if took_sparse is not None:
+        eng.sparse.observe(lambda il, q, n_ctx, scale, window, sparse: sparse and hit.append(il))
     for i, t in enumerate(ids):
+        hit.clear()
         out[i] = eng.eval([int(t)], all_logits=False)[-1]
+        if took_sparse is not None:
+            took_sparse.append(bool(hit))
     return out
-
-
-def _is_sparse_step(n_ctx: int, block_len: int, c: SparseConfig) -> bool:
-    """Does the engine take the block-sparse path with n_ctx tokens cached (new one included)?"""
-    return not c.dense_fallback or n_ctx // block_len > c.init_blocks + c.topk + c.local_blocks
 
 
 # ------------------------------------------------------------ decode quality
@@ -272,13 +275,17 @@ class DecodeRow:
 
 
 def _summarize(config: SparseConfig, dense_logp: np.ndarray, logits: np.ndarray, report: dict,
-               ctx: int, block_len: int, seconds: float, oracle: list | None = None) -> DecodeRow:
+               ctx: int, took_sparse: Sequence[bool], seconds: float,
+               oracle: list | None = None) -> DecodeRow:
+    """One config's row; ``took_sparse``: whether each step took the block-sparse path."""
     steps = len(logits)
     logp = log_softmax(logits)
     kl = np.maximum(kl_divergence(dense_logp, logp), 0.0)   # clip float64 rounding below 0
     top1 = float(np.mean(np.argmax(dense_logp, -1) == np.argmax(logp, -1)))
     n_at = ctx + 1 + np.arange(steps)                        # tokens cached at each decode step
-    sparse = np.array([_is_sparse_step(int(n), block_len, config) for n in n_at])
+    sparse = np.asarray(took_sparse, dtype=bool)
+    if sparse.shape != (steps,):
+        raise ValueError(f"{len(took_sparse)} sparse flags for {steps} steps")
     ns = int(sparse.sum())
     r_sp = report.get("mean_recall")
     a_sp = report.get("mean_attended_fraction")
@@ -343,8 +350,9 @@ def decode_quality(path, ids: Sequence[int], ctx: int, steps: int, configs: Sequ
         orc = [] if oracle and not c.recall_target else None   # the oracle needs a fixed topk
         if orc is not None:
             track_oracle(eng.sparse, eng.cache, c, orc)
-        logits = _decode(eng, fed)
-        row = _summarize(c, dense_logp, logits, eng.sparse.report(), ctx, eng.cache.block_len,
+        took_sparse: list = []
+        logits = _decode(eng, fed, took_sparse)
+        row = _summarize(c, dense_logp, logits, eng.sparse.report(), ctx, took_sparse,
                          time.perf_counter() - t0, orc)
         rows.append(row)
         log(f"{c.label:>11} budget {budget_label(c.budget):>5} topk {c.topk:3d}: mean KL "
