@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,29 @@ def test_a_target_build_goes_into_its_own_folder_whole_or_not_at_all(tmp_path, m
     # the failed rebuild left the first build in place, with its own stamp
     assert build_peer.installed_stamp(into)["cmake_args"] == "-DGGML_NATIVE=OFF"
     assert build_peer.installed_stamp(tmp_path / "elsewhere") is None
+
+
+def test_peer_wheels_are_kept_by_version_and_flags(tmp_path, monkeypatch):
+    """built_wheel: a build leaves its wheel in a folder keyed by version and CMAKE_ARGS; the
+    same flags install that wheel without building, other flags build their own."""
+    monkeypatch.setenv("PYIMP_CACHE", str(tmp_path))
+    builds = []
+
+    def fake_pip_wheel(cmd, env, check):
+        assert cmd[3] == "wheel" and env["CMAKE_ARGS"] == env_args[0]
+        out = Path(cmd[cmd.index("-w") + 1])
+        (out / f"llama_cpp_python-{build_peer.VERSION}-cp311-linux_x86_64.whl").write_bytes(b"w")
+        builds.append(env["CMAKE_ARGS"])
+
+    monkeypatch.setattr(build_peer.subprocess, "run", fake_pip_wheel)
+    env_args = ["-DGGML_NATIVE=OFF -DGGML_AVX2=ON"]
+    first = build_peer.built_wheel(env_args[0], {"CMAKE_ARGS": env_args[0]})
+    again = build_peer.built_wheel(env_args[0], {"CMAKE_ARGS": env_args[0]})
+    assert first == again and builds == env_args                  # the second one built nothing
+    assert first.parent == build_peer.wheel_dir(env_args[0]) and first.parent.parent == tmp_path / "peer-wheels"
+    env_args[0] = "-DGGML_NATIVE=OFF -DGGML_AVX2=OFF"
+    other = build_peer.built_wheel(env_args[0], {"CMAKE_ARGS": env_args[0]})
+    assert other.parent != first.parent and len(builds) == 2
+    # two folders, one wheel each, no temporary build folder left
+    assert sorted(p.name for p in (tmp_path / "peer-wheels").iterdir()) == sorted(
+        [first.parent.name, other.parent.name])

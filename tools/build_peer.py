@@ -14,7 +14,9 @@ So this script builds with ``GGML_NATIVE=OFF`` and turns on exactly the SIMD
 extensions listed in ``/proc/cpuinfo`` (SSE4.2, AVX, AVX2, BMI2, FMA, F16C,
 AVX-VNNI, AVX-512 F/VBMI/VNNI/BF16), never AMX, with pip's cache off. The flags
 it used are stamped next to the installed package; a second run with the same
-flags and version does nothing.
+flags and version does nothing. The wheel it builds is kept under pyimp's cache, keyed by
+version and flags (:func:`wheel_dir`): a new environment on the same machine installs it
+instead of building again; a fresh machine builds it.
 
 The ggml numerics mode (``numerics="ggml"``) is bit-exact, kernel by kernel,
 with the build this script makes on an AVX-512 machine (see README, Numerics).
@@ -30,12 +32,14 @@ same CPU.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 PACKAGE = "llama-cpp-python"
@@ -130,15 +134,48 @@ def installed_stamp(into: Path | None = None) -> dict | None:
         return None
 
 
+def wheel_dir(args: str) -> Path:
+    """The folder under pyimp's cache that holds the wheel built with CMAKE_ARGS ``args``: one
+    folder per version and flags, so a wheel is reused only for the build it came from."""
+    from pyimp.default_model import cache_dir
+    key = hashlib.sha256(f"{VERSION} {args}".encode()).hexdigest()[:16]
+    return cache_dir() / "peer-wheels" / f"{VERSION}-{key}"
+
+
+def built_wheel(args: str, env: dict) -> Path:
+    """The wheel of this version built with ``args``: from :func:`wheel_dir` when an earlier
+    build left it there (a fresh machine has none and builds it), else built now and kept."""
+    folder = wheel_dir(args)
+    found = sorted(folder.glob("*.whl")) if folder.is_dir() else []
+    if found:
+        print(f"installing the {PACKAGE} wheel built earlier with these flags: {found[0]}",
+              file=sys.stderr)
+        return found[0]
+    print(f"building {PACKAGE} {VERSION} with CMAKE_ARGS={args!r} (a few minutes)", file=sys.stderr)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".", dir=folder.parent))
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-cache-dir", "--no-deps",
+                        "--no-binary", PACKAGE, "-w", str(tmp), f"{PACKAGE}=={VERSION}"],
+                       env=env, check=True)
+        try:
+            os.replace(tmp, folder)            # whole or not at all: never a half-written wheel
+        except OSError:                        # another build got there first: use its wheel
+            pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return sorted(folder.glob("*.whl"))[0]
+
+
 def build(args: str, into: Path | None = None) -> None:
     """Build and install with CMAKE_ARGS ``args``: over the installed peer, or, with ``into``,
     only the package itself into that folder (its dependencies are the environment's)."""
     env = dict(os.environ, CMAKE_ARGS=args, FORCE_CMAKE="1")
     cmd = [sys.executable, "-m", "pip", "install", "--no-cache-dir", "--force-reinstall",
            "--no-deps", "--no-binary", PACKAGE, f"{PACKAGE}=={VERSION}"]
-    print(f"building {PACKAGE} {VERSION} with CMAKE_ARGS={args!r} (a few minutes)", file=sys.stderr)
     stamp = json.dumps({"version": VERSION, "cmake_args": args})
     if into is not None:
+        print(f"building {PACKAGE} {VERSION} with CMAKE_ARGS={args!r} (a few minutes)", file=sys.stderr)
         tmp = into.with_name(into.name + ".part")
         if tmp.exists():
             shutil.rmtree(tmp)
@@ -148,7 +185,9 @@ def build(args: str, into: Path | None = None) -> None:
             shutil.rmtree(into)
         os.replace(tmp, into)       # a half-built folder is never taken for a build
         return
-    subprocess.run(cmd, env=env, check=True)
+    wheel = built_wheel(args, env)
+    subprocess.run([sys.executable, "-m", "pip", "install", "--no-cache-dir", "--force-reinstall",
+                    "--no-deps", str(wheel)], check=True)
     # its runtime dependencies (numpy, typing-extensions, diskcache, jinja2) from the cache as usual
     subprocess.run([sys.executable, "-m", "pip", "install", f"{PACKAGE}=={VERSION}"], check=True)
     code = ("import json, pathlib, sys, llama_cpp; p = pathlib.Path(llama_cpp.__file__).parent / "
