@@ -236,6 +236,10 @@ class _Cursor:
         raise GGUFError(self.path, f"{what}: arrays of {et.name} are not supported")
 
 
+# bytes hashed per hashlib call by GGUFFile.fingerprint (hashlib releases the GIL for each)
+FINGERPRINT_CHUNK = 1 << 24
+
+
 class GGUFFile:
     """A memory-mapped GGUF file: metadata dict, tensor table, zero-copy tensor views.
 
@@ -380,18 +384,20 @@ class GGUFFile:
         return len(self._bytes)
 
     def fingerprint(self) -> str:
-        """``"sha256:<hex>"`` of everything before the tensor data (header, metadata and tensor
-        infos: names, types, shapes, offsets), the file size, and 64 bytes at the start, the
-        middle and the end of every tensor's data (two files that differ only in weights, e.g.
-        two fine-tunes of one architecture, differ there): the one identity of a model that
-        saved states and tensor dumps record. Reads a few pages, not the weights."""
+        """``"sha256-file:<hex>"``, the SHA-256 of the whole file (header, metadata, tensor infos
+        and every byte of the tensor data: two models that differ in one weight differ here;
+        the hex is what ``sha256sum`` prints for the file): the one identity of a model that
+        saved states and tensor dumps record. Computed on the first call and kept; it reads
+        the whole file (measured on the 253 MB default model: 0.15-0.18 s from the page cache,
+        0.47 s from disk; hashlib's SHA-256 runs on the CPU's SHA extensions)."""
         if self._fingerprint is None:
-            h = hashlib.sha256(self._buf[:self.data_start])
-            h.update(len(self._bytes).to_bytes(8, "little"))
-            for t in sorted(self.tensors.values(), key=lambda t: t.offset):
-                for at in (0, t.nbytes // 2, max(0, t.nbytes - 64)):
-                    h.update(self._buf[t.offset + at:t.offset + min(at + 64, t.nbytes)])
-            self._fingerprint = "sha256:" + h.hexdigest()
+            if self._buf is None:
+                raise GGUFError(self.path, "the file is closed")
+            h = hashlib.sha256()
+            step = FINGERPRINT_CHUNK
+            for at in range(0, len(self._buf), step):
+                h.update(self._buf[at:at + step])
+            self._fingerprint = "sha256-file:" + h.hexdigest()
         return self._fingerprint
 
     def close(self) -> bool:

@@ -443,3 +443,25 @@ def test_generate_checks_max_tokens_as_the_cli_checks_n_predict(llama, n, err, m
     assert len(out) == 3 or out[-1][0] in eos
     out = list(eng.generate(_ids(5), max_tokens=-1, sampling=greedy))   # until eog or full
     assert out[-1][0] in eos or len(eng.tokens) == 64
+
+
+def test_prompt_cache_of_a_model_differing_in_one_weight_byte_is_refused(llama, tmp_path):
+    """A state saved from one model is refused by a model whose weights differ in one byte
+    that is neither at the start, the middle nor the end of its tensor."""
+    from loaders.gguf_file import GGUFFile
+    from pyimp.statefile import StateFileError
+    with GGUFFile(llama) as f:
+        t = f.tensors["blk.1.ffn_down.weight"]
+        at = t.offset + t.nbytes // 4
+    data = bytearray(open(llama, "rb").read())
+    data[at] ^= 0x01
+    other = tmp_path / "other.gguf"
+    other.write_bytes(bytes(data))
+    eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8))
+    eng.eval(_ids(6))
+    eng.save_state(tmp_path / "s.kv")
+    same = Engine(llama, EngineOptions(n_ctx=64, block_len=8))
+    assert same.load_state(tmp_path / "s.kv") == 6
+    changed = Engine(str(other), EngineOptions(n_ctx=64, block_len=8))
+    with pytest.raises(StateFileError, match="saved from another model"):
+        changed.load_state(tmp_path / "s.kv")

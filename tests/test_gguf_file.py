@@ -385,3 +385,30 @@ def test_targeted_corruption_names_key_or_tensor(tmp_path, case, needles):
     msg = _open_error(build[case]())
     for needle in needles:
         assert needle in msg, msg
+
+
+def _flip_byte(src, dst, at: int) -> str:
+    data = bytearray(open(src, "rb").read())
+    data[at] ^= 0x01
+    with open(dst, "wb") as f:
+        f.write(data)
+    return str(dst)
+
+
+def test_fingerprint_covers_every_weight_byte(tiny_llama, tmp_path):
+    """Two files that differ in one weight byte (here a quarter into the largest tensor, away
+    from its start, middle and end) have different fingerprints; a copy under another name
+    has the same one."""
+    with GGUFFile(tiny_llama) as f:
+        fp = f.fingerprint()
+        t = max(f.tensors.values(), key=lambda t: t.nbytes)
+        assert t.nbytes >= 1024
+        at = t.offset + t.nbytes // 4
+    assert fp == GGUFFile(tiny_llama).fingerprint()                       # deterministic
+    copy = tmp_path / "copy.gguf"
+    copy.write_bytes(open(tiny_llama, "rb").read())
+    assert GGUFFile(str(copy)).fingerprint() == fp
+    other = _flip_byte(tiny_llama, tmp_path / "other.gguf", at)
+    with GGUFFile(other) as g:
+        assert g.tensors[t.name].offset == t.offset
+        assert g.fingerprint() != fp
