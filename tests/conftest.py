@@ -73,6 +73,7 @@ def pytest_runtest_makereport(item, call):
                             f"the machine (tests/conftest.py CI_MACHINE_SKIPS): {reason}")
 
 
+@pytest.hookimpl(trylast=True)          # after -k / -m deselection
 def pytest_collection_modifyitems(config, items):
     # Under CI a peer that cannot run fails the whole run once, with its reason, before any
     # test starts (instead of the comparisons being skipped, or a crash killing pytest).
@@ -81,6 +82,20 @@ def pytest_collection_modifyitems(config, items):
         ok, why = llamacpp_peer.probe()
         if not ok:
             pytest.exit(f"CI=true and the llama.cpp peer cannot run: {why}", returncode=1)
+    # the simulator suite (one test, minutes long, one core: Python threads) starts now in a
+    # process of its own and runs beside the rest; test_simulator_suite, moved to the end,
+    # waits for its result
+    sim = [item for item in items if item.nodeid.endswith("test_cuda.py::test_simulator_suite")]
+    if sim:
+        items[:] = [item for item in items if item not in sim] + sim
+        import test_cuda
+        test_cuda.start_simulator()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    mod = sys.modules.get("test_cuda")
+    if mod is not None:
+        mod.stop_simulator()          # a session that ends early leaves no simulator running
 
 
 @pytest.fixture(scope="session")

@@ -4,6 +4,7 @@ launches it with. Under CI=true a missing numba-cuda or NVVM fails instead of sk
 import os
 import subprocess
 import sys
+
 import pytest
 from conftest import ROOT, in_ci
 
@@ -28,19 +29,66 @@ def _numba_cuda():
 SIMULATOR_TIMEOUT_S = 3600
 
 
-def _simulate(targets):
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           *targets], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=SIMULATOR_TIMEOUT_S)
+class SimulatorRun:
+    """The simulator suite (tests/cuda) in a pytest process of its own, started when the
+    session collects test_simulator_suite (tests/conftest.py) so that it runs beside the rest
+    of the suite, and read by that test. Its output goes to a temporary file."""
+
+    def __init__(self):
+        import tempfile
+        self.log = tempfile.TemporaryFile(mode="w+")
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+             os.path.join(ROOT, "tests", "cuda")], cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
+            stdout=self.log, stderr=subprocess.STDOUT, text=True)
+
+    def result(self, timeout: float = SIMULATOR_TIMEOUT_S) -> tuple[int, str]:
+        """(exit status, output) once the process ends; killed after ``timeout`` seconds."""
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            rc = f"killed after {timeout} s"
+        self.log.seek(0)
+        return rc, self.log.read()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+_RUN: SimulatorRun | None = None
+
+
+def start_simulator() -> None:
+    """Start the simulator suite in the background (once), where numba-cuda is installed."""
+    global _RUN
+    if _RUN is None:
+        try:
+            from numba import cuda  # noqa: F401
+        except ImportError:
+            return                     # test_simulator_suite reports it
+        _RUN = SimulatorRun()
+
+
+def stop_simulator() -> None:
+    global _RUN
+    if _RUN is not None:
+        _RUN.stop()
+        _RUN = None
 
 
 def test_simulator_suite():
     """Every CUDA kernel against its NumPy reference on numba-cuda's simulator. A failure is
     a failure: nothing is rerun (a race that shows once in a while must fail the run)."""
     _numba_cuda()
-    r = _simulate([os.path.join(ROOT, "tests", "cuda")])
-    assert r.returncode == 0, f"simulator suite failed:\n{r.stdout[-6000:]}\n{r.stderr[-3000:]}"
+    start_simulator()                  # when the session did not start it at collection
+    rc, out = _RUN.result()
+    assert rc == 0, f"simulator suite failed (exit {rc}):\n{out[-9000:]}"
 
 
 @pytest.fixture(scope="module")
