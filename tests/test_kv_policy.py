@@ -187,13 +187,14 @@ def _filled(kv_type, n, B, Hkv, D, seed, n_ctx=None):
 
 
 def _keep_rule(rng, n, B, quantized):
-    """Random slots to keep: for quantized caches a multiple of B leaves and the tail stays."""
+    """Random slots to keep, at least one: for quantized caches a multiple of B leaves and the
+    tail stays (without a tail at least one block's worth stays)."""
     if not quantized:
         m = int(rng.integers(1, n + 1))
         return np.sort(rng.choice(n, m, replace=False))
     tail = n % B
     full = n - tail
-    drop_blocks = int(rng.integers(0, full // B + 1))
+    drop_blocks = int(rng.integers(0, full // B + (1 if tail else 0)))
     body = np.sort(rng.choice(full, full - drop_blocks * B, replace=False))
     return np.concatenate([body, np.arange(full, n)]).astype(np.int64)
 
@@ -211,10 +212,9 @@ def test_attention_over_compacted_cache_equals_attention_over_kept_tokens(
     c, rng = _filled(kv_type, n, B, Hkv, D, seed)
     K0, V0 = c.gather(0)                                   # [Hkv, n, D] before compaction
     keep = _keep_rule(rng, n, B, quant)
-    if keep.size == 0 or keep[-1] != n - 1:
-        keep = np.union1d(keep, [n - 1]) if not quant else keep
-    if keep.size == 0:
-        return
+    if keep[-1] != n - 1 and not quant:
+        keep = np.union1d(keep, [n - 1])
+    assert keep.size > 0
     imp = np.zeros((c.max_blocks, B, Hkv * G), np.float16)
     blocks, rows = c.slots(0, n)
     marks = rng.uniform(0, 100, (n, Hkv * G)).astype(np.float16)
@@ -367,6 +367,70 @@ def test_policies_hold_the_budget_and_keep_sinks_and_the_current_token(llama, po
             assert c.slot_count(il) < budgets[il] + B + 20
     assert eng.policy.evicted > 0
     assert c.bytes_held() < 100 * c.layer_token_bytes() * c.n_layer
+
+
+@pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "pyramidkv"])
+def test_engine_keeps_what_the_keep_function_decides(llama, policy):
+    """After every forward of a chunked prefill and 20 decode steps, each layer holds the
+    positions the policy's keep function picks from what the layer held before the
+    forward's eviction, with the scores the layer had then (importance_ summed over its query
+    heads); streaming: the sinks and the most recent tokens. snapkv / pyramidkv decide at the
+    prefill's end only; decode steps keep everything."""
+    B, budget, keep, window, pool = 8, 40, 4, 16, 5
+    opts = PolicyOptions(policy, budget=budget, keep=keep, obs_window=window, pool=pool)
+    budgets = opts.layer_budgets(2)
+    eng = pyimp.load(llama, n_ctx=256, block_len=B, batch_size=16, kv_policy=policy,
+                     kv_budget=budget, keep=keep, kv_obs_window=window, kv_pool=pool)
+    c, sp, pol = eng.cache, eng.sparse, eng.policy
+    assert (sp is None) == (policy == "streaming")      # the scoring policies track importance_
+    seen = []
+    after_forward = pol.after_forward
+
+    def record(n_ctx, prefill_done):
+        before = []
+        for il in range(c.n_layer):
+            b, r = c.slots(0, c.slot_count(il), layer=il)
+            score = None if sp is None else sp.importance_[il, b, r].astype(np.float64).sum(-1)
+            before.append((c.positions(il).copy(), score))
+        after_forward(n_ctx, prefill_done)
+        seen.append((n_ctx, prefill_done, before, [c.positions(il).copy() for il in range(2)]))
+
+    pol.after_forward = record
+    rows = [eng.eval(_ids(100))[-1]]
+    for _ in range(20):
+        rows.append(eng.eval([int(np.argmax(rows[-1]))])[-1])
+    # 7 prefill chunks of 16 rows, the last one ends the prefill; then the decode steps
+    assert [(n, d) for n, d, _, _ in seen] == ([(min(16 * i, 100), i == 7) for i in range(1, 8)]
+                                               + [(n, False) for n in range(101, 121)])
+    evictions = np.zeros(2, int)
+    scored = 0                               # decisions the scores changed (vs. recency)
+    for n_ctx, prefill_done, before, held in seen:
+        for il in range(2):
+            pos, score = before[il]
+            n, m = pos.size, target_size(pos.size, int(budgets[il]), B)
+            decide = policy in ("streaming", "h2o") or prefill_done
+            if not decide or m == n:
+                assert np.array_equal(held[il], pos)
+                continue
+            recent = opts.window_for(int(budgets[il]))
+            if policy == "streaming":
+                k = streaming_keep(pos, keep, m, B)
+                # the sinks, then the m - keep newest positions
+                assert np.array_equal(pos[k], np.r_[0:keep, n_ctx - (m - keep):n_ctx])
+            elif policy == "h2o":
+                k = h2o_keep(pos, score, keep, recent, m, B)
+            else:
+                k = snapkv_keep(pos, score, keep, window, pool, m, B)
+            assert np.array_equal(held[il], pos[k]), (n_ctx, il)
+            evictions[il] += 1
+            scored += not np.array_equal(k, streaming_keep(pos, keep, m, B))
+    if policy in ("streaming", "h2o"):
+        assert np.all(evictions > 2)         # in the prefill's chunks and during decode
+    else:
+        assert np.all(evictions == 1) and list(budgets) == ([40, 40] if policy == "snapkv"
+                                                             else [63, 21])
+    assert scored > 0 or policy == "streaming"
+    assert np.isfinite(np.array(rows)).all()
 
 
 def test_sliding_window_layers_keep_their_window_only(gemma):
