@@ -414,6 +414,9 @@ class Engine:
 
     def _take(self, what: str) -> None:
         if not self._busy.acquire(blocking=False):
+            if self._owner == threading.get_ident():
+                raise EngineBusyError(f"Engine.{what}: called from inside another call of this "
+                                      f"engine in this thread (a callback)")
             if self._suspended_in == threading.get_ident():
                 raise EngineBusyError(f"Engine.{what}: the engine is in use by an unfinished "
                                       f"generate() iterator of this thread: run it to its end "

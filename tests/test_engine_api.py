@@ -343,7 +343,8 @@ def test_second_thread_gets_a_busy_error_while_generate_runs(llama, tmp_path):
                  "save_state": lambda: eng.save_state(tmp_path / "t.kv"),
                  "load_state": lambda: eng.load_state(tmp_path / "s.kv"),
                  "trace": lambda: eng.trace(_ids(3)), "warmup": eng.warmup,
-                 "compile_decode_attention": eng.compile_decode_attention, "close": eng.close}
+                 "compile_decode_attention": eng.compile_decode_attention, "close": eng.close,
+                 "forward": lambda: eng.forward(np.array([3], np.int64))}
         for name, call in calls.items():
             with pytest.raises(_busy_error(), match="in use by another thread") as ei:
                 call()
@@ -392,6 +393,12 @@ def test_an_unfinished_generate_holds_the_engine(llama):
     next(g)
     g.close()
     assert eng.eval(_ids(3)).shape == (1, 300)
+    # closing the engine under this thread's unfinished iterator: its next token says so
+    g = eng.generate(_ids(10), max_tokens=5, sampling=greedy)
+    next(g)
+    eng.close()
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        next(g)
 
 
 # ------------------------------------------------------------------------ token ids, max_tokens
