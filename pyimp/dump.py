@@ -501,7 +501,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text")
-    src.add_argument("-f", "--file", help=f"read the prompt from this file (at most {MAX_PROMPT_BYTES >> 20} MiB)")
+    src.add_argument("-f", "--file",
+                     help=f"read the prompt from this file (at most {MAX_PROMPT_BYTES >> 20} MiB)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.gguf", help="the dump to write")
     p.add_argument("--steps", type=_int_at_least(0, "--steps"), default=4,
                    help="greedy decode steps after the prefill (0 = prefill only)")

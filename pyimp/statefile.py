@@ -16,10 +16,10 @@ API
   then the signal ends the process as it would have. The writer holds an exclusive
   ``flock`` on its temporary (``.<name>.<12 hex digits>.tmp``); a write removes the
   temporaries of that name that no process holds and that are older than
-  :data:`STALE_TMP_S` (left by a process that was killed). Refusals of the input (unsupported dtype, a name that is not a string, a
-  header that is not JSON, a ``rotary`` entry that is not a :class:`Rotary` of one of
-  the arrays) are ``ValueError`` naming the offending key, raised before anything is
-  written. ``rotary`` gives the RoPE frame of sections of keys (see ``pred-f16``).
+  :data:`STALE_TMP_S` (left by a process that was killed). Refusals of the input
+  (unsupported dtype, a name that is not a string, a header that is not JSON, a
+  ``rotary`` entry that is not a :class:`Rotary` of one of the arrays) are
+  ``ValueError`` naming the offending key, raised before anything is written. ``rotary`` gives the RoPE frame of sections of keys (see ``pred-f16``).
 - :func:`read_state` ``(path) -> (header, arrays)``: verifies the whole file (magic,
   version, every checksum, every length, dtype and shape consistency, decoded sizes)
   before returning anything. Arrays are writable, C-contiguous and own their memory.

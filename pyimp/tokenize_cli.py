@@ -67,8 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the same, as llama-tokenize's -m")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="text to tokenize")
-    src.add_argument("-f", "--file", help=f"read the text from this file (bytes as they are; at most {cli.MAX_PROMPT_BYTES >> 20} MiB)")
-    src.add_argument("--stdin", action="store_true", help=f"read the text from standard input (at most {cli.MAX_PROMPT_BYTES >> 20} MiB)")
+    limit = f"at most {cli.MAX_PROMPT_BYTES >> 20} MiB"
+    src.add_argument("-f", "--file", help=f"read the text from this file (bytes as they are; {limit})")
+    src.add_argument("--stdin", action="store_true", help=f"read the text from standard input ({limit})")
     p.add_argument("--ids", action="store_true", help="print only the ids, as a list")
     sp = p.add_mutually_exclusive_group()
     sp.add_argument("--parse-special", dest="parse_special", action="store_true", default=True,
