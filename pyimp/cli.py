@@ -13,9 +13,11 @@ import contextlib
 import io
 import json
 import os
+import secrets
 import signal
 import stat
 import sys
+import tempfile
 import threading
 import time
 import warnings
@@ -73,6 +75,35 @@ def _float_in(lo: float, hi: float, name: str):
     return conv
 
 
+class _Noted(argparse.Action):
+    """Stores the value as argparse's default action does and notes that the flag was given
+    (``args.given``), for flags that conflict with others when given (:func:`flag_conflict`)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        given = set(getattr(namespace, "given", ()))
+        given.add(self.dest)
+        namespace.given = given
+
+
+def _heatmap_path(s: str) -> str:
+    """--heatmap's argparse type: the format (the extension; none: PNG) must be one matplotlib
+    writes; without matplotlib the path passes (run() reports the missing package)."""
+    ext = os.path.splitext(s)[1][1:].lower()
+    if not ext:
+        return s
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        return s
+    formats = FigureCanvasAgg.get_supported_filetypes()
+    if ext not in formats:
+        raise argparse.ArgumentTypeError(
+            f"--heatmap {s}: matplotlib cannot write '.{ext}' files (it writes "
+            f"{', '.join(sorted(formats))}; no extension: png)")
+    return s
+
+
 def _window(s: str) -> int:
     if s == "all":
         return 0
@@ -111,6 +142,21 @@ def model_path(args: argparse.Namespace) -> str:
         return model
     from .default_model import default_model_path
     return str(default_model_path())
+
+
+def flag_conflict(args: argparse.Namespace) -> str | None:
+    """A flag that the other flags would make pyimp-run ignore (None: none); a usage error."""
+    given = getattr(args, "given", set())
+    if args.kv_budget and args.kv_policy == "full":
+        return (f"--kv-budget {args.kv_budget}: --kv-policy full keeps every token; the budget "
+                f"applies to streaming, h2o, snapkv and pyramidkv")
+    if not args.sparse:
+        for dest, flag in (("topk", "--topk"), ("recall_target", "--recall-target")):
+            if dest in given:
+                return f"{flag} applies to --sparse (block-sparse attention), which is off"
+    if args.prompt_cache_ro and not args.prompt_cache:
+        return "--prompt-cache-ro applies to --prompt-cache FILE, which is not given"
+    return None
 
 
 def quiet_stdout() -> None:
@@ -177,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text")
-    src.add_argument("-f", "--file", help=f"read the prompt from this file (at most {MAX_PROMPT_BYTES >> 20} MiB)")
+    src.add_argument("-f", "--file",
+                     help=f"read the prompt from this file (at most {MAX_PROMPT_BYTES >> 20} MiB)")
     p.add_argument("-n", "--n-predict", type=_int_at_least(-1, "--n-predict"), default=128,
                    help="tokens to generate (-1 = until end of text or context)")
     p.add_argument("--temp", type=_float_in(0.0, 1e6, "--temp"), default=0.8, help="temperature (0 = greedy)")
@@ -230,7 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="anchors per block (0 = the type's minimum)")
     sp.add_argument("--retrieval", choices=("layer", "kvhead", "qhead"), default="kvhead",
                     help="selection granularity")
-    sp.add_argument("--topk", type=_int_at_least(0, "--topk"), default=8, help="blocks picked by score")
+    sp.add_argument("--topk", type=_int_at_least(0, "--topk"), default=8, action=_Noted,
+                    help="blocks picked by score")
     sp.add_argument("--init-blocks", type=_int_at_least(0, "--init-blocks"), default=1,
                     help="attention-sink blocks always attended")
     sp.add_argument("--local-blocks", type=_int_at_least(0, "--local-blocks"), default=2,
@@ -253,14 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--stride", type=_int_at_least(1, "--stride"), default=4,
                     help="strided: every stride-th block back from the newest")
     sp.add_argument("--recall-target", type=_float_in(0.0, 1.0, "--recall-target"), default=0.0,
+                    action=_Noted,
                     help="pick blocks heaviest first until the captured softmax mass estimated "
                     "from the anchors reaches this (e.g. 0.95; --topk is then the floor)")
     sp.add_argument("--recall-max-blocks", type=_int_at_least(0, "--recall-max-blocks"), default=0,
                     help="ceiling on the blocks --recall-target picks (0: none)")
     sp.add_argument("--report", action="store_true",
                     help="print attention recall, attended fraction and buffer sizes (stderr; in --json too)")
-    sp.add_argument("--heatmap", metavar="PATH",
-                    help="write a PNG of importance_ and block selections (needs matplotlib: pyimp[plot])")
+    sp.add_argument("--heatmap", metavar="PATH", type=_heatmap_path,
+                    help="write a picture of importance_ and block selections, in the format of "
+                    "PATH's extension (png, svg, pdf, ...; none: png at exactly PATH; needs "
+                    "matplotlib: pyimp[plot])")
     ev = p.add_argument_group("KV eviction (what each layer keeps; sliding-window layers always "
                               "keep only their window)")
     ev.add_argument("--kv-policy", choices=("full", "streaming", "h2o", "snapkv", "pyramidkv"),
@@ -351,21 +402,40 @@ COMPILE_NOTICE_S = 1.0
 @contextlib.contextmanager
 def _compile_notice(err):
     """A progress line on stderr while the kernels compile: a first run (empty Numba cache)
-    spends ~20 s there, a cached start well under a second, so the line appears only when
-    the warmup outlasts COMPILE_NOTICE_S, and a second line gives the time once it ends."""
+    spends ~20 s there, a cached start well under a second. The line appears once the warmup
+    has outlasted COMPILE_NOTICE_S and Numba has started compiling something (its
+    ``numba:compile`` event, which a kernel loaded from the cache does not fire), and a second
+    line gives the time once it ends."""
+    from numba.core import event
+
     t0 = time.perf_counter()
     shown = threading.Event()
+    compiled = threading.Event()
+    lock = threading.Lock()
 
     def notice():
-        shown.set()
+        with lock:
+            if shown.is_set() or not compiled.is_set():
+                return
+            shown.set()
         print("pyimp-run: compiling kernels for this model's types (first run; cached for later "
               "runs) ...", file=err, flush=True)
 
+    class Compiles(event.Listener):
+        def on_start(self, ev):
+            compiled.set()
+            if time.perf_counter() - t0 >= COMPILE_NOTICE_S:
+                notice()
+
+        def on_end(self, ev):
+            pass
+
     timer = threading.Timer(COMPILE_NOTICE_S, notice)
     timer.daemon = True
-    timer.start()
     try:
-        yield
+        with event.install_listener("numba:compile", Compiles()):
+            timer.start()
+            yield
     finally:
         timer.cancel()
         if shown.is_set():
@@ -388,9 +458,42 @@ def _check_heatmap(path: str) -> str | None:
         return f"--heatmap {path}: is a directory, not a file name"
     if not os.path.isdir(folder):
         return f"--heatmap {path}: folder {folder} does not exist"
-    if not os.access(folder, os.W_OK):
-        return f"--heatmap {path}: folder {folder} is not writable"
+    why = _cannot_create_in(folder)
+    if why:
+        return f"--heatmap {path}: cannot create a file in {folder} ({why})"
     return None
+
+
+def _cannot_create_in(folder: str) -> str | None:
+    """Why no file can be created in ``folder`` (None: one can), found by creating an unnamed
+    (or at once removed) temporary file there: permissions, a read-only filesystem, a
+    filesystem that refuses new files, for root too."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
+
+
+def _write_heatmap(engine, path: str) -> None:
+    """The heatmap, in the format of ``path``'s extension (none: png), written to a temporary
+    file beside ``path`` and renamed onto it: a failed write leaves no file and keeps an
+    existing one."""
+    import matplotlib
+
+    fmt = os.path.splitext(path)[1][1:].lower() or "png"
+    folder, base = os.path.split(os.path.abspath(path))
+    tmp = os.path.join(folder, f".{base}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as fh, matplotlib.rc_context({"savefig.format": fmt}):
+            engine.sparse.heatmap(fh, len(engine.tokens))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def _write(out, text: str) -> None:
@@ -451,6 +554,10 @@ def run(args: argparse.Namespace) -> int:
         why = _check_heatmap(args.heatmap)
         if why:
             return _error(why)
+    if args.prompt_cache:
+        why = _check_prompt_cache(args.prompt_cache, args.prompt_cache_ro)
+        if why:
+            return _error(why)
     try:
         prompt = read_prompt(args)
     except OSError as e:
@@ -497,6 +604,15 @@ def run(args: argparse.Namespace) -> int:
     if len(ids) >= engine.n_ctx:
         return _error(f"the prompt has {len(ids)} tokens, more than the context size {engine.n_ctx} "
                       f"allows (raise -c/--ctx-size)")
+    cached = args.prompt_cache is not None and os.path.exists(args.prompt_cache)
+    if cached:
+        # the file's header against this engine's model and options, before anything compiles
+        from .state import check as check_state
+        from .statefile import StateFileError
+        try:
+            check_state(engine, args.prompt_cache)
+        except (StateFileError, OSError) as e:
+            return _error(_state_read_error(args.prompt_cache, e))
     if not args.json:
         print(_summary(engine), file=err, flush=True)
     try:
@@ -505,26 +621,14 @@ def run(args: argparse.Namespace) -> int:
     except NonFiniteError as e:
         return _error(str(e))
     reuse = False
-    if args.prompt_cache:
-        from .statefile import StateFileError
-        if os.path.isdir(args.prompt_cache):
-            return _error(f"prompt cache {args.prompt_cache}: is a directory")
-        parent = os.path.dirname(os.path.abspath(args.prompt_cache))
-        if not args.prompt_cache_ro and not os.path.isdir(parent):
-            return _error(f"prompt cache {args.prompt_cache}: directory {parent} does not exist "
-                          f"(the state is saved there after the run)")
-        if os.path.exists(args.prompt_cache):
-            try:
-                n_loaded = engine.load_state(args.prompt_cache)
-            except (StateFileError, OSError) as e:
-                return _error(str(e) if isinstance(e, StateFileError) else
-                              f"cannot read prompt cache {args.prompt_cache}: {e.strerror or e}")
-            reuse = True
-            if not args.json:
-                print(f"prompt cache {args.prompt_cache}: {n_loaded} tokens loaded", file=err)
-        elif args.prompt_cache_ro:
-            return _error(f"prompt cache {args.prompt_cache}: no such file (--prompt-cache-ro "
-                          f"only reads it)")
+    if cached:
+        try:
+            n_loaded = engine.load_state(args.prompt_cache)
+        except (StateFileError, OSError) as e:
+            return _error(_state_read_error(args.prompt_cache, e))
+        reuse = True
+        if not args.json:
+            print(f"prompt cache {args.prompt_cache}: {n_loaded} tokens loaded", file=err)
     sampling = SamplingParams(temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
                               repeat_penalty=args.repeat_penalty, seed=args.seed)
     # control tokens (<eos>, <end_of_turn>) print as nothing unless --special, as in llama-cli
@@ -559,11 +663,6 @@ def run(args: argparse.Namespace) -> int:
                                    skip_special=not args.special, continuation=True)
     if args.stop and any(s in text for s in args.stop):
         finish = "stop"
-    if args.prompt_cache and not args.prompt_cache_ro:
-        try:
-            engine.save_state(args.prompt_cache)
-        except OSError as e:
-            return _error(f"cannot write prompt cache {args.prompt_cache}: {e.strerror or e}")
     timings = engine.timings.as_dict()
     if reuse:
         timings["prompt_cache_reused"] = engine.timings.extra.get("prefix_reused", 0)
@@ -577,41 +676,89 @@ def run(args: argparse.Namespace) -> int:
         timings["kv_evicted"] = engine.policy.evicted
         timings["kv_merged"] = 0 if engine.merger is None else engine.merger.merged
     report = engine.sparse.report() if args.report and engine.sparse is not None else None
+    try:
+        if args.json:
+            obj = {"prompt_tokens": ids, "tokens": tokens, "text": text, "logprobs": logprobs,
+                   "finish_reason": finish, "timings": timings}
+            if report is not None:
+                obj["report"] = report
+            json.dump(obj, out, ensure_ascii=False)
+            out.write("\n")
+            out.flush()
+        else:
+            _write(out, tail + "\n")
+            out.flush()
+            if report is not None:
+                _print_report(report, args.sparse, err)
+            if args.stats:
+                t = timings
+                if args.kv_policy != "full" or args.kv_merge:
+                    print(f"kv cache: {t['kv_bytes_held'] / 2**20:.1f} MiB held at the end, "
+                          f"{t['kv_evicted']} tokens evicted by --kv-policy {args.kv_policy}, "
+                          f"{t['kv_merged']} merged by --kv-merge", file=err)
+                print(f"load {t['load_s']:.2f} s | compile {t['compile_s']:.2f} s | prefill "
+                      f"{t['prefill_tokens']} tok {t['prefill_tok_s']:.1f} tok/s | decode "
+                      f"{t['decode_tokens']} tok {t['decode_tok_s']:.1f} tok/s", file=err)
+    except BrokenPipeError:            # stdout closed early: the files are still written
+        quiet_stdout()
+    # the files after the output: one that cannot be written is reported, the output is kept
+    failed = []
     if args.heatmap:
         try:
-            engine.sparse.heatmap(args.heatmap, len(engine.tokens))
-        except (RuntimeError, OSError) as e:
-            return _error(f"cannot write heatmap {args.heatmap}: {e}")
-    if args.json:
-        obj = {"prompt_tokens": ids, "tokens": tokens, "text": text, "logprobs": logprobs,
-               "finish_reason": finish, "timings": timings}
-        if report is not None:
-            obj["report"] = report
-        json.dump(obj, out, ensure_ascii=False)
-        out.write("\n")
-        out.flush()
-    else:
-        _write(out, tail + "\n")
-        out.flush()
-        if report is not None:
-            _print_report(report, args.sparse, err)
-        if args.stats:
-            t = timings
-            if args.kv_policy != "full" or args.kv_merge:
-                print(f"kv cache: {t['kv_bytes_held'] / 2**20:.1f} MiB held at the end, "
-                      f"{t['kv_evicted']} tokens evicted by --kv-policy {args.kv_policy}, "
-                      f"{t['kv_merged']} merged by --kv-merge", file=err)
-            print(f"load {t['load_s']:.2f} s | compile {t['compile_s']:.2f} s | prefill "
-                  f"{t['prefill_tokens']} tok {t['prefill_tok_s']:.1f} tok/s | decode {t['decode_tokens']} tok "
-                  f"{t['decode_tok_s']:.1f} tok/s", file=err)
+            _write_heatmap(engine, args.heatmap)
+        except Exception as e:         # matplotlib's own errors as well as the disk's
+            failed.append(f"cannot write heatmap {args.heatmap}: {_reason(e)}")
+    if args.prompt_cache and not args.prompt_cache_ro:
+        try:
+            engine.save_state(args.prompt_cache)
+        except OSError as e:
+            failed.append(f"cannot write prompt cache {args.prompt_cache}: {_reason(e)}")
     engine.close()
-    return 0
+    for msg in failed:
+        _error(msg)
+    return EXIT_ERROR if failed else 0
+
+
+def _reason(e: BaseException) -> str:
+    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+
+
+def _state_read_error(path: str, e: Exception) -> str:
+    from .statefile import StateFileError
+    if isinstance(e, StateFileError):
+        return str(e)
+    return f"cannot read prompt cache {path}: {_reason(e)}"
+
+
+def _check_prompt_cache(path: str, read_only: bool) -> str | None:
+    """Why --prompt-cache ``path`` cannot be used (None: it can), before anything loads: a
+    directory, a missing file with --prompt-cache-ro, or (the state is saved there after the
+    run) a folder that is missing or where no file can be created."""
+    if os.path.isdir(path):
+        return f"prompt cache {path}: is a directory"
+    if read_only:
+        if not os.path.exists(path):
+            return f"prompt cache {path}: no such file (--prompt-cache-ro only reads it)"
+        return None
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        return (f"prompt cache {path}: directory {parent} does not exist (the state is saved "
+                f"there after the run)")
+    why = _cannot_create_in(parent)
+    if why:
+        return (f"prompt cache {path}: cannot create a file in {parent} ({why}; the state is "
+                f"saved there after the run; --prompt-cache-ro only reads it)")
+    return None
 
 
 def main(argv=None) -> int:
     from .runtime import configure_process, numba_env_error
     configure_process()   # before NumPy / Numba start threads
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    conflict = flag_conflict(args)
+    if conflict:
+        parser.error(conflict)
     bad = numba_env_error()
     if bad:
         return _error(bad)

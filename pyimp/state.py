@@ -69,7 +69,7 @@ READS = (2, 3)       # version 2: float K/V sections in block layout [Hkv][nlb][
 _HEAD_BYTES = {"q8_0": 2, "q4_0": 2, "q4_1": 4, "q5_0": 6, "q5_1": 8}
 _SPARSE_KEYS = ("anchor", "anchor_num", "retrieval", "layer_step", "dense_layers")
 
-__all__ = ["StateFileError", "save", "load"]
+__all__ = ["StateFileError", "check", "save", "load"]
 
 
 def geometry(engine) -> dict:
@@ -240,6 +240,15 @@ def _check_header(engine, path, header: dict) -> None:
     if big:
         fail(f"layer {big[0]} holds {header['slots'][big[0]]} tokens, this engine's layers hold "
              f"at most {cap} (a larger --kv-budget or context size)")
+
+
+def check(engine, path: str | os.PathLike) -> dict:
+    """The header of the state file at ``path`` once it is found to fit ``engine`` (model,
+    geometry, sparse options, token and slot counts); reads only the header (no section is
+    decoded) and raises :class:`StateFileError` naming the file and the reason."""
+    header = read_header(path)
+    _check_header(engine, path, header)
+    return header
 
 
 def load(engine, path: str | os.PathLike) -> int:

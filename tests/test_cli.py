@@ -56,15 +56,18 @@ def test_streaming_text_and_stats(capsys, tiny):
 
 def test_compile_notice_only_when_the_warmup_is_slow(capsys, tiny, monkeypatch):
     """A first run compiles for ~20 s: pyimp-run says so on stderr once the warmup outlasts
-    COMPILE_NOTICE_S (here a warmup made 0.5 s slower, notice after 0.05 s), and says nothing
-    when the kernels come from the cache quickly."""
+    COMPILE_NOTICE_S (here a warmup that compiles a kernel made 0.5 s slower, notice after
+    0.05 s), and says nothing when the kernels come from the cache quickly."""
     import time
+
+    import numba
 
     import pyimp.cli as cli
     from pyimp.engine import Engine
     fast = Engine.warmup
 
     def slow(self, **kw):
+        numba.njit(lambda x: x + 1)(1)          # a kernel that is not in any cache: compiles
         time.sleep(0.5)
         return fast(self, **kw)
 
@@ -436,3 +439,159 @@ def test_prompt_file_keeps_its_newlines_translated(tmp_path):
     f = tmp_path / "p.txt"
     f.write_bytes(b"a\r\nb\rc\n\xff")
     assert read_prompt(argparse.Namespace(file=str(f), prompt=None)) == "a\nb\nc\n\udcff"
+
+
+def test_compile_notice_only_when_something_compiles(capsys, tiny, monkeypatch):
+    """A warmup that outlasts COMPILE_NOTICE_S while every kernel comes from the cache (a slow
+    disk, a busy machine) compiles nothing: no notice."""
+    import time
+
+    import pyimp.cli as cli
+    from pyimp.engine import Engine, EngineOptions
+    fast = Engine.warmup
+    fast(Engine(tiny, EngineOptions(n_ctx=256)))        # every kernel tiny needs is loaded now
+
+    def slow(self, **kw):
+        time.sleep(0.5)
+        return fast(self, **kw)
+    monkeypatch.setattr(Engine, "warmup", slow)
+    monkeypatch.setattr(cli, "COMPILE_NOTICE_S", 0.05)
+    code, out, err = _run([tiny, "-p", "abc", "-n", "2", "--temp", "0", "-c", "256"], capsys)
+    assert code == 0, err
+    assert "compiling" not in err and "kernels ready" not in err and out.startswith("abc")
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--kv-budget", "64"], "--kv-budget 64: --kv-policy full keeps every token"),
+    (["--topk", "4"], "--topk applies to --sparse"),
+    (["--recall-target", "0.9"], "--recall-target applies to --sparse"),
+    (["--recall-target", "0"], "--recall-target applies to --sparse"),
+    (["--prompt-cache-ro"], "--prompt-cache-ro applies to --prompt-cache"),
+])
+def test_flags_that_would_be_ignored_are_usage_errors(capsys, tiny, monkeypatch, argv, needle):
+    import pyimp.cli as cli
+    ran = []
+    monkeypatch.setattr(cli, "run", lambda args: ran.append(args) or 0)
+    with pytest.raises(SystemExit) as ei:
+        main([tiny, "-p", "x"] + argv)
+    out, err = capsys.readouterr()
+    assert ei.value.code == 2 and out == "" and not ran
+    _one_line_error(ei.value.code, err, needle)
+    assert err.startswith("pyimp-run: error: ")
+
+
+@pytest.mark.parametrize("argv", [
+    ["--kv-budget", "64", "--kv-policy", "h2o"], ["--kv-budget", "0"], ["--topk", "4", "--sparse"],
+    ["--recall-target", "0.9", "--sparse"], ["--prompt-cache-ro", "--prompt-cache", "x.pkv"],
+])
+def test_flags_that_apply_are_accepted(tiny, monkeypatch, argv):
+    import pyimp.cli as cli
+    ran = []
+    monkeypatch.setattr(cli, "run", lambda args: ran.append(args) or 0)
+    assert main([tiny, "-p", "x"] + argv) == 0 and len(ran) == 1
+
+
+def test_prompt_cache_is_checked_before_the_kernels_compile(capsys, tiny, tmp_path, monkeypatch):
+    from pyimp.engine import Engine
+    pc = str(tmp_path / "pc.pkv")
+    base = [tiny, "-p", "abcdefgh", "-n", "2", "--temp", "0", "-c", "128", "--json",
+            "--prompt-cache", pc]
+    code, out, err = _run(base + ["-ctk", "f32"], capsys)
+    assert code == 0 and os.path.exists(pc), err
+    warmups = []
+    real = Engine.warmup
+    monkeypatch.setattr(Engine, "warmup", lambda self, **kw: warmups.append(1) or real(self, **kw))
+    code, out, err = _run(base + ["-ctk", "f16"], capsys)
+    _one_line_error(code, err, "type_k")
+    assert code == 1 and pc in err and out == "" and warmups == []
+
+
+def _unwritable_dir(tmp_path):
+    """A folder where no file can be created: one without write permission, or for root (whom
+    permissions do not stop) /sys, where the kernel refuses new files."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    d.chmod(0o555)
+    for folder in (d, Path("/sys")):
+        probe = folder / "pyimp-probe"
+        try:
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        except OSError:
+            return folder
+        os.unlink(probe)
+    d.chmod(0o755)
+    pytest.skip("no folder here refuses new files")
+
+
+def test_prompt_cache_in_an_unwritable_folder_is_refused_before_loading(capsys, tiny, tmp_path,
+                                                                       monkeypatch):
+    from pyimp.engine import Engine
+    d = _unwritable_dir(tmp_path)
+    pc = d / "pc.pkv"
+    generated = []
+    real = Engine.generate
+    monkeypatch.setattr(Engine, "generate",
+                        lambda self, *a, **kw: generated.append(1) or real(self, *a, **kw))
+    try:
+        code, out, err = _run([tiny, "-p", "abc", "-n", "2", "-c", "256", "--prompt-cache",
+                               str(pc)], capsys)
+    finally:
+        if d != Path("/sys"):
+            d.chmod(0o755)
+    _one_line_error(code, err, f"prompt cache {pc}: cannot create a file in {d}")
+    assert code == 1 and out == "" and generated == [] and not pc.exists()
+
+
+def test_a_failed_prompt_cache_save_still_prints_the_output(capsys, tiny, tmp_path, monkeypatch):
+    import errno
+
+    from pyimp.engine import Engine
+
+    def full(self, path):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(Engine, "save_state", full)
+    pc = tmp_path / "pc.pkv"
+    base = [tiny, "-p", "abc", "-n", "3", "--temp", "0", "-c", "256", "--prompt-cache", str(pc)]
+    code, out, err = _run(base + ["--json"], capsys)
+    _one_line_error(code, err, f"cannot write prompt cache {pc}: No space left on device")
+    assert code == 1 and len(json.loads(out)["tokens"]) == 3
+    code, out, err = _run(base, capsys)
+    assert code == 1 and out.startswith("abc") and out.endswith("\n")
+    assert err.strip().splitlines()[-1].startswith(f"pyimp-run: error: cannot write prompt cache")
+    assert os.listdir(tmp_path) == []
+
+
+def test_heatmap_format_is_checked_before_the_run(capsys, tiny, tmp_path):
+    pytest.importorskip("matplotlib")
+    with pytest.raises(SystemExit) as ei:
+        main([tiny, "-p", "abc", "-n", "2", "--heatmap", str(tmp_path / "out.xyz")])
+    out, err = capsys.readouterr()
+    _one_line_error(ei.value.code, err, f"--heatmap {tmp_path / 'out.xyz'}: matplotlib cannot "
+                                        f"write '.xyz' files")
+    assert ei.value.code == 2 and out == "" and "png" in err and os.listdir(tmp_path) == []
+
+
+def test_heatmap_without_extension_is_a_png_at_that_path(capsys, tiny, tmp_path):
+    pytest.importorskip("matplotlib")
+    code, out, err = _run([tiny, "-p", "abc", "-n", "2", "-c", "256", "--heatmap",
+                           str(tmp_path / "map"), "--json"], capsys)
+    assert code == 0, err
+    assert os.listdir(tmp_path) == ["map"]
+    assert (tmp_path / "map").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out, err = _run([tiny, "-p", "abc", "-n", "2", "-c", "256", "--heatmap",
+                           str(tmp_path / "map.SVG"), "--json"], capsys)
+    assert code == 0, err
+    assert b"<svg" in (tmp_path / "map.SVG").read_bytes()[:2000]
+
+
+def test_a_failed_heatmap_still_prints_the_json(capsys, tiny, tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from pyimp.sparse_policy import SparseState
+
+    def broken(self, path, n_ctx):
+        raise RuntimeError("the renderer failed")
+    monkeypatch.setattr(SparseState, "heatmap", broken)
+    code, out, err = _run([tiny, "-p", "abc", "-n", "2", "-c", "256", "--heatmap",
+                           str(tmp_path / "h.png"), "--json"], capsys)
+    _one_line_error(code, err, f"cannot write heatmap {tmp_path / 'h.png'}: the renderer failed")
+    assert code == 1 and len(json.loads(out)["tokens"]) == 2 and os.listdir(tmp_path) == []
