@@ -162,7 +162,8 @@ class ThreadChoice:
     TRIALS = 3
     RECHECK = 64
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock                              # seconds, for the timed calls
         self._n = 0
         self._times: tuple[list, list] = ([], [])      # serial, parallel
         self._want = self.TRIALS                        # timed calls per mode before deciding
@@ -195,13 +196,13 @@ class ThreadChoice:
             self._calls, self._next = 0, 2 * self._next
         serial, par = self._times
         trial_par = len(par) < len(serial)
-        t0 = time.perf_counter()
+        t0 = self.clock()
         if trial_par:
             fn(*args)
         else:
             with _single_thread():
                 fn(*args)
-        (par if trial_par else serial).append(time.perf_counter() - t0)
+        (par if trial_par else serial).append(self.clock() - t0)
         if len(par) == self._want:
             self.parallel = min(par) < min(serial)
 

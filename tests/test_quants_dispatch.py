@@ -281,21 +281,32 @@ def test_dequantize_rows_bounds():
         Q.dequantize_rows(raw, QT.Q8_0, 64, [4])
 
 
+class _Clock:
+    """A clock for ThreadChoice that moves only when a call advances it: the timed calls take
+    exactly the time they say, whatever the machine does meanwhile."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
 @pytest.mark.parametrize("faster", ["serial", "parallel"])
 def test_thread_choice_keeps_the_measured_faster_mode(faster):
     """ThreadChoice alternates serial and parallel calls for its trials, keeps the mode whose best
-    time was lower (here made 20 ms apart by sleeping, far beyond timer noise), and tries
-    again when the thread count changes; the caller's thread count is restored after each call."""
-    seen = []
+    time was lower (here 20 ms against 1 ms on its clock), and tries again when the thread
+    count changes; the caller's thread count is restored after each call."""
+    seen, clock = [], _Clock()
 
     def call(out):
         n = numba.get_num_threads()
         seen.append(n)
-        time.sleep(0.02 if (n == 1) == (faster == "parallel") else 0.0)
+        clock.now += 0.02 if (n == 1) == (faster == "parallel") else 0.001
         out[0] += 1
 
-    choice, out = Q.ThreadChoice(), np.zeros(1)
+    choice, out = Q.ThreadChoice(clock=clock), np.zeros(1)
     prev = numba.get_num_threads()
     numba.set_num_threads(2)
     try:
@@ -316,20 +327,21 @@ def test_thread_choice_keeps_the_measured_faster_mode(faster):
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
 def test_thread_choice_is_checked_again_and_undoes_a_choice_made_while_slowed():
     """A choice made while the parallel mode was slowed (a call takes 10 ms serial, 20 ms
-    parallel while the other CPU is busy, no time once it is free) is checked again after
-    RECHECK calls, then after twice as many: one timed call in each mode, and the best times
-    decide anew, so parallel wins once it is fast. Each call runs exactly once."""
+    parallel while the other CPU is busy, no time once it is free, on the choice's clock) is
+    checked again after RECHECK calls, then after twice as many: one timed call in each mode,
+    and the best times decide anew, so parallel wins once it is fast. Each call runs exactly
+    once."""
     class Quick(Q.ThreadChoice):
         RECHECK = 4
-    seen, slow = [], {"parallel": True}
+    seen, slow, clock = [], {"parallel": True}, _Clock()
 
     def call(out):
         n = numba.get_num_threads()
         seen.append(n)
-        time.sleep(0.01 if n == 1 else 0.02 if slow["parallel"] else 0.0)
+        clock.now += 0.01 if n == 1 else 0.02 if slow["parallel"] else 0.0
         out[0] += 1
 
-    choice, out = Quick(), np.zeros(1)
+    choice, out = Quick(clock=clock), np.zeros(1)
     prev = numba.get_num_threads()
     numba.set_num_threads(2)
     try:
@@ -350,6 +362,10 @@ def test_thread_choice_is_checked_again_and_undoes_a_choice_made_while_slowed():
         assert choice.parallel is True and out[0] == len(seen)
     finally:
         numba.set_num_threads(prev)
+
+
+def test_thread_choice_times_with_the_real_clock_by_default():
+    assert Q.ThreadChoice().clock is time.perf_counter
 
 
 @pytest.mark.skipif(numba.config.NUMBA_NUM_THREADS < 2, reason="needs 2 Numba threads")
