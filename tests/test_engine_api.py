@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 import threading
-import time
+import types
 
 import numba
 import numpy as np
@@ -257,12 +257,23 @@ def test_claims_share_out_the_decode_matvecs(gemma_path, tmp_path, monkeypatch):
     assert compiled == [(lin.qtype, "fp32") for lin in lins[:0:-1]]
     helper.compile(lins, "fp32")          # everything is claimed now: nothing compiles twice
     assert len(compiled) == 3
-    t = time.monotonic()
-    helper.wait(lins[1:])                 # done files follow the engine's compiles
-    assert time.monotonic() - t < 1.0
-    t = time.monotonic()
+    # wait's clock: a fake one that only its sleeps move (at most 1000 polls, so a wait that
+    # never ends fails instead of hanging)
+    clock = {"now": 100.0, "sleeps": [], "at": []}
+
+    def sleep(dt):
+        assert len(clock["sleeps"]) < 1000, "wait polls forever"
+        clock["sleeps"].append(dt)
+        clock["at"].append(clock["now"])
+        clock["now"] += dt
+    monkeypatch.setattr(ch, "time", types.SimpleNamespace(monotonic=lambda: clock["now"],
+                                                          sleep=sleep))
+    helper.wait(lins[1:])                 # done files follow the engine's compiles: no poll
+    assert clock["sleeps"] == []
     helper.wait(lins[:1], timeout_s=0.3)  # claimed by take() alone, never done: the guard ends it
-    assert 0.3 <= time.monotonic() - t < 2.0
+    assert clock["sleeps"] and set(clock["sleeps"]) == {0.05}      # polls every 50 ms
+    # it polled while before the deadline and stopped at the first look past it
+    assert max(clock["at"]) < 100.0 + 0.3 <= clock["now"]
 
 
 @pytest.mark.parametrize("model,kv", [("llama", "f16"), ("llama", "f32"), ("gemma_path", "q8_0")])
