@@ -17,6 +17,7 @@ Two numerics:
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 
 # The thread pool's spin (GOMP_SPINCOUNT) matters for speed (see pyimp/runtime.py) but is set only by
@@ -134,6 +135,21 @@ def thread_count() -> int:
     return (_THREAD_FNS or _thread_fns())[0]()
 
 
+# the thread count a ThreadChoice's serial run was chosen under, per calling thread (as
+# Numba's own thread count is); 0 outside such a run
+_SERIAL_RUN = threading.local()
+_SERIAL_RUN.of = 0
+
+
+def work_threads() -> int:
+    """The thread count a kernel divides its work for (splits of a reduction, say): the calling
+    thread's Numba thread count, except inside a :class:`ThreadChoice`'s serial run, where it
+    is the count the choice was made under. A serial run then computes the same splits as a
+    parallel one, in the same order: the choice, made from timings, never changes the results."""
+    of = getattr(_SERIAL_RUN, "of", 0)
+    return of if of else (_THREAD_FNS or _thread_fns())[0]()
+
+
 @contextlib.contextmanager
 def _single_thread():
     get, set_ = _THREAD_FNS or _thread_fns()
@@ -143,6 +159,20 @@ def _single_thread():
         yield
     finally:
         set_(prev)
+
+
+@contextlib.contextmanager
+def _serial_run(n: int):
+    """Numba's thread count 1 on the calling thread, work divided as for ``n`` threads."""
+    get, set_ = _THREAD_FNS or _thread_fns()
+    prev, outer = get(), getattr(_SERIAL_RUN, "of", 0)
+    set_(1)
+    _SERIAL_RUN.of = n
+    try:
+        yield
+    finally:
+        set_(prev)
+        _SERIAL_RUN.of = outer
 
 
 class ThreadChoice:
@@ -186,11 +216,13 @@ class ThreadChoice:
                 if self.parallel:
                     fn(*args)
                     return
-                set_(1)                    # _single_thread inlined: this runs ~130 times a token
+                set_(1)                    # _serial_run inlined: this runs ~130 times a token
+                _SERIAL_RUN.of = n
                 try:
                     fn(*args)
                 finally:
                     set_(n)
+                    _SERIAL_RUN.of = 0
                 return
             self.parallel, self._want = None, self._want + 1      # one more timed call each
             self._calls, self._next = 0, 2 * self._next
@@ -200,7 +232,7 @@ class ThreadChoice:
         if trial_par:
             fn(*args)
         else:
-            with _single_thread():
+            with _serial_run(n):
                 fn(*args)
         (par if trial_par else serial).append(self.clock() - t0)
         if len(par) == self._want:

@@ -96,8 +96,10 @@ def _load_f32_ov(src, start, n, dst, lut):
 
 def default_splits(n_blocks: int, n_units: int, min_blocks: int) -> int:
     """Splits of each work unit's blocks so that units*splits covers the threads ~4x over,
-    with at least ``min_blocks`` blocks per split."""
-    target = 4 * quants.thread_count()
+    with at least ``min_blocks`` blocks per split. The threads are those the call's work is
+    divided for (:func:`loaders.quants.work_threads`): a decode attention that a thread choice
+    runs serially splits its blocks, and so sums them, as its parallel run does."""
+    target = 4 * quants.work_threads()
     return max(1, min(-(-target // max(n_units, 1)), n_blocks // min_blocks))
 
 
