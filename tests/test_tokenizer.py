@@ -17,7 +17,7 @@ import sys
 import unicodedata
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from loaders.tokenizer import IncrementalDecoder, Tokenizer, TokenizerError
@@ -490,8 +490,7 @@ def test_spm_reference_merge_matches_sentencepiece(gemma):
     @settings(HYP, max_examples=150)
     def check(text):
         esc = text.replace(" ", "\u2581")
-        if "<0x" in esc or "<unk>" in esc:
-            return
+        assume("<0x" not in esc and "<unk>" not in esc)    # byte-fallback pieces: other paths
         assert gemma._spm_merge(esc.encode()) == proc.encode(esc)
 
     check()
