@@ -215,9 +215,14 @@ def _check_header(engine, path, header: dict) -> None:
     if header.get("version") not in READS:
         fail(f"state version {header.get('version')!r} is not supported (this build reads "
              f"{', '.join(map(str, READS))})")
-    if header.get("model") != engine.file.fingerprint():
-        fail(f"saved from another model (fingerprint {str(header.get('model'))[:19]}..., this "
-             f"model {engine.file.fingerprint()[:19]}...)")
+    saved_model = str(header.get("model"))
+    if saved_model != engine.file.fingerprint():
+        if not saved_model.startswith("sha256-file:"):
+            fail("saved by an earlier pyimp whose model fingerprint sampled the weights instead "
+                 "of hashing them all: it cannot be checked against this model; delete it and "
+                 "let the next run write it again")
+        fail(f"saved from another model (fingerprint {saved_model[:24]}..., this "
+             f"model {engine.file.fingerprint()[:24]}...)")
     want = geometry(engine)
     got = header.get("geometry") or {}
     for key, val in want.items():

@@ -221,3 +221,19 @@ def test_cli_prompt_cache(model, tmp_path, capsys):
     code = main(base[:-4] + ["--prompt-cache", str(tmp_path / "none.pkv"), "--prompt-cache-ro"])
     err = capsys.readouterr().err
     assert code == 1 and "no such file" in err and "Traceback" not in err
+
+
+def test_a_file_with_a_sampled_fingerprint_is_refused_as_such(model, tmp_path):
+    """A state file whose model fingerprint is of the earlier, sampled kind ("sha256:..."):
+    it cannot be checked against the model, and the refusal says so (not "another model")."""
+    a = pyimp.load(model, n_ctx=128, block_len=32, kv_type="q8_0")
+    a.eval(_ids(40))
+    path = tmp_path / "old.pkv"
+    a.save_state(path)
+    header, arrays = read_state(path)
+    header["model"] = "sha256:" + "0" * 64
+    write_state(path, header, arrays)
+    b = pyimp.load(model, n_ctx=128, block_len=32, kv_type="q8_0")
+    with pytest.raises(StateFileError, match="earlier pyimp whose model fingerprint sampled"):
+        b.load_state(path)
+    assert b.tokens == []
