@@ -6,11 +6,11 @@ The engine is imported on first use, so light entry points (pyimp-tokenize,
 """
 
 __version__ = "0.1.0"
-__all__ = ["load", "Engine", "EngineOptions", "SamplingParams"]
+__all__ = ["load", "Engine", "EngineOptions", "EngineBusyError", "SamplingParams"]
 
 
 def __getattr__(name):
-    if name in ("load", "Engine", "EngineOptions"):
+    if name in ("load", "Engine", "EngineOptions", "EngineBusyError"):
         from . import engine
         return getattr(engine, name)
     if name == "SamplingParams":
