@@ -21,7 +21,9 @@ and the stamp of every kernel of that module is a SHA-256 over the contents of
 the module and of everything it depends on, transitively. Any edit to any of
 those files invalidates the cached kernel; nothing else does. The cache files
 live where Numba would put them (``__pycache__`` beside the source, else the
-user-wide Numba cache, or ``NUMBA_CACHE_DIR``). The process's Numba settings
+user-wide Numba cache, or ``NUMBA_CACHE_DIR``); under ``NUMBA_CACHE_DIR`` they
+are named by each module's path inside its package, not by its absolute path,
+so another checkout of the same sources loads them. The process's Numba settings
 and other libraries' caches are untouched: only dispatchers made by
 :func:`njit` use these locators.
 
@@ -72,12 +74,24 @@ def closure(file) -> list[str]:
     return sorted(seen)
 
 
+def portable_name(path) -> str:
+    """``path`` relative to the folder that holds its top-level package (``loaders/quants.py``
+    for this project's files; the file name alone for a module outside any package): the same
+    in every checkout of the same sources."""
+    path = _real(path)
+    top = os.path.dirname(path)
+    while os.path.exists(os.path.join(top, "__init__.py")):
+        top = os.path.dirname(top)
+    return os.path.relpath(path, top)
+
+
 def sources_stamp(file) -> str:
-    """Hex SHA-256 over the paths and contents of :func:`closure` (``file``)."""
+    """Hex SHA-256 over the portable names (:func:`portable_name`) and contents of
+    :func:`closure` (``file``)."""
     h = hashlib.sha256()
     for f in closure(file):
         st = os.stat(f)
-        h.update(f.encode() + b"\0")
+        h.update(portable_name(f).encode() + b"\0")
         h.update(caching._hash_source_file(f, st.st_mtime, st.st_size))
     return h.hexdigest()
 
@@ -90,7 +104,15 @@ class _SourcesStamp:
 
 
 class _UserProvided(_SourcesStamp, caching.UserProvidedCacheLocator):
-    pass
+    """``NUMBA_CACHE_DIR``, in a folder named by the module's portable name rather than its
+    absolute path: two checkouts of the same sources (a CI clone in a new folder) share the
+    kernels; the stamp still refuses an entry compiled from other sources."""
+
+    @classmethod
+    def get_suitable_cache_subpath(cls, py_file):
+        folder = os.path.dirname(portable_name(py_file))
+        digest = hashlib.sha1(folder.encode()).hexdigest()
+        return "_".join([os.path.basename(folder) or "top", digest])
 
 
 class _InTree(_SourcesStamp, caching.InTreeCacheLocator):

@@ -12,6 +12,15 @@ from pyimp.runtime import configure_process  # noqa: E402
 
 configure_process()
 
+# Numba's on-disk cache for the suite (set before numba is imported): outside the checkout, in
+# pyimp's cache folder, where every checkout of the same sources finds the kernels another
+# compiled (loaders.jit names them by their path inside the package and stamps them by the
+# contents of every source they are built from), so a fresh clone does not compile them all
+# again. A NUMBA_CACHE_DIR of your own wins; the tests that need a cold start make their own.
+if "numba" not in sys.modules:
+    from pyimp.default_model import cache_dir  # noqa: E402
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir() / "numba"))
+
 import pytest  # noqa: E402
 
 

@@ -139,3 +139,20 @@ def test_undeclared_module_and_fastmath_are_refused():
         jit.njit(ns["f"])
     with pytest.raises(ValueError, match="fastmath"):
         jit.njit(fastmath=True)
+
+
+def test_two_checkouts_of_the_same_sources_share_a_cache_dir(tmp_path):
+    """Under NUMBA_CACHE_DIR a kernel compiled from one folder is loaded from another holding
+    the same sources (a fresh clone elsewhere), and an edit in one of them is still a miss."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    for folder in (a, b):
+        folder.mkdir()
+        _write(folder, HELPER, KERNEL, 1)
+    assert _run(a, tmp_path / "cache") == (11, 0, 1)             # compiled in a, saved
+    assert _run(b, tmp_path / "cache") == (11, 1, 0)             # b loads a's kernel
+    _write(b, HELPER, KERNEL, 2)
+    assert _run(b, tmp_path / "cache") == (12, 0, 1)             # b's helper differs: compiled
+
+
+def test_portable_name_is_the_path_inside_the_package():
+    assert jit.portable_name(jit.__file__) == os.path.join("loaders", "jit.py")
