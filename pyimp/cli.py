@@ -343,6 +343,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="h2o: rank tokens by their accumulated attention plus W times the "
                     "attention of the prompt's last --kv-obs-window rows (each normalized per "
                     "layer); 0: accumulated attention only")
+    ev.add_argument("--kv-neighbours", type=_int_at_least(0, "--kv-neighbours"), default=0,
+                    metavar="R", help="h2o / snapkv / pyramidkv: rank a token by the largest "
+                    "score within R positions of it, so a kept token keeps its neighbours (a "
+                    "number's digits after the one attended to); 0: off")
     ev.add_argument("--kv-merge", type=_float_in(0.0, 1.0, "--kv-merge"), default=0.0,
                     metavar="COS", help="merge cached tokens whose keys share a SimHash "
                     "signature and have cosine similarity >= COS into one slot (importance-"
@@ -591,6 +595,7 @@ def run(args: argparse.Namespace) -> int:
                                                 kv_pool=args.kv_pool,
                                                 kv_depth_ratio=args.kv_depth_ratio,
                                                 kv_obs_weight=args.kv_obs_weight,
+                                                kv_neighbours=args.kv_neighbours,
                                                 swa_full=args.swa_full, kv_merge=args.kv_merge,
                                                 kv_merge_bits=args.kv_merge_bits))
     except (GGUFError, DefaultModelError, ValueError, MemoryError, DeviceUnavailable) as e:

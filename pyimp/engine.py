@@ -94,6 +94,7 @@ class EngineOptions:
     kv_pool: int = 5                 # snapkv / pyramidkv pooling kernel
     kv_depth_ratio: float = 1.0      # first / last evicting layer's budget (see kv_policy)
     kv_obs_weight: float = 0.0       # h2o: weight of the prompt's last rows' attention
+    kv_neighbours: int = 0           # h2o / snapkv / pyramidkv: a kept token keeps those within R
     swa_full: bool = False           # sliding-window layers keep every token (llama.cpp --swa-full)
     kv_merge: float = 0.0            # merge near-duplicate tokens at this cosine similarity (0: off)
     kv_merge_bits: int = 12          # SimHash bits per kv head proposing merge candidates
@@ -146,7 +147,7 @@ class EngineOptions:
     def policy(self) -> PolicyOptions:
         return PolicyOptions(self.kv_policy, self.kv_budget, self.keep, self.kv_recent,
                              self.kv_obs_window, self.kv_pool, self.kv_depth_ratio,
-                             self.kv_obs_weight)
+                             self.kv_obs_weight, self.kv_neighbours)
 
     def sparse_options(self) -> SparseOptions:
         """The sparse state's options: the given ones, or importance tracking where the eviction
@@ -1052,7 +1053,7 @@ def load(path: str | os.PathLike | None = None, **options) -> Engine:
     Options are the fields of :class:`EngineOptions` (n_ctx, block_len, batch_size,
     n_threads, numerics, kv_type, cache_type_k, cache_type_v, v_layout, kv_rotate, device,
     kv_policy, kv_budget, keep, kv_recent, kv_obs_window, kv_pool, kv_depth_ratio,
-    kv_obs_weight, swa_full, kv_merge, kv_merge_bits) and of
+    kv_obs_weight, kv_neighbours, swa_full, kv_merge, kv_merge_bits) and of
     :class:`SparseOptions` (sparse=True, anchor, anchor_num, retrieval, topk, init_blocks,
     local_blocks, importance_window, token_step, layer_step, dense_layers, decay, select,
     rank, lsh_tables, lsh_bits, lsh_min_hits, stride, recall_target, recall_max_blocks,

@@ -62,6 +62,13 @@ Rules every policy follows (property-tested):
   ``recent`` window are always kept.
 - ``budget >= n`` keeps everything: full attention, exactly.
 
+``neighbours`` R > 0 (``--kv-neighbours``) makes h2o, snapkv and pyramidkv rank a token by the
+largest score among the held tokens within R positions of it (max pooling; ties by its own
+score): thresholding that ranking keeps every held token within R of a token whose own score
+passes, so a kept token keeps its neighbours. A multi-token unit that the query attends to at one token (a number's first
+digit after "The pass key is") otherwise loses the tokens that continue it, and a copy
+of it stops there.
+
 The decision functions (``*_keep``) are plain NumPy over a layer's positions and scores.
 """
 from __future__ import annotations
@@ -86,6 +93,7 @@ class PolicyOptions:
     pool: int = 5             # snapkv / pyramidkv 1-D average pooling kernel (odd)
     depth_ratio: float = 1.0  # first / last evicting layer's budget (1: uniform)
     obs_weight: float = 0.0   # h2o: weight of the observation window's attention (0: off)
+    neighbours: int = 0       # h2o / snapkv / pyramidkv: rank by the max score within R positions
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -93,6 +101,11 @@ class PolicyOptions:
         for name in ("budget", "keep", "recent", "obs_window"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.neighbours < 0:
+            raise ValueError(f"neighbours must be >= 0, got {self.neighbours}")
+        if self.neighbours and self.policy not in ("h2o", "snapkv", "pyramidkv"):
+            raise ValueError(f"neighbour keeping ranks tokens by their scores: it applies to h2o, "
+                             f"snapkv and pyramidkv, not {self.policy}")
         if self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"pooling kernel must be odd and >= 1, got {self.pool}")
         if not 1.0 <= self.depth_ratio < float("inf"):
@@ -205,15 +218,45 @@ def _forced(pos: np.ndarray, keep: int, recent: int, block_len: int) -> np.ndarr
     return must
 
 
-def _top_up(must: np.ndarray, score: np.ndarray, m: int) -> np.ndarray:
-    """``must`` plus the best-scoring others up to m slots (ties: the later slot), increasing."""
+def _top_up(must: np.ndarray, score: np.ndarray, m: int,
+            tie: np.ndarray | None = None) -> np.ndarray:
+    """``must`` plus the best-scoring others up to m slots (ties: the higher ``tie``, then the
+    later slot), increasing."""
     chosen = np.flatnonzero(must)
     free = m - chosen.size
     if free > 0:
         rest = np.flatnonzero(~must)
-        order = np.lexsort((-rest, -score[rest]))          # score desc, then later slot first
+        keys = (-rest, -score[rest]) if tie is None else (-rest, -tie[rest], -score[rest])
+        order = np.lexsort(keys)                           # score desc, tie desc, later slot
         chosen = np.concatenate([chosen, rest[order[:free]]])
     return np.sort(chosen)
+
+
+def maxpool1d(score: np.ndarray, radius: int, pos: np.ndarray | None = None) -> np.ndarray:
+    """``out[i]``: the largest ``score[j]`` over the slots j whose position is within ``radius``
+    of slot i's (``pos``: increasing positions of the slots; default the slot indices), float64.
+    Slots of a compacted layer that hold distant positions are not each other's neighbours."""
+    s = np.asarray(score, np.float64)
+    out = s.copy()
+    p = np.arange(s.size) if pos is None else np.asarray(pos, np.int64)
+    for d in range(1, min(radius, s.size - 1) + 1):       # positions increase: |i - j| <= R
+        near = p[d:] - p[:-d] <= radius
+        out[:-d] = np.where(near, np.maximum(out[:-d], s[d:]), out[:-d])
+        out[d:] = np.where(near, np.maximum(out[d:], s[:-d]), out[d:])
+    return out
+
+
+def _ranked_top_up(must: np.ndarray, score: np.ndarray, m: int, neighbours: int,
+                   pos: np.ndarray) -> np.ndarray:
+    """_top_up by ``score``, or with ``neighbours`` R > 0 by its max over the positions within
+    R (ties: the slot's own score): the slots ranked above a threshold are those within R of
+    a slot whose own score is above it, so a kept token's neighbours are kept with it, as long
+    as the budget lasts (the digits after the one a question attends to, a word's other
+    pieces)."""
+    if neighbours <= 0:
+        return _top_up(must, score, m)
+    return _top_up(must, maxpool1d(score, neighbours, pos), m,
+                   tie=np.asarray(score, np.float64))
 
 
 def streaming_keep(pos: np.ndarray, keep: int, m: int, block_len: int) -> np.ndarray:
@@ -223,9 +266,10 @@ def streaming_keep(pos: np.ndarray, keep: int, m: int, block_len: int) -> np.nda
 
 
 def h2o_keep(pos: np.ndarray, score: np.ndarray, keep: int, recent: int, m: int,
-             block_len: int) -> np.ndarray:
-    """H2O: sinks, the ``recent`` newest, and the highest accumulated ``score`` of the rest."""
-    return _top_up(_forced(pos, keep, recent, block_len), score, m)
+             block_len: int, neighbours: int = 0) -> np.ndarray:
+    """H2O: sinks, the ``recent`` newest, and the highest accumulated ``score`` of the rest
+    (``neighbours`` R: ranked by the score max-pooled over the positions within R)."""
+    return _ranked_top_up(_forced(pos, keep, recent, block_len), score, m, neighbours, pos)
 
 
 def pool1d(score: np.ndarray, kernel: int) -> np.ndarray:
@@ -240,10 +284,12 @@ def pool1d(score: np.ndarray, kernel: int) -> np.ndarray:
 
 
 def snapkv_keep(pos: np.ndarray, score: np.ndarray, keep: int, window: int, pool: int, m: int,
-                block_len: int) -> np.ndarray:
+                block_len: int, neighbours: int = 0) -> np.ndarray:
     """SnapKV: the last ``window`` slots (the observation window), sinks, and the top of the
-    pooled observation-window ``score`` among the rest."""
-    return _top_up(_forced(pos, keep, window, block_len), pool1d(score, pool), m)
+    pooled observation-window ``score`` among the rest (``neighbours`` R: that pooled score
+    max-pooled over the positions within R)."""
+    return _ranked_top_up(_forced(pos, keep, window, block_len), pool1d(score, pool), m,
+                          neighbours, pos)
 
 
 def window_keep(pos: np.ndarray, next_pos: int, window: int, block_len: int) -> np.ndarray:
@@ -369,8 +415,8 @@ class KVPolicy:
         if sub is not None:
             score = score[sub]
         if o.policy == "h2o":
-            return h2o_keep(pos, score, o.keep, self.recent[il], m, B)
-        return snapkv_keep(pos, score, o.keep, o.obs_window, o.pool, m, B)
+            return h2o_keep(pos, score, o.keep, self.recent[il], m, B, o.neighbours)
+        return snapkv_keep(pos, score, o.keep, o.obs_window, o.pool, m, B, o.neighbours)
 
     def _scores(self, il: int) -> np.ndarray:
         """importance_ of each slot of layer il summed over query heads, float64 [slots]."""

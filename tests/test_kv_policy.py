@@ -662,3 +662,133 @@ def test_swa_full_keeps_every_token_and_any_prefix(gemma):
     assert all(eng.cache.slot_count(il) == 90 for il in range(eng.cfg.n_layer))
     eng.prime(ids[:70] + [5, 6])
     assert eng.timings.extra["prefix_reused"] == 70
+
+
+# --------------------------------------------------------------------------
+# neighbour keeping (--kv-neighbours): ranking by the score max-pooled over positions
+# --------------------------------------------------------------------------
+
+
+def test_neighbours_keep_the_tokens_beside_a_heavy_one():
+    """One heavy token (a key's first digit) among filler heavy hitters: plain h2o keeps it and
+    the filler's; with 2 neighbours the free slots go to the positions within 2 of it first,
+    then the next centres (own score first, later slot first)."""
+    from pyimp.kv_policy import h2o_keep
+    pos = np.arange(64)
+    score = np.zeros(64)
+    score[30] = 10.0                            # the attended digit
+    score[31:35] = 0.1                          # the digits that continue it
+    score[[5, 12, 50]] = 5.0
+    score[40] = 4.0
+    B = 32                                      # n % B == 0: the last slot is the only forced one
+    plain = h2o_keep(pos, score, 0, 0, 6, B)
+    assert plain.tolist() == [5, 12, 30, 40, 50, 63]
+    nbr = h2o_keep(pos, score, 0, 0, 6, B, neighbours=2)
+    assert nbr.tolist() == [28, 29, 30, 31, 32, 63]
+    nbr = h2o_keep(pos, score, 0, 0, 8, B, neighbours=2)
+    assert nbr.tolist() == [12, 28, 29, 30, 31, 32, 50, 63]
+    nbr = h2o_keep(pos, score, 0, 0, 6, B, neighbours=4)   # the whole five-digit run
+    assert set(range(30, 35)) <= set(nbr.tolist())
+    # snapkv: its average-pooled score, max-pooled the same way
+    s = snapkv_keep(pos, score, 0, 1, 1, 6, B, neighbours=2)
+    assert s.tolist() == [28, 29, 30, 31, 32, 63]
+
+
+def test_maxpool_neighbours_are_positions_not_slots():
+    from pyimp.kv_policy import maxpool1d
+    s = np.array([0.0, 5.0, 0.0, 0.0, 1.0])
+    assert maxpool1d(s, 1).tolist() == [5.0, 5.0, 5.0, 1.0, 1.0]
+    assert maxpool1d(s, 0).tolist() == s.tolist()
+    # slots 1 and 2 hold positions 10 and 20: not within 1 of each other
+    assert maxpool1d(s, 1, np.array([9, 10, 20, 21, 22])).tolist() == [5.0, 5.0, 0.0, 1.0, 1.0]
+
+
+@settings(deadline=None, max_examples=150)
+@given(policy_case, st.integers(1, 200), st.integers(1, 5))
+def test_neighbour_keeping_property(case, budget_extra, radius):
+    """maxpool1d equals the brute-force max over held positions within R; every dropped free
+    slot ranks no higher than any kept one; a kept free slot whose own score beats every
+    dropped slot's pooled score has all its held neighbours (within R positions) kept."""
+    from pyimp.kv_policy import h2o_keep, maxpool1d
+    n, B, sinks, recent, seed = case
+    rng = np.random.default_rng(seed)
+    budget = sinks + max(recent, B) + budget_extra
+    pos = np.sort(rng.choice(3 * n + 5, n, replace=False)).astype(np.int32)
+    m = target_size(n, budget, B)
+    score = rng.integers(0, 6, n).astype(np.float64) * rng.random(n)
+    pooled = maxpool1d(score, radius, pos)
+    ref = np.array([score[np.abs(pos - pos[i]) <= radius].max() for i in range(n)])
+    assert np.array_equal(pooled, ref)
+    keep = h2o_keep(pos, score, sinks, recent, m, B, neighbours=radius)
+    _check_common(keep, n, m, pos, sinks, recent, B)
+    forced = pos < sinks
+    forced[max(0, n - max(recent, n % B, 1)):] = True
+    kept = np.zeros(n, bool)
+    kept[keep] = True
+    free_kept = np.flatnonzero(kept & ~forced)
+    dropped = np.flatnonzero(~kept)
+    if free_kept.size and dropped.size:
+        assert pooled[dropped].max() <= pooled[free_kept].min()
+        cut = pooled[dropped].max()
+        for i in free_kept[score[free_kept] > cut]:
+            assert kept[np.abs(pos - pos[i]) <= radius].all()
+
+
+def test_neighbour_option_refusals_and_engine_wiring(llama):
+    with pytest.raises(ValueError, match="applies to h2o, snapkv and pyramidkv"):
+        PolicyOptions("streaming", budget=100, neighbours=2).validate()
+    with pytest.raises(ValueError, match="neighbours must be >= 0"):
+        PolicyOptions("h2o", budget=100, neighbours=-1).validate()
+    eng = pyimp.load(llama, n_ctx=256, block_len=8, batch_size=16, kv_policy="h2o",
+                     kv_budget=40, kv_neighbours=3)
+    assert eng.policy.opts.neighbours == 3
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv"])
+def test_engine_keeps_what_the_neighbour_keep_function_decides(llama, policy):
+    """Each eviction of a prefill and 12 decode steps keeps the positions the keep function
+    with neighbours picks from what the layer held and its scores then, and at least one
+    decision differs from the one without neighbours."""
+    B, budget, keep, window, pool, R = 8, 40, 4, 16, 5, 2
+    opts = PolicyOptions(policy, budget=budget, keep=keep, obs_window=window, pool=pool,
+                         neighbours=R)
+    budgets = opts.layer_budgets(2)
+    eng = pyimp.load(llama, n_ctx=256, block_len=B, batch_size=16, kv_policy=policy,
+                     kv_budget=budget, keep=keep, kv_obs_window=window, kv_pool=pool,
+                     kv_neighbours=R)
+    c, sp, pol = eng.cache, eng.sparse, eng.policy
+    seen = []
+    after_forward = pol.after_forward
+
+    def record(n_ctx, prefill_done):
+        before = []
+        for il in range(c.n_layer):
+            b, r = c.slots(0, c.slot_count(il), layer=il)
+            before.append((c.positions(il).copy(),
+                           sp.importance_[il, b, r].astype(np.float64).sum(-1)))
+        after_forward(n_ctx, prefill_done)
+        seen.append((prefill_done, before, [c.positions(il).copy() for il in range(2)]))
+
+    pol.after_forward = record
+    logits = eng.eval(_ids(100))[-1]
+    for _ in range(12):
+        logits = eng.eval([int(np.argmax(logits))])[-1]
+    decided = differs = 0
+    for prefill_done, before, held in seen:
+        for il in range(2):
+            pos, score = before[il]
+            m = target_size(pos.size, int(budgets[il]), B)
+            if m == pos.size or not (policy == "h2o" or prefill_done):
+                assert np.array_equal(held[il], pos)
+                continue
+            if policy == "h2o":
+                recent = opts.window_for(int(budgets[il]))
+                k = h2o_keep(pos, score, keep, recent, m, B, neighbours=R)
+                k0 = h2o_keep(pos, score, keep, recent, m, B)
+            else:
+                k = snapkv_keep(pos, score, keep, window, pool, m, B, neighbours=R)
+                k0 = snapkv_keep(pos, score, keep, window, pool, m, B)
+            assert np.array_equal(held[il], pos[k])
+            decided += 1
+            differs += not np.array_equal(k, k0)
+    assert decided > 0 and differs > 0
