@@ -1,21 +1,27 @@
 """Evaluation grid of the KV eviction policies on Dask: quality against memory.
 
-    python -m tools.eval_kv [MODEL] [--ctx 4096] [--windows 2] [--passkeys 6] [--out DIR]
+    python -m tools.eval_kv [MODEL] [--ctx 4096] [--windows 2] [--passkeys 6] [--seed S] [--out DIR]
     python -m tools.eval_kv --scheduler tcp://host:8786 --workdir /shared/dir ...   # a cluster
 
-The grid is policy x KV cache type x memory fraction x prompt. Prompts are windows of real text (Python's
-pydoc topics, ``--ctx`` tokens) and passkey prompts (a five-digit key at a depth of filler,
-``--depths``). Each prompt is prefilled once per KV cache type with full attention (stage 1,
-one Dask task per prompt and type): the state is saved (:meth:`pyimp.Engine.save_state`)
-before the last ``--obs-window`` rows (for +obs policies) and twice after, with
-``importance_`` summed over every prompt row (what h2o ranks by) and over the last
-``--obs-window`` rows only (snapkv / pyramidkv). Stage 2 runs one task per (prompt, policy, fraction): load the state,
-apply the policy as at the end of a prefill (:meth:`pyimp.Engine.evict`), then
+The grid is policy x KV cache type x memory fraction x prompt. Prompts are windows of real text
+(Python's pydoc topics, ``--ctx`` tokens) and passkey prompts (a five-digit key at a depth of
+filler, ``--passkey-lengths`` tokens), both drawn by ``--seed``: development seeds
+(``DEV_SEEDS``) draw from development text and keys, the others are held out (``HELD_OUT_SEED``
+gave the README's figures); a seed gives the same prompts, token for token, every time.
+
+Each prompt is prefilled once per KV cache type with full attention (stage 1, one Dask task
+per prompt and type): the state is saved (:meth:`pyimp.Engine.save_state`) before the last
+``--obs-window`` rows (for +obs policies) and twice after, with ``importance_`` summed over
+every prompt row (what h2o ranks by) and over the last ``--obs-window`` rows only (snapkv /
+pyramidkv). Stage 2 runs one task per (prompt, policy, fraction): load the state, apply the
+policy as at the end of a prefill (:meth:`pyimp.Engine.evict`), then
 
 - text windows: feed the window's last ``--steps`` tokens one by one (teacher forcing) and
   compare each step's next-token distribution with full attention's: mean KL(full || policy)
   and top-1 agreement;
-- passkeys: greedy-decode the answer; correct when the key's digits appear in it.
+- passkeys: greedy-decode the answer; correct when the key's digits appear in it. Scored
+  over the passkeys full attention (f16) finds, with a 95 % Wilson interval; the KL's mean
+  over the windows comes with a 95 % t interval.
 
 Each task reports the KV bytes the layers hold at the end and the decode speed (one thread
 per worker). Memory fractions are relative to the *window-only baseline*: the bytes the
@@ -24,8 +30,8 @@ their window under every policy). The reference is full attention over that f16 
 cache type whose blocks take a share q of f16's bytes (``--kv-types``: ``q8_0`` 0.53,
 ``q8_0/q4_0`` K / V 0.41) meets a fraction f by holding f / q of the baseline's tokens: f / q
 becomes the per-layer token budget N whose held tokens ``sum_l min(N, held_l)`` are that
-share of the baseline's (no eviction where f >= q). ``+rot`` rotates K and V (``--kv-rotate``)
-before they are quantized.
+share of the baseline's (each prompt's own: the passkeys' lengths differ; no eviction where
+f >= q). ``+rot`` rotates K and V (``--kv-rotate``) before they are quantized.
 
 A policy name may carry options: ``+mergeCOS`` merges near-duplicate tokens at that cosine
 (``--kv-merge``, :mod:`pyimp.kv_merge`) before the policy evicts (``full+merge0.9`` merges
@@ -33,7 +39,8 @@ only: one task, its memory is what the merge leaves); ``+depthR`` shrinks the bu
 depth over the layers that evict (``--kv-depth-ratio``); ``+recentN`` sets h2o's and
 streaming's recent window (``--kv-recent``); ``+obsW`` adds h2o's observation-window term
 (``--kv-obs-weight``): such a task loads the state saved before the prompt's last
-``--obs-window`` rows and runs them through its own engine.
+``--obs-window`` rows and runs them through its own engine; ``+nbrR`` ranks h2o's, snapkv's
+and pyramidkv's tokens by the largest score within R positions (``--kv-neighbours``).
 
 Policies evict here once the prompt is in and then as decode goes on; ``pyimp-run`` evicts
 streaming and h2o during a long prefill too, which this grid does not measure.
@@ -65,11 +72,25 @@ DEFAULT_POLICIES = POLICIES + ("h2o+depth3", "h2o+depth3+obs1+recent256")
 DEFAULT_KVS = ("f16", "q8_0/q4_0+rot")
 REFERENCE_KV = "f16"          # full attention over an f16 cache: the reference and the baseline
 
+# Development and held-out cases. A seed draws the passkeys (keys: the seed's own slice of the
+# five-digit keys, tools.eval_sparse.passkey_cases; lengths uniform in --passkey-lengths,
+# depths uniform in --depth-range) and the text windows (whole windows of --ctx tokens of the
+# pydoc text, drawn from the development text for a development seed, from the rest for a
+# held-out one). Policies and their options are chosen on development seeds; the README's
+# figures come from HELD_OUT_SEED. The README's earlier eviction figures (tuning runs of
+# h2o+depth3+obs1+recent256) were measured on windows 0-7 at --ctx 4096 (--first-window) and
+# keys the seed drew before cases came from passkey_cases: development cases too.
+DEV_SEEDS = range(0, 10)
+HELD_OUT_SEED = 10            # the README's held-out figures; a later held-out set takes 11 on
+DEV_TEXT_TOKENS = 65536       # pydoc tokens [0, 65536): development text (tools.eval_sparse's
+                              # text from offset 0, the windows 0-7 of --first-window at 4k)
+
 
 def parse_policy(name: str) -> tuple[str, dict]:
     """``"h2o+depth3+merge0.9"`` -> ("h2o", {"kv_depth_ratio": 3.0, "kv_merge": 0.9}); the
     suffixes are ``+mergeCOS`` (--kv-merge, a cosine in (0, 1]), ``+depthR`` (--kv-depth-ratio,
-    R >= 1), ``+recentN`` (--kv-recent, N >= 1) and ``+obsW`` (--kv-obs-weight, h2o, W > 0).
+    R >= 1), ``+recentN`` (--kv-recent, N >= 1), ``+obsW`` (--kv-obs-weight, h2o, W > 0) and
+    ``+nbrR`` (--kv-neighbours, h2o / snapkv / pyramidkv, R >= 1).
     ValueError naming the part that is wrong."""
     base, *parts = name.split("+")
     if base not in POLICIES:
@@ -85,7 +106,9 @@ def parse_policy(name: str) -> tuple[str, dict]:
                 ("recent", "kv_recent", int, lambda v: v >= 1,
                  "the recent window must be an integer >= 1"),
                 ("obs", "kv_obs_weight", float, lambda v: 0.0 < v < float("inf"),
-                 "the observation weight must be a number > 0")):
+                 "the observation weight must be a number > 0"),
+                ("nbr", "kv_neighbours", int, lambda v: v >= 1,
+                 "the neighbour radius must be an integer >= 1")):
             if part.startswith(prefix):
                 try:
                     v = conv(part[len(prefix):])
@@ -98,9 +121,11 @@ def parse_policy(name: str) -> tuple[str, dict]:
                 break
         else:
             raise ValueError(f"policy {name!r}: unknown suffix +{part} (+mergeCOS, +depthR, "
-                             f"+recentN, +obsW)")
+                             f"+recentN, +obsW, +nbrR)")
     if "kv_obs_weight" in opts and base != "h2o":
         raise ValueError(f"policy {name!r}: +obs applies to h2o")
+    if "kv_neighbours" in opts and base not in ("h2o", "snapkv", "pyramidkv"):
+        raise ValueError(f"policy {name!r}: +nbr applies to h2o, snapkv and pyramidkv")
     if base == "full" and set(opts) - {"kv_merge"}:
         raise ValueError(f"policy {name!r}: full evicts nothing; only +merge applies")
     if base == "pyramidkv" and "kv_depth_ratio" in opts:
@@ -281,8 +306,11 @@ def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Tas
         eng.load_state(state_path(workdir, p, task.kv, IMPORTANCE_OF[base]))
         eng.evict()
     after_evict = eng.cache.bytes_held()
-    row = {"prompt": p.name, "kind": p.kind, "policy": task.policy, "kv": task.kv,
-           "fraction": task.fraction, "budget": task.budget, "bytes_after_prefill": after_evict,
+    row = {"prompt": p.name, "kind": p.kind, "tokens": len(p.prefix) + len(p.tail),
+           "key": p.key if p.kind == "passkey" else "",
+           "depth": p.depth if p.kind == "passkey" else "", "policy": task.policy,
+           "kv": task.kv, "fraction": task.fraction, "budget": task.budget,
+           "bytes_after_prefill": after_evict,
            "kl": "", "top1": "",
            "passkey_ok": "", "answer": ""}
     t0 = time.perf_counter()
@@ -336,27 +364,53 @@ def budget_for(fraction: float, held: list, floor: int) -> int:
     return max(lo, floor)
 
 
+def window_starts(n_ids: int, ctx: int, n: int, seed: int) -> list:
+    """First text tokens of the ``n`` windows of ``ctx - 1`` text tokens that ``seed`` draws
+    (increasing): whole windows laid end to end from the start of the development text
+    (tokens [0, DEV_TEXT_TOKENS)) for a development seed, of the held-out text (from
+    DEV_TEXT_TOKENS to ``n_ids``) otherwise, ``n`` of them drawn without replacement."""
+    lo, hi = (0, DEV_TEXT_TOKENS) if seed in DEV_SEEDS else (DEV_TEXT_TOKENS, n_ids)
+    slots = max(0, (min(hi, n_ids) - lo) // (ctx - 1))
+    if n > slots:
+        raise ValueError(f"{n} windows of {ctx} tokens asked, the "
+                         f"{'development' if seed in DEV_SEEDS else 'held-out'} text holds {slots}")
+    rng = np.random.default_rng([seed, 2])          # apart from the passkeys' streams
+    return sorted(lo + int(k) * (ctx - 1) for k in rng.choice(slots, n, replace=False))
+
+
 def make_prompts(model: str, ctx: int, n_windows: int, steps: int, n_passkeys: int,
-                 depths: list, seed: int = 0, first_window: int = 0) -> list:
+                 seed: int = 0, first_window: int | None = None,
+                 lengths: tuple | None = None, depths: tuple = (0.1, 0.9)) -> list:
+    """The text windows and passkey prompts of ``seed`` (:func:`window_starts`,
+    :func:`tools.eval_sparse.passkey_cases`; ``lengths`` default: (ctx / 2, ctx));
+    ``first_window``: consecutive windows from that index instead (window w: text tokens
+    ``[w (ctx - 1), (w + 1) (ctx - 1))``, seed or not). The same arguments give the same
+    prompts, token for token."""
     import pyimp
-    from tools.eval_sparse import passkey_prompt, pydoc_text
+    from tools.eval_sparse import passkey_cases, passkey_prompt, pydoc_text
+    lengths = lengths or (ctx // 2, ctx)
+    if lengths[1] > ctx:
+        raise ValueError(f"passkey lengths up to {lengths[1]} exceed --ctx {ctx}")
+    cases = passkey_cases(seed, n_passkeys, lengths, depths)
     eng = pyimp.load(model, n_ctx=ctx + PASSKEY_ANSWER + 8)
     ids = eng.tokenize(pydoc_text(), add_bos=False)
     bos = eng.cfg.bos_id
     prompts = []
-    need = (first_window + n_windows) * (ctx - 1)
-    if len(ids) < need:
-        raise SystemExit(f"the text has {len(ids)} tokens, {need} needed")
-    for w in range(first_window, first_window + n_windows):
-        win = [bos] + ids[w * (ctx - 1):(w + 1) * (ctx - 1)]
-        prompts.append(Prompt(f"text{w}", "text", tuple(win[:-steps]), tuple(win[-steps:])))
-    rng = np.random.default_rng(seed)
-    for i in range(n_passkeys):
-        key = int(rng.integers(10000, 100000))
-        d = depths[i % len(depths)]
-        hay, question = passkey_prompt(eng.tokenize, ctx, d, key)
+    if first_window is not None:
+        need = (first_window + n_windows) * (ctx - 1)
+        if len(ids) < need:
+            raise ValueError(f"the text has {len(ids)} tokens, {need} needed")
+        starts = [w * (ctx - 1) for w in range(first_window, first_window + n_windows)]
+    else:
+        starts = window_starts(len(ids), ctx, n_windows, seed)
+    for a in starts:
+        win = [bos] + ids[a:a + ctx - 1]
+        prompts.append(Prompt(f"text{a}", "text", tuple(win[:-steps]), tuple(win[-steps:])))
+    for i, c in enumerate(cases):
+        hay, question = passkey_prompt(eng.tokenize, c.length, c.depth, c.key)
         full = hay + question
-        prompts.append(Prompt(f"passkey{i}", "passkey", tuple(full[:-1]), (full[-1],), key, d))
+        prompts.append(Prompt(f"passkey{seed}.{i}", "passkey", tuple(full[:-1]), (full[-1],),
+                              c.key, c.depth))
     eng.close()
     return prompts
 
@@ -369,6 +423,9 @@ def run_grid(client, model: str, ctx: int, prompts: list, policies: list, fracti
     of the same model, prompts and types are taken as they are. Returns (stage-1 results,
     stage-2 rows)."""
     n_ctx = ctx + PASSKEY_ANSWER + 8
+    too_long = [p.name for p in prompts if len(p.prefix) + len(p.tail) > ctx]
+    if too_long:
+        raise ValueError(f"prompt {too_long[0]} is longer than ctx {ctx}")
     pre_kvs = [REFERENCE_KV] + [k for k in kvs if k != REFERENCE_KV]
     jobs = [(p, kv) for kv in pre_kvs for p in prompts]
     futs = client.map(prefill_task, [model] * len(jobs), [n_ctx] * len(jobs),
@@ -381,25 +438,29 @@ def run_grid(client, model: str, ctx: int, prompts: list, policies: list, fracti
             f"{min(r['held'])}..{max(r['held'])}" +
             (f", full answer {r['answer']!r}" if "answer" in r else ""))
     ref = {r["name"]: r for r in pre if r["kv"] == REFERENCE_KV}
-    held = ref[prompts[0].name]["held"]
+    got = {(r["name"], r["kv"]): r for r in pre}
     tasks = []
     for kv in kvs:
-        # memory is counted against the f16 window-only baseline: a cache type that takes a
-        # share q of f16's bytes holds fraction / q of the baseline's tokens
-        r0 = next(r for r in pre if r["kv"] == kv and r["name"] == prompts[0].name)
-        q = r0["baseline_bytes"] / r0["f16_bytes"]
         # configuration-major: a worker's consecutive tasks share an engine
         for pol in policies:
             base = parse_policy(pol)[0]
             floor = budget_floor(pol, obs_window)
             for f in ([1.0] if base == "full" else fractions):
-                budget = 0 if base == "full" else budget_for(min(f / q, 1.0), held, floor)
-                if base != "full" and budget == floor and \
-                        np.minimum(floor, held).sum() > 1.05 * min(f / q, 1.0) * np.sum(held):
+                budgets, short = [], False
+                for p in prompts:
+                    # memory is counted against the prompt's f16 window-only baseline: a cache
+                    # type that takes a share q of f16's bytes holds fraction / q of its tokens
+                    held, r = ref[p.name]["held"], got[(p.name, kv)]
+                    share = min(f / (r["baseline_bytes"] / r["f16_bytes"]), 1.0)
+                    budget = 0 if base == "full" else budget_for(share, held, floor)
+                    short |= base != "full" and budget == floor and \
+                        np.minimum(floor, held).sum() > 1.05 * share * np.sum(held)
+                    budgets.append(budget)
+                if short:
                     log(f"skipped {label(pol, kv)} at {f}: its smallest budget ({floor} tokens "
                         f"a layer) holds more than that")
                     continue
-                tasks.extend(Task(p, pol, kv, f, budget) for p in prompts)
+                tasks.extend(Task(p, pol, kv, f, b) for p, b in zip(prompts, budgets))
     futs = client.map(policy_task, [model] * len(tasks), [n_ctx] * len(tasks),
                       [obs_window] * len(tasks), [workdir] * len(tasks), tasks, pure=False)
     rows = []
@@ -416,9 +477,39 @@ def label(policy: str, kv: str) -> str:
     return policy if kv == REFERENCE_KV else f"{policy}@{kv}"
 
 
+def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """Wilson score interval of a proportion k / n (95 % by default); (0, 1) when n is 0."""
+    if n == 0:
+        return 0.0, 1.0
+    p = k / n
+    c = (p + z * z / (2 * n)) / (1 + z * z / n)
+    h = z / (1 + z * z / n) * np.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, float(c - h)), min(1.0, float(c + h))
+
+
+# Student's t 0.975 quantiles for 1..30 degrees of freedom (then the normal's 1.96)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
+         2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
+         2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def mean_interval(x) -> tuple[float, float, float]:
+    """(mean, low, high): the mean and its 95 % t interval (nan bounds under two values)."""
+    x = np.asarray(x, np.float64)
+    if x.size == 0:
+        return float("nan"), float("nan"), float("nan")
+    m = float(x.mean())
+    if x.size < 2:
+        return m, float("nan"), float("nan")
+    t = _T975[x.size - 2] if x.size - 1 <= len(_T975) else 1.96
+    h = t * float(x.std(ddof=1)) / np.sqrt(x.size)
+    return m, m - h, m + h
+
+
 def summarize(rows: list) -> list:
-    """One line per (policy, kv, fraction): mean KL, top-1, passkeys found among those full
-    attention finds, memory fraction, decode tok/s."""
+    """One line per (policy, kv, fraction): mean KL over the text windows with its 95 % t
+    interval, top-1, passkeys found among those full attention finds with their 95 % Wilson
+    interval, memory fraction, decode tok/s."""
     out = {}
     for r in rows:
         k = (r["policy"], r["kv"], r["fraction"])
@@ -433,24 +524,31 @@ def summarize(rows: list) -> list:
         e["tok_s"].append(r["decode_tok_s"])
     res = []
     for e in out.values():
+        kl, kl_lo, kl_hi = mean_interval(e["kl"])
+        k, n = int(np.sum(e["pk"])), len(e["pk"])
+        lo, hi = wilson(k, n)
         res.append({"policy": e["policy"], "kv": e["kv"], "label": label(e["policy"], e["kv"]),
-                    "fraction": e["fraction"],
-                    "mean_kl": float(np.mean(e["kl"])) if e["kl"] else float("nan"),
+                    "fraction": e["fraction"], "windows": len(e["kl"]),
+                    "mean_kl": kl, "kl_lo": kl_lo, "kl_hi": kl_hi,
                     "top1": float(np.mean(e["top1"])) if e["top1"] else float("nan"),
-                    "passkeys": f"{int(np.sum(e['pk']))}/{len(e['pk'])}",
+                    "passkeys": f"{k}/{n}", "pk_lo": lo, "pk_hi": hi,
                     "memory": float(np.mean(e["mem"])), "tok_s": float(np.mean(e["tok_s"]))})
     return sorted(res, key=lambda r: (r["fraction"], r["mean_kl"]))
 
 
 def format_table(summary: list) -> str:
+    """The summary as a table: KL with its 95 % interval over the windows, passkeys found
+    (of those full attention finds) with their 95 % Wilson interval."""
     w = max([16] + [len(r["label"]) for r in summary])
-    head = (f"{'fraction':>8} {'policy':<{w}} {'memory':>7} {'mean KL':>10} {'top-1':>6} "
-            f"{'passkeys':>9} {'tok/s':>7}")
+    head = (f"{'fraction':>8} {'policy':<{w}} {'memory':>7} {'mean KL':>10} {'KL 95% CI':>19} "
+            f"{'top-1':>6} {'passkeys':>9} {'95% CI':>12} {'tok/s':>7}")
     lines = [head]
     for r in summary:
+        ci = f"[{r['kl_lo']:.3g}, {r['kl_hi']:.3g}]" if r["windows"] > 1 else "-"
+        pk = f"[{r['pk_lo']:.2f}, {r['pk_hi']:.2f}]"
         lines.append(f"{r['fraction']:>8.3f} {r['label']:<{w}} {r['memory']:>7.3f} "
-                     f"{r['mean_kl']:>10.4g} {r['top1']:>6.3f} {r['passkeys']:>9} "
-                     f"{r['tok_s']:>7.2f}")
+                     f"{r['mean_kl']:>10.4g} {ci:>19} {r['top1']:>6.3f} {r['passkeys']:>9} "
+                     f"{pk:>12} {r['tok_s']:>7.2f}")
     return "\n".join(lines)
 
 
@@ -488,13 +586,21 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ctx", type=int, default=4096, help="prompt tokens")
     ap.add_argument("--windows", type=int, default=2, help="text windows (KL, top-1)")
     ap.add_argument("--steps", type=int, default=32, help="teacher-forced steps per window")
-    ap.add_argument("--first-window", type=int, default=0,
-                    help="index of the first text window (later ones hold text out of a run)")
+    ap.add_argument("--first-window", type=int, default=None,
+                    help="consecutive text windows from this index instead of the seed's")
     ap.add_argument("--passkeys", type=int, default=6, help="passkey prompts")
-    ap.add_argument("--seed", type=int, default=0, help="passkey keys")
-    ap.add_argument("--depths", default="0.1,0.5,0.9", help="passkey depths, cycled")
+    ap.add_argument("--seed", type=int, default=0,
+                    help=f"draws the passkeys (keys, lengths, depths) and the text windows: "
+                    f"{DEV_SEEDS.start}-{DEV_SEEDS.stop - 1} are development seeds (development "
+                    f"text), others held out (held-out text); the README's figures: "
+                    f"{HELD_OUT_SEED}")
+    ap.add_argument("--passkey-lengths", default=None, metavar="MIN,MAX",
+                    help="passkey prompt tokens, uniform in [MIN, MAX] (default: ctx/2,ctx)")
+    ap.add_argument("--depth-range", default="0.1,0.9", metavar="LO,HI",
+                    help="passkey needle depths, uniform in [LO, HI]")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES),
-                    help="policies, each optionally with +mergeCOS, +depthR, +recentN, +obsW")
+                    help="policies, each optionally with +mergeCOS, +depthR, +recentN, +obsW, "
+                    "+nbrR")
     ap.add_argument("--kv-types", default=",".join(DEFAULT_KVS),
                     help="KV caches: f16, q8_0 (K and V), q8_0/q4_0 (K / V), +rot for the "
                     "Hadamard rotation; memory is counted against the f16 baseline")
@@ -527,7 +633,13 @@ def main(argv=None) -> int:
         return 2
     try:
         fractions = [float(x) for x in args.fractions.split(",") if x]
-        depths = [float(x) for x in args.depths.split(",") if x]
+        depths = tuple(float(x) for x in args.depth_range.split(","))
+        lengths = (None if args.passkey_lengths is None else
+                   tuple(int(x) for x in args.passkey_lengths.split(",")))
+        if len(depths) != 2 or (lengths is not None and len(lengths) != 2):
+            raise ValueError("--depth-range and --passkey-lengths take two numbers: LO,HI")
+        if lengths is not None and lengths[1] > args.ctx:
+            raise ValueError(f"--passkey-lengths up to {lengths[1]} exceed --ctx {args.ctx}")
     except ValueError as e:
         print(f"eval_kv: {e}", file=sys.stderr)
         return 2
@@ -535,7 +647,7 @@ def main(argv=None) -> int:
         print("eval_kv: --steps and --obs-window must be >= 1 and --ctx must exceed their sum",
               file=sys.stderr)
         return 2
-    if args.first_window < 0 or args.windows < 0 or args.passkeys < 0:
+    if (args.first_window or 0) < 0 or args.windows < 0 or args.passkeys < 0:
         print("eval_kv: --first-window, --windows and --passkeys must be >= 0", file=sys.stderr)
         return 2
     from dask.distributed import Client, LocalCluster
@@ -546,8 +658,16 @@ def main(argv=None) -> int:
     workdir = os.path.abspath(args.workdir or os.path.join(args.out, "work"))
     os.makedirs(workdir, exist_ok=True)
     t0 = time.perf_counter()
-    prompts = make_prompts(model, args.ctx, args.windows, args.steps, args.passkeys, depths,
-                           args.seed, args.first_window)
+    try:
+        prompts = make_prompts(model, args.ctx, args.windows, args.steps, args.passkeys,
+                               args.seed, args.first_window, lengths, depths)
+    except ValueError as e:
+        print(f"eval_kv: {e}", file=sys.stderr)
+        return 2
+    print(f"seed {args.seed} ({'development' if args.seed in DEV_SEEDS else 'held out'}): "
+          f"{args.windows} text windows"
+          + ("" if args.first_window is None else f" from window {args.first_window}")
+          + f", {args.passkeys} passkey prompts")
     cluster = None
     if args.scheduler:
         client = Client(args.scheduler)

@@ -414,6 +414,42 @@ def passkey_prompt(tokenize: Callable[..., list], n_tokens: int, depth: float,
         n_units -= 1
 
 
+KEY_RANGE = (10000, 100000)   # five-digit keys, [lo, hi)
+KEYS_PER_SEED = 1000          # a seed's share of the keys: seeds 0..89, up to 1000 cases each
+_KEY_ORDER_SEED = 20240229    # the one fixed shuffle of the key range the seeds share out
+
+
+@dataclass(frozen=True)
+class PasskeyCase:
+    key: int
+    length: int                 # prompt tokens asked of passkey_prompt
+    depth: float                # the needle's depth in the filler
+
+
+def passkey_cases(seed: int, n: int, lengths: tuple = (2048, 4096),
+                  depths: tuple = (0.1, 0.9)) -> list[PasskeyCase]:
+    """``n`` passkey cases drawn by ``seed``: the keys are slice ``seed`` of one fixed shuffle of
+    the five-digit keys (two seeds never share a key; a seed's first n keys are the same for
+    any larger n), the lengths uniform integers in ``lengths`` (both ends included) and the
+    depths uniform in ``depths``, rounded to 1e-3. The same seed gives the same cases on any
+    machine (NumPy's PCG64 stream)."""
+    n_seeds = (KEY_RANGE[1] - KEY_RANGE[0]) // KEYS_PER_SEED
+    if not 0 <= seed < n_seeds:
+        raise ValueError(f"passkey seed {seed} is not in 0..{n_seeds - 1}")
+    if not 0 <= n <= KEYS_PER_SEED:
+        raise ValueError(f"a seed has {KEYS_PER_SEED} passkeys, {n} asked")
+    lo, hi = lengths
+    dlo, dhi = depths
+    if not 0 < lo <= hi or not 0.0 <= dlo <= dhi <= 1.0:
+        raise ValueError(f"passkey lengths {lengths} or depths {depths} out of range")
+    order = np.random.default_rng(_KEY_ORDER_SEED).permutation(KEY_RANGE[1] - KEY_RANGE[0])
+    keys = order[seed * KEYS_PER_SEED:seed * KEYS_PER_SEED + n] + KEY_RANGE[0]
+    rng = np.random.default_rng([seed, 1])          # a stream of its own, apart from the keys'
+    lens = rng.integers(lo, hi + 1, KEYS_PER_SEED)[:n]
+    ds = rng.uniform(dlo, dhi, KEYS_PER_SEED)[:n]
+    return [PasskeyCase(int(k), int(L), round(float(d), 3)) for k, L, d in zip(keys, lens, ds)]
+
+
 def passkey_eval(runner: PrefixRunner, lengths: Sequence[int], depths: Sequence[float],
                  samples: int, anchors: Sequence[str], budgets: Sequence[float], init_blocks: int = 1,
                  local_blocks: int = 2, retrieval: str = "kvhead", seed: int = 0,
