@@ -270,3 +270,34 @@ def test_wilson_and_mean_intervals():
     m, lo, hi = ev.mean_interval([1.0, 2.0, 3.0, 4.0])
     assert m == 2.5 and round(hi - m, 4) == round(3.182 * np.std([1, 2, 3, 4], ddof=1) / 2, 4)
     assert np.isnan(ev.mean_interval([1.0])[1])
+
+
+def test_shorter_prompts_run_at_the_floor_and_are_marked(model, tmp_path):
+    """A fraction that a policy's smallest budget meets on the long prompt but not on the
+    short one: the short one runs at that budget, marked at_floor; --from-csv --drop-floor
+    leaves that prompt out of every configuration."""
+    import csv
+    prompts = ev.make_prompts(model, CTX, 1, 6, 1, lengths=(450, 450))
+    said = []
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=1,
+                            dashboard_address=None) as client:
+        _, rows = ev.run_grid(client, model, CTX, prompts, ["streaming", "h2o+recent200"], [0.5],
+                              32, str(tmp_path), log=said.append)
+    marks = {(r["policy"], r["kind"]): r["at_floor"] for r in rows}
+    assert marks == {("streaming", "text"): 0, ("streaming", "passkey"): 0,
+                     ("h2o+recent200", "text"): 0, ("h2o+recent200", "passkey"): 1}
+    assert any("h2o+recent200 at 0.5" in x and "on 1 of 2 prompts" in x for x in said)
+    floor = next(r for r in rows if r["at_floor"])
+    assert floor["memory_fraction"] > 0.5 * 1.05 and \
+        floor["budget"] == ev.budget_floor("h2o+recent200", 32)
+    assert {x["policy"]: x["at_floor"] for x in ev.summarize(rows)} == \
+        {"streaming": 0, "h2o+recent200": 1}
+    path = tmp_path / "rows.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    back = ev.read_rows([str(path)])
+    assert ev.format_table(ev.summarize(back)) == ev.format_table(ev.summarize(rows))
+    kept = ev.read_rows([str(path)], drop_floor=True)
+    assert {r["kind"] for r in kept} == {"text"} and len(kept) == 2

@@ -171,6 +171,7 @@ class Task:
     kv: str                   # KV cache spec (parse_kv)
     fraction: float
     budget: int               # tokens per layer (0: full)
+    at_floor: bool = False    # the policy's smallest budget, which holds more than the fraction
 
 
 # --------------------------------------------------------------------------
@@ -310,7 +311,7 @@ def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Tas
            "key": p.key if p.kind == "passkey" else "",
            "depth": p.depth if p.kind == "passkey" else "", "policy": task.policy,
            "kv": task.kv, "fraction": task.fraction, "budget": task.budget,
-           "bytes_after_prefill": after_evict,
+           "at_floor": int(task.at_floor), "bytes_after_prefill": after_evict,
            "kl": "", "top1": "",
            "passkey_ok": "", "answer": ""}
     t0 = time.perf_counter()
@@ -446,21 +447,28 @@ def run_grid(client, model: str, ctx: int, prompts: list, policies: list, fracti
             base = parse_policy(pol)[0]
             floor = budget_floor(pol, obs_window)
             for f in ([1.0] if base == "full" else fractions):
-                budgets, short = [], False
+                budgets, short = [], []
                 for p in prompts:
                     # memory is counted against the prompt's f16 window-only baseline: a cache
                     # type that takes a share q of f16's bytes holds fraction / q of its tokens
                     held, r = ref[p.name]["held"], got[(p.name, kv)]
                     share = min(f / (r["baseline_bytes"] / r["f16_bytes"]), 1.0)
                     budget = 0 if base == "full" else budget_for(share, held, floor)
-                    short |= base != "full" and budget == floor and \
-                        np.minimum(floor, held).sum() > 1.05 * share * np.sum(held)
+                    short.append(base != "full" and budget == floor and
+                                 np.minimum(floor, held).sum() > 1.05 * share * np.sum(held))
                     budgets.append(budget)
-                if short:
+                if all(short):
                     log(f"skipped {label(pol, kv)} at {f}: its smallest budget ({floor} tokens "
                         f"a layer) holds more than that")
                     continue
-                tasks.extend(Task(p, pol, kv, f, b) for p, b in zip(prompts, budgets))
+                if any(short):
+                    # shorter prompts: the policy cannot hold so little; they run at its
+                    # smallest budget, their rows marked at_floor
+                    log(f"{label(pol, kv)} at {f}: its smallest budget ({floor} tokens a layer) "
+                        f"holds more than that on {sum(short)} of {len(prompts)} prompts, run "
+                        f"there at that budget (at_floor)")
+                tasks.extend(Task(p, pol, kv, f, b, sh)
+                             for p, b, sh in zip(prompts, budgets, short))
     futs = client.map(policy_task, [model] * len(tasks), [n_ctx] * len(tasks),
                       [obs_window] * len(tasks), [workdir] * len(tasks), tasks, pure=False)
     rows = []
@@ -475,6 +483,29 @@ def run_grid(client, model: str, ctx: int, prompts: list, policies: list, fracti
 
 def label(policy: str, kv: str) -> str:
     return policy if kv == REFERENCE_KV else f"{policy}@{kv}"
+
+
+_NUMERIC = {"tokens": int, "key": int, "depth": float, "fraction": float, "budget": int,
+            "at_floor": int, "bytes_after_prefill": int, "kl": float, "top1": float,
+            "passkey_ok": int, "decode_tok_s": float, "bytes_held": int, "engines_loaded": int,
+            "baseline_bytes": int, "memory_fraction": float, "full_passkey_ok": int}
+
+
+def read_rows(paths: list, drop_floor: bool = False) -> list:
+    """Rows of one or more ``eval_kv.csv`` files, numbers as numbers (empty cells stay "").
+    ``drop_floor``: leave out every prompt on which some row ran at its policy's smallest
+    budget (:class:`Task`.at_floor), so every configuration is scored on the same prompts at
+    its fraction."""
+    rows = []
+    for path in paths:
+        with open(path, newline="") as f:
+            for r in csv.DictReader(f):
+                rows.append({k: (_NUMERIC[k](float(v)) if k in _NUMERIC and v != "" else v)
+                             for k, v in r.items()})
+    if drop_floor:
+        floor = {r["prompt"] for r in rows if r.get("at_floor")}
+        rows = [r for r in rows if r["prompt"] not in floor]
+    return rows
 
 
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
@@ -509,12 +540,13 @@ def mean_interval(x) -> tuple[float, float, float]:
 def summarize(rows: list) -> list:
     """One line per (policy, kv, fraction): mean KL over the text windows with its 95 % t
     interval, top-1, passkeys found among those full attention finds with their 95 % Wilson
-    interval, memory fraction, decode tok/s."""
+    interval, memory fraction, decode tok/s, rows run at the policy's smallest budget."""
     out = {}
     for r in rows:
         k = (r["policy"], r["kv"], r["fraction"])
         e = out.setdefault(k, {"policy": k[0], "kv": k[1], "fraction": k[2], "kl": [],
-                               "top1": [], "pk": [], "mem": [], "tok_s": []})
+                               "top1": [], "pk": [], "mem": [], "tok_s": [], "at_floor": 0})
+        e["at_floor"] += int(r.get("at_floor") or 0)
         if r["kind"] == "text":
             e["kl"].append(r["kl"])
             e["top1"].append(r["top1"])
@@ -532,6 +564,7 @@ def summarize(rows: list) -> list:
                     "mean_kl": kl, "kl_lo": kl_lo, "kl_hi": kl_hi,
                     "top1": float(np.mean(e["top1"])) if e["top1"] else float("nan"),
                     "passkeys": f"{k}/{n}", "pk_lo": lo, "pk_hi": hi,
+                    "at_floor": e["at_floor"],
                     "memory": float(np.mean(e["mem"])), "tok_s": float(np.mean(e["tok_s"]))})
     return sorted(res, key=lambda r: (r["fraction"], r["mean_kl"]))
 
@@ -541,14 +574,14 @@ def format_table(summary: list) -> str:
     (of those full attention finds) with their 95 % Wilson interval."""
     w = max([16] + [len(r["label"]) for r in summary])
     head = (f"{'fraction':>8} {'policy':<{w}} {'memory':>7} {'mean KL':>10} {'KL 95% CI':>19} "
-            f"{'top-1':>6} {'passkeys':>9} {'95% CI':>12} {'tok/s':>7}")
+            f"{'top-1':>6} {'passkeys':>9} {'95% CI':>12} {'tok/s':>7} {'at floor':>8}")
     lines = [head]
     for r in summary:
         ci = f"[{r['kl_lo']:.3g}, {r['kl_hi']:.3g}]" if r["windows"] > 1 else "-"
         pk = f"[{r['pk_lo']:.2f}, {r['pk_hi']:.2f}]"
         lines.append(f"{r['fraction']:>8.3f} {r['label']:<{w}} {r['memory']:>7.3f} "
                      f"{r['mean_kl']:>10.4g} {ci:>19} {r['top1']:>6.3f} {r['passkeys']:>9} "
-                     f"{pk:>12} {r['tok_s']:>7.2f}")
+                     f"{pk:>12} {r['tok_s']:>7.2f} {r['at_floor']:>8}")
     return "\n".join(lines)
 
 
@@ -611,6 +644,11 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--scheduler", help="address of an existing Dask scheduler")
     ap.add_argument("--workdir", help="states and reference logits (shared by the workers)")
     ap.add_argument("--out", default="eval_kv_out", help="directory for the CSV and the plot")
+    ap.add_argument("--from-csv", metavar="CSV[,CSV...]",
+                    help="print the table of earlier runs' rows (several CSVs merged) and stop")
+    ap.add_argument("--drop-floor", action="store_true",
+                    help="with --from-csv: leave out the prompts where a policy ran at its "
+                    "smallest budget (more memory than the fraction)")
     ap.add_argument("--reuse-prefill", action="store_true",
                     help="take stage-1 results (states, reference logits and answers) an earlier "
                     "run left in the work directory for the same model, prompts and KV types")
@@ -619,6 +657,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.from_csv:
+        rows = read_rows([p for p in args.from_csv.split(",") if p], args.drop_floor)
+        print(format_table(summarize(rows)))
+        print(f"{len({r['prompt'] for r in rows})} prompts, {len(rows)} rows")
+        return 0
     policies = [p for p in args.policies.split(",") if p]
     kvs = list(dict.fromkeys(k for k in args.kv_types.split(",") if k))
     try:
