@@ -112,6 +112,9 @@ def test_parse_policy_and_kv():
         "h2o", {"kv_depth_ratio": 3.0, "kv_obs_weight": 1.0, "kv_recent": 256,
                 "kv_neighbours": 4})
     assert ev.parse_policy("snapkv+nbr2") == ("snapkv", {"kv_neighbours": 2})
+    assert ev.parse_policy("h2o+chunk64") == ("h2o", {"batch_size": 64})
+    with pytest.raises(ValueError, match="prefill chunk"):
+        ev.parse_policy("h2o+chunk0")
     assert ev.parse_kv("f16") == ("f16", "f16", False)
     assert ev.parse_kv("q8_0/q4_0+rot") == ("q8_0", "q4_0", True)
     for bad, msg in (("q3_0", "not one of"), ("q8_0/x", "not one of"), ("q8_0+r", "only suffix")):
@@ -301,3 +304,20 @@ def test_shorter_prompts_run_at_the_floor_and_are_marked(model, tmp_path):
     assert ev.format_table(ev.summarize(back)) == ev.format_table(ev.summarize(rows))
     kept = ev.read_rows([str(path)], drop_floor=True)
     assert {r["kind"] for r in kept} == {"text"} and len(kept) == 2
+
+
+def test_chunked_prefill_through_the_policy(model, tmp_path):
+    """+chunkN prefills the prompt through the policy engine in chunks of N: a budget over the
+    context is full attention (up to the chunking's float order), a smaller one evicts during
+    the prefill and holds the memory."""
+    prompts = ev.make_prompts(model, CTX, 1, 6, 1, lengths=(850, 890))
+    with distributed.Client(processes=False, n_workers=1, threads_per_worker=1,
+                            dashboard_address=None) as client:
+        _, rows = ev.run_grid(client, model, CTX, prompts, ["h2o+chunk64", "h2o"], [0.3, 1.0],
+                              32, str(tmp_path), log=lambda s: None)
+    by = {(r["policy"], r["fraction"], r["kind"]): r for r in rows}
+    full = by[("h2o+chunk64", 1.0, "text")]
+    assert full["kl"] < 1e-6 and full["top1"] == 1.0
+    small = by[("h2o+chunk64", 0.3, "text")]
+    assert small["kl"] > 1e-4 and small["memory_fraction"] < 0.3 + 0.35
+    assert small["kl"] != by[("h2o", 0.3, "text")]["kl"]

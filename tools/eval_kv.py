@@ -43,7 +43,9 @@ streaming's recent window (``--kv-recent``); ``+obsW`` adds h2o's observation-wi
 and pyramidkv's tokens by the largest score within R positions (``--kv-neighbours``).
 
 Policies evict here once the prompt is in and then as decode goes on; ``pyimp-run`` evicts
-streaming and h2o during a long prefill too, which this grid does not measure.
+streaming and h2o during a long prefill too, after every ``--batch-size`` chunk: a policy with
+``+chunkN`` runs that way (the whole prompt through the policy engine in chunks of N, no
+saved state).
 
 Output: ``DIR/eval_kv.csv`` (one row per task), ``DIR/eval_kv.png`` (KL and passkey accuracy
 against held memory) and a table ranking the policies at each fraction on stdout.
@@ -90,7 +92,9 @@ def parse_policy(name: str) -> tuple[str, dict]:
     """``"h2o+depth3+merge0.9"`` -> ("h2o", {"kv_depth_ratio": 3.0, "kv_merge": 0.9}); the
     suffixes are ``+mergeCOS`` (--kv-merge, a cosine in (0, 1]), ``+depthR`` (--kv-depth-ratio,
     R >= 1), ``+recentN`` (--kv-recent, N >= 1), ``+obsW`` (--kv-obs-weight, h2o, W > 0) and
-    ``+nbrR`` (--kv-neighbours, h2o / snapkv / pyramidkv, R >= 1).
+    ``+nbrR`` (--kv-neighbours, h2o / snapkv / pyramidkv, R >= 1) and ``+chunkN`` (the
+    prompt prefilled through the policy in chunks of N, as pyimp-run's --batch-size: the
+    engine option batch_size).
     ValueError naming the part that is wrong."""
     base, *parts = name.split("+")
     if base not in POLICIES:
@@ -108,7 +112,9 @@ def parse_policy(name: str) -> tuple[str, dict]:
                 ("obs", "kv_obs_weight", float, lambda v: 0.0 < v < float("inf"),
                  "the observation weight must be a number > 0"),
                 ("nbr", "kv_neighbours", int, lambda v: v >= 1,
-                 "the neighbour radius must be an integer >= 1")):
+                 "the neighbour radius must be an integer >= 1"),
+                ("chunk", "batch_size", int, lambda v: v >= 1,
+                 "the prefill chunk must be an integer >= 1")):
             if part.startswith(prefix):
                 try:
                     v = conv(part[len(prefix):])
@@ -121,12 +127,12 @@ def parse_policy(name: str) -> tuple[str, dict]:
                 break
         else:
             raise ValueError(f"policy {name!r}: unknown suffix +{part} (+mergeCOS, +depthR, "
-                             f"+recentN, +obsW, +nbrR)")
+                             f"+recentN, +obsW, +nbrR, +chunkN)")
     if "kv_obs_weight" in opts and base != "h2o":
         raise ValueError(f"policy {name!r}: +obs applies to h2o")
     if "kv_neighbours" in opts and base not in ("h2o", "snapkv", "pyramidkv"):
         raise ValueError(f"policy {name!r}: +nbr applies to h2o, snapkv and pyramidkv")
-    if base == "full" and set(opts) - {"kv_merge"}:
+    if base == "full" and set(opts) - {"kv_merge", "batch_size"}:
         raise ValueError(f"policy {name!r}: full evicts nothing; only +merge applies")
     if base == "pyramidkv" and "kv_depth_ratio" in opts:
         raise ValueError(f"policy {name!r}: pyramidkv has its own depth schedule")
@@ -297,9 +303,18 @@ def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Tas
     base, popts = parse_policy(task.policy)
     opts = dict(popts) if base == "full" else {"kv_policy": base, "kv_budget": task.budget,
                                                "kv_obs_window": obs_window, **popts}
-    eng = _engine(model, n_ctx, batch_size=n_ctx, **opts, **kv_options(task.kv))
+    chunked = "batch_size" in opts
+    opts.setdefault("batch_size", n_ctx)
+    eng = _engine(model, n_ctx, **opts, **kv_options(task.kv))
     eng.reset()
-    if popts.get("kv_obs_weight"):
+    first = None
+    if chunked:
+        # the whole prompt through the policy engine, evicting after every chunk (pyimp-run)
+        if p.kind == "passkey":
+            first = eng.eval(list(p.prefix) + list(p.tail))[-1]
+        else:
+            eng.eval(list(p.prefix))
+    elif popts.get("kv_obs_weight"):
         # the prompt's last rows run through the policy engine: its observation window
         eng.load_state(state_path(workdir, p, task.kv, "head"))
         eng.eval(list(p.prefix[-obs_window:]))
@@ -323,7 +338,7 @@ def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Tas
         row["top1"] = float((ref.argmax(-1) == got.argmax(-1)).mean())
         n_dec = len(p.tail)
     else:                     # the prompt's last token is evaluated after the eviction
-        ans = _answer(eng, eng.eval(list(p.tail))[-1])
+        ans = _answer(eng, eng.eval(list(p.tail))[-1] if first is None else first)
         row["answer"] = ans
         row["passkey_ok"] = int(str(p.key) in ans)
         n_dec = len(eng.tokens) - len(p.prefix)
