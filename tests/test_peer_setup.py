@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tools import build_peer, llamacpp_peer
@@ -153,3 +154,57 @@ def test_peer_wheels_are_kept_by_version_and_flags(tmp_path, monkeypatch):
     # two folders, one wheel each, no temporary build folder left
     assert sorted(p.name for p in (tmp_path / "peer-wheels").iterdir()) == sorted(
         [first.parent.name, other.parent.name])
+
+
+def test_peer_cache_types_are_checked_before_llama_cpp_runs():
+    """A quantized V without flash attention (llama.cpp refuses it) and a type outside
+    llama.cpp's set fail here, naming the value, before any model is opened."""
+    with pytest.raises(ValueError, match=r"flash attention for a quantized V cache \(q4_0\)"):
+        llamacpp_peer.open_model("absent.gguf", type_k="f16", type_v="q4_0", flash_attn=False)
+    with pytest.raises(ValueError, match="peer cache type for K 'q3_k' is not one of"):
+        llamacpp_peer.open_model("absent.gguf", type_k="q3_k", flash_attn=True)
+    with pytest.raises(ValueError, match="peer cache type for V 'bf16'"):
+        llamacpp_peer.logits("absent.gguf", [1, 2], type_k="f16", type_v="bf16")
+
+
+def test_peer_rotation_switch_sets_and_restores_the_environment(monkeypatch):
+    env = llamacpp_peer.ROT_DISABLE_ENV
+    for before in ("0", None):
+        if before is None:
+            monkeypatch.delenv(env, raising=False)
+        else:
+            monkeypatch.setenv(env, before)
+        with llamacpp_peer._rotation(False):
+            assert os.environ[env] == "1"
+        assert os.environ.get(env) == before
+        with llamacpp_peer._rotation(True):
+            assert env not in os.environ
+        assert os.environ.get(env) == before
+        with llamacpp_peer._rotation(None):
+            assert os.environ.get(env) == before
+
+
+def test_peer_runs_each_cache_type_and_honours_the_rotation_switch(peer, tmp_path):
+    """On a tiny llama with head dim 64 (llama.cpp rotates quantized K/V of such heads):
+    every quantized type changes the logits, the rotation switch changes a quantized cache's
+    logits and not an f16 one's, and ``last=`` returns the all-position logits' last rows."""
+    from tools.write_synthetic_gguf import SynthSpec, write
+    path = write(tmp_path / "l64.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=256, n_head=4,
+                                                   n_head_kv=2, n_ff=512, vocab_size=300, seed=3))
+    toks = list(range(5, 53))                    # 48 tokens: chunks of 16 in both evaluations
+    ref = peer.logits(path, toks, n_batch=16, kv_type="f16", flash_attn=True)
+    assert ref.shape == (48, 300) and np.isfinite(ref).all()
+    # the same 16-token chunks, fewer output rows: the last rows as the all-position run's (the
+    # output rows of a chunk go through the same kernels either way; bound: 1e-5 of the scale)
+    tail = peer.logits(path, toks, n_batch=16, kv_type="f16", flash_attn=True, last=16)
+    np.testing.assert_allclose(tail, ref[-16:], rtol=0, atol=1e-5 * np.abs(ref).max())
+    assert np.array_equal(peer.logits(path, toks, n_batch=16, kv_type="f16", flash_attn=True,
+                                      rotate=False), ref)
+    for t in peer.QUANT_KV_TYPES:
+        on = peer.logits(path, toks, n_batch=16, kv_type=t, rotate=True)
+        off = peer.logits(path, toks, n_batch=16, kv_type=t, rotate=False)
+        assert np.isfinite(on).all() and np.isfinite(off).all()
+        assert not np.array_equal(on, ref) and not np.array_equal(off, ref), t
+        assert not np.array_equal(on, off), t
+    k_only = peer.logits(path, toks, n_batch=16, type_k="q8_0", type_v="f16", flash_attn=False)
+    assert not np.array_equal(k_only, peer.logits(path, toks, n_batch=16, kv_type="f16"))

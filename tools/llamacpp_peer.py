@@ -12,7 +12,14 @@ import numpy as np
 
 GGML_TYPE_F32 = 0
 GGML_TYPE_F16 = 1
-_KV = {"f32": GGML_TYPE_F32, "f16": GGML_TYPE_F16}
+# llama.cpp's KV cache types (-ctk / -ctv names) -> ggml type ids (ggml.h's enum ggml_type)
+_KV = {"f32": GGML_TYPE_F32, "f16": GGML_TYPE_F16, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7,
+       "q8_0": 8}
+KV_TYPES = tuple(_KV)
+QUANT_KV_TYPES = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
+# llama.cpp rotates a quantized K (and V) by a Hadamard transform along the head dim unless
+# this variable is set to 1 when a context is created (read by its KV cache's constructor)
+ROT_DISABLE_ENV = "LLAMA_ATTN_ROT_DISABLE"
 
 
 PROBE_TIMEOUT_S = 300
@@ -22,7 +29,7 @@ def _probe_child() -> None:
     """Exercise the peer the way the tests do, in this (child) process; exit 0 when it all ran.
 
     Tiny synthetic llama models of each weight type the tests use, evaluated with prompt
-    batches and single-token steps, f32 and f16 caches, flash attention off and on; then
+    batches and single-token steps, f32, f16 and q4_0 caches, flash attention off and on; then
     the libggml bindings of tools.ggml_oracle (quantize and vec_dot) when they load.
     """
     import tempfile
@@ -34,7 +41,7 @@ def _probe_child() -> None:
             path = write(os.path.join(d, f"{wtype}.gguf"),
                          SynthSpec(arch="llama", n_layer=1, n_embd=256, n_head=4, n_head_kv=2,
                                    n_ff=512, vocab_size=300, weight_type=wtype))
-            for kv_type, fa in (("f32", False), ("f16", True)):
+            for kv_type, fa in (("f32", False), ("f16", True), ("q4_0", None)):
                 m = open_model(path, n_ctx=64, n_batch=16, kv_type=kv_type, flash_attn=fa)
                 with _quiet():
                     m.eval(list(range(1, 40)))
@@ -117,26 +124,99 @@ def _quiet():
         os.close(fd)
 
 
+def _check_kv(name: str, kv_type: str) -> None:
+    if kv_type not in _KV:
+        raise ValueError(f"peer cache type for {name} {kv_type!r} is not one of {', '.join(KV_TYPES)}")
+
+
+@contextlib.contextmanager
+def _rotation(rotate: bool | None):
+    """The environment llama.cpp reads for its K/V rotation while a context is created:
+    None leaves it as it is, False sets LLAMA_ATTN_ROT_DISABLE=1, True removes it."""
+    if rotate is None:
+        yield
+        return
+    old = os.environ.get(ROT_DISABLE_ENV)
+    if rotate:
+        os.environ.pop(ROT_DISABLE_ENV, None)
+    else:
+        os.environ[ROT_DISABLE_ENV] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(ROT_DISABLE_ENV, None)
+        else:
+            os.environ[ROT_DISABLE_ENV] = old
+
+
 def open_model(path: str, n_ctx: int = 512, n_batch: int = 512, kv_type: str = "f32",
-               flash_attn: bool = False, n_threads: int = 2, logits_all: bool = True):
-    """A llama_cpp.Llama with the given cache type and batch size (n_ubatch = n_batch)."""
+               flash_attn: bool | None = None, n_threads: int = 2, logits_all: bool = True,
+               type_k: str | None = None, type_v: str | None = None, rotate: bool | None = None):
+    """A llama_cpp.Llama with the given cache types and batch size (n_ubatch = n_batch).
+
+    ``type_k`` / ``type_v`` (default ``kv_type``): f32, f16, q8_0, q4_0, q4_1, q5_0, q5_1.
+    ``flash_attn`` None: on exactly when V is quantized (llama.cpp stores a quantized V only
+    with flash attention; False with a quantized V is refused here, as llama.cpp would).
+    ``rotate``: llama.cpp's Hadamard rotation of quantized K/V, on by default in llama.cpp
+    (None keeps whatever the environment says, False turns it off for this context).
+    """
+    type_k, type_v = type_k or kv_type, type_v or kv_type
+    _check_kv("K", type_k)
+    _check_kv("V", type_v)
+    v_quant = type_v in QUANT_KV_TYPES
+    if flash_attn is None:
+        flash_attn = v_quant
+    elif v_quant and not flash_attn:
+        raise ValueError(f"llama.cpp needs flash attention for a quantized V cache ({type_v})")
     import llama_cpp
-    with _quiet():
+    with _quiet(), _rotation(rotate):
         return llama_cpp.Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
-                               logits_all=logits_all, flash_attn=flash_attn, type_k=_KV[kv_type],
-                               type_v=_KV[kv_type], n_threads=n_threads, n_threads_batch=n_threads,
+                               logits_all=logits_all, flash_attn=flash_attn, type_k=_KV[type_k],
+                               type_v=_KV[type_v], n_threads=n_threads, n_threads_batch=n_threads,
                                verbose=False, seed=0)
 
 
-def logits(path: str, tokens, n_batch: int = 512, kv_type: str = "f32", n_ctx: int | None = None) -> np.ndarray:
-    """float32[T, n_vocab] logits of every position of ``tokens`` (evaluated in n_batch chunks)."""
+def logits(path: str, tokens, n_batch: int = 512, kv_type: str = "f32", n_ctx: int | None = None,
+           type_k: str | None = None, type_v: str | None = None, flash_attn: bool | None = None,
+           rotate: bool | None = None, last: int | None = None) -> np.ndarray:
+    """float32[T, n_vocab] logits of every position of ``tokens`` (evaluated in n_batch chunks).
+    Cache types, flash attention and rotation as :func:`open_model`.
+
+    ``last``: only the logits of the last ``last`` positions, float32[last, n_vocab]: the
+    tokens before them are evaluated in n_batch chunks with no logits kept, then the last
+    ones in n_batch chunks with every row's logits (a long prompt's all-position logits
+    would take T x n_vocab floats).
+    """
     tokens = [int(t) for t in tokens]
-    m = open_model(path, n_ctx=n_ctx or max(64, len(tokens) + 8), n_batch=n_batch, kv_type=kv_type)
+    n_ctx = n_ctx or max(64, len(tokens) + 8)
+    if last is None:
+        m = open_model(path, n_ctx=n_ctx, n_batch=n_batch, kv_type=kv_type, type_k=type_k,
+                       type_v=type_v, flash_attn=flash_attn, rotate=rotate)
+        with _quiet():
+            m.eval(tokens)
+        out = np.array(m.scores[:len(tokens)], dtype=np.float32)
+        m.close()
+        return out
+    if not 0 < last <= len(tokens):
+        raise ValueError(f"last must be in 1..{len(tokens)}, got {last}")
+    m = open_model(path, n_ctx=n_ctx, n_batch=n_batch, kv_type=kv_type, type_k=type_k,
+                   type_v=type_v, flash_attn=flash_attn, rotate=rotate, logits_all=False)
+    n_vocab = m.n_vocab()
+    head, tail = tokens[:-last], tokens[-last:]
+    rows = []
     with _quiet():
-        m.eval(tokens)
-    out = np.array(m.scores[:len(tokens)], dtype=np.float32)
+        if head:
+            m.eval(head)
+        for i in range(0, len(tail), n_batch):
+            chunk = tail[i:i + n_batch]
+            m._batch.set_batch(batch=chunk, n_past=m.n_tokens, logits_all=True)
+            m._ctx.decode(m._batch)
+            rows.append(np.ctypeslib.as_array(m._ctx.get_logits(),
+                                              shape=(len(chunk), n_vocab)).copy())
+            m.n_tokens += len(chunk)
     m.close()
-    return out
+    return np.concatenate(rows).astype(np.float32, copy=False)
 
 
 def greedy(path: str, tokens, n: int, n_batch: int = 512, kv_type: str = "f16",
