@@ -21,6 +21,15 @@ if "numba" not in sys.modules:
     from pyimp.default_model import cache_dir  # noqa: E402
     os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir() / "numba"))
 
+
+def numba_cache_for(setting: str) -> str:
+    """A Numba cache folder of its own for subprocesses that compile under ``setting`` (bounds
+    checks, another target's instruction set): Numba's cache key holds neither the bounds-check
+    flag nor all of a target's options, so kernels compiled under one setting must never be
+    loaded under another; kept beside the suite's cache, so a second run loads them."""
+    from pyimp.default_model import cache_dir
+    return str(cache_dir() / f"numba-{setting}")
+
 import pytest  # noqa: E402
 
 

@@ -9,6 +9,8 @@ import sys
 
 import pytest
 
+from conftest import numba_cache_for
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # configurations whose forward passes run different kernels: the fp32 and ggml matvecs and
@@ -56,7 +58,7 @@ def test_kernels_stay_in_bounds(tmp_path_factory, name):
                                head_dim=64, n_ff=512, vocab_size=256, weight_type="Q4_K",
                                embd_type="Q5_0", seed=5))
     # a cache of its own: kernels compiled without the checks must not be loaded here
-    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(d / "cache"))
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=numba_cache_for("boundscheck"))
     r = subprocess.run([sys.executable, "-c", _RUN.format(root=ROOT, model=str(model),
                                                           kw=CONFIGS[name])],
                        capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
