@@ -30,9 +30,10 @@ import numpy as np
 from pyimp.runtime import configure_process
 
 # (label, pyimp options, llama.cpp (type_k, type_v, rotation) or None). llama.cpp rotates
-# quantized K/V by a Hadamard transform by default (attn_rot_k / attn_rot_v, head dims that
-# are a multiple of 64); its environment switch LLAMA_ATTN_ROT_DISABLE=1, read when a context
-# is created, turns that off. So each row compares like with like: pyimp without rotation
+# quantized K/V by a Hadamard transform by default (head dims that are a multiple of 64): K
+# by the largest power-of-2 Hadamard matrix dividing the head dim (on Gemma 3 270M the 256 x
+# 256 one, the matrix of pyimp's kv_rotate), V by 64 x 64 blocks; its environment switch
+# LLAMA_ATTN_ROT_DISABLE=1, read when a context is created, turns that off. So each row compares like with like: pyimp without rotation
 # beside llama.cpp with its rotation off, "+ rotation" rows beside llama.cpp's default.
 CONFIGS = [
     ("f16", dict(kv_type="f16"), ("f16", "f16", False)),
@@ -48,7 +49,6 @@ CONFIGS = [
     ("q5_0 + rotation", dict(kv_type="q5_0", kv_rotate=True), ("q5_0", "q5_0", True)),
     ("q4_0 + rotation", dict(kv_type="q4_0", kv_rotate=True), ("q4_0", "q4_0", True)),
 ]
-GGML_TYPE = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8}
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -102,21 +102,12 @@ def run_pyimp(opts: dict, toks: list[int], score: int, state_path: str | None = 
 
 
 def run_peer(model: str, types: tuple[str, str, bool], toks: list[int], score: int) -> dict:
-    """llama.cpp's logits of the scored steps with cache types ``types[:2]``; ``types[2]``:
-    keep llama.cpp's default Hadamard rotation of quantized K/V (else LLAMA_ATTN_ROT_DISABLE=1
-    for this context)."""
-    import llama_cpp
-
-    from tools.llamacpp_peer import _quiet
-    if types[2]:
-        os.environ.pop("LLAMA_ATTN_ROT_DISABLE", None)
-    else:
-        os.environ["LLAMA_ATTN_ROT_DISABLE"] = "1"
-    with _quiet():
-        m = llama_cpp.Llama(model_path=model, n_ctx=len(toks) + 8, n_batch=512, n_ubatch=512,
-                            logits_all=False, flash_attn=True, type_k=GGML_TYPE[types[0]],
-                            type_v=GGML_TYPE[types[1]], n_threads=2, n_threads_batch=2,
-                            verbose=False, seed=0)
+    """llama.cpp's logits of the scored steps with cache types ``types[:2]`` (flash attention
+    on, :func:`tools.llamacpp_peer.open_model`); ``types[2]``: keep llama.cpp's default
+    Hadamard rotation of quantized K/V (else LLAMA_ATTN_ROT_DISABLE=1 for this context)."""
+    from tools.llamacpp_peer import _quiet, open_model
+    m = open_model(model, n_ctx=len(toks) + 8, n_batch=512, type_k=types[0], type_v=types[1],
+                   flash_attn=True, logits_all=False, rotate=types[2])
     n_vocab = m.n_vocab()
     prefix, tail = toks[:-score], toks[-score:]
     t = time.perf_counter()
