@@ -9,8 +9,6 @@ import sys
 
 import numpy as np
 import pytest
-
-from conftest import numba_cache_for
 from llvmlite import ir as llvm_ir
 from numba import njit, types
 from numba.extending import intrinsic
@@ -188,6 +186,7 @@ def test_an_x86_target_below_the_hosts_runs_the_engine(tmp_path, target):
             arch="gemma3", n_layer=2, n_embd=256, n_head=4, n_head_kv=1, head_dim=64, n_ff=512,
             vocab_size=256, weight_type="Q4_K", embd_type="Q6_K", seed=4, random_blocks=True))))
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+    from conftest import numba_cache_for     # here: the child process imports this module
     env.update(target_env, NUMBA_CACHE_DIR=numba_cache_for(f"target-{target}"))
     r = subprocess.run([sys.executable, "-c", _TARGET_RUN.format(root=ROOT, models=models)],
                        capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
