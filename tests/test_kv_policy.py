@@ -369,6 +369,29 @@ def test_policies_hold_the_budget_and_keep_sinks_and_the_current_token(llama, po
     assert c.bytes_held() < 100 * c.layer_token_bytes() * c.n_layer
 
 
+def _record_evictions(eng) -> list:
+    """Wrap ``eng``'s policy so that every forward appends (n_ctx, prefill_done, before, held):
+    before[il] = (positions, scores) layer il held before the forward's eviction (scores:
+    importance_ summed over the query heads, None without importance), held[il] the positions
+    it holds after."""
+    c, sp, pol = eng.cache, eng.sparse, eng.policy
+    seen = []
+    after_forward = pol.after_forward
+
+    def record(n_ctx, prefill_done):
+        before = []
+        for il in range(c.n_layer):
+            b, r = c.slots(0, c.slot_count(il), layer=il)
+            score = None if sp is None else sp.importance_[il, b, r].astype(np.float64).sum(-1)
+            before.append((c.positions(il).copy(), score))
+        after_forward(n_ctx, prefill_done)
+        seen.append((n_ctx, prefill_done, before,
+                     [c.positions(il).copy() for il in range(c.n_layer)]))
+
+    pol.after_forward = record
+    return seen
+
+
 @pytest.mark.parametrize("policy", ["streaming", "h2o", "snapkv", "pyramidkv"])
 def test_engine_keeps_what_the_keep_function_decides(llama, policy):
     """After every forward of a chunked prefill and 20 decode steps, each layer holds the
@@ -381,21 +404,8 @@ def test_engine_keeps_what_the_keep_function_decides(llama, policy):
     budgets = opts.layer_budgets(2)
     eng = pyimp.load(llama, n_ctx=256, block_len=B, batch_size=16, kv_policy=policy,
                      kv_budget=budget, keep=keep, kv_obs_window=window, kv_pool=pool)
-    c, sp, pol = eng.cache, eng.sparse, eng.policy
-    assert (sp is None) == (policy == "streaming")      # the scoring policies track importance_
-    seen = []
-    after_forward = pol.after_forward
-
-    def record(n_ctx, prefill_done):
-        before = []
-        for il in range(c.n_layer):
-            b, r = c.slots(0, c.slot_count(il), layer=il)
-            score = None if sp is None else sp.importance_[il, b, r].astype(np.float64).sum(-1)
-            before.append((c.positions(il).copy(), score))
-        after_forward(n_ctx, prefill_done)
-        seen.append((n_ctx, prefill_done, before, [c.positions(il).copy() for il in range(2)]))
-
-    pol.after_forward = record
+    assert (eng.sparse is None) == (policy == "streaming")   # scoring policies track importance_
+    seen = _record_evictions(eng)
     rows = [eng.eval(_ids(100))[-1]]
     for _ in range(20):
         rows.append(eng.eval([int(np.argmax(rows[-1]))])[-1])
@@ -756,25 +766,12 @@ def test_engine_keeps_what_the_neighbour_keep_function_decides(llama, policy):
     eng = pyimp.load(llama, n_ctx=256, block_len=B, batch_size=16, kv_policy=policy,
                      kv_budget=budget, keep=keep, kv_obs_window=window, kv_pool=pool,
                      kv_neighbours=R)
-    c, sp, pol = eng.cache, eng.sparse, eng.policy
-    seen = []
-    after_forward = pol.after_forward
-
-    def record(n_ctx, prefill_done):
-        before = []
-        for il in range(c.n_layer):
-            b, r = c.slots(0, c.slot_count(il), layer=il)
-            before.append((c.positions(il).copy(),
-                           sp.importance_[il, b, r].astype(np.float64).sum(-1)))
-        after_forward(n_ctx, prefill_done)
-        seen.append((prefill_done, before, [c.positions(il).copy() for il in range(2)]))
-
-    pol.after_forward = record
+    seen = _record_evictions(eng)
     logits = eng.eval(_ids(100))[-1]
     for _ in range(12):
         logits = eng.eval([int(np.argmax(logits))])[-1]
     decided = differs = 0
-    for prefill_done, before, held in seen:
+    for _, prefill_done, before, held in seen:
         for il in range(2):
             pos, score = before[il]
             m = target_size(pos.size, int(budgets[il]), B)
