@@ -238,6 +238,7 @@ def test_window_starts_split_development_and_held_out_text():
     assert all(a >= ev.DEV_TEXT_TOKENS and a + ctx - 1 <= n_ids for a in held)
     assert all(b - a >= ctx - 1 for w in [held] + list(dev.values()) for a, b in zip(w, w[1:]))
     assert len({tuple(w) for w in dev.values()}) > 1          # the seed picks the windows
+    assert set(ev.window_starts(n_ids, ctx, 3, ev.HELD_OUT_SEED)) <= set(held)
     with pytest.raises(ValueError, match="held-out text holds"):
         ev.window_starts(n_ids, ctx, 12, ev.HELD_OUT_SEED)
 

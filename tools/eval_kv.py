@@ -384,14 +384,15 @@ def window_starts(n_ids: int, ctx: int, n: int, seed: int) -> list:
     """First text tokens of the ``n`` windows of ``ctx - 1`` text tokens that ``seed`` draws
     (increasing): whole windows laid end to end from the start of the development text
     (tokens [0, DEV_TEXT_TOKENS)) for a development seed, of the held-out text (from
-    DEV_TEXT_TOKENS to ``n_ids``) otherwise, ``n`` of them drawn without replacement."""
+    DEV_TEXT_TOKENS to ``n_ids``) otherwise; the first ``n`` of a seeded shuffle of them, so a
+    larger ``n`` adds windows to a smaller one's."""
     lo, hi = (0, DEV_TEXT_TOKENS) if seed in DEV_SEEDS else (DEV_TEXT_TOKENS, n_ids)
     slots = max(0, (min(hi, n_ids) - lo) // (ctx - 1))
     if n > slots:
         raise ValueError(f"{n} windows of {ctx} tokens asked, the "
                          f"{'development' if seed in DEV_SEEDS else 'held-out'} text holds {slots}")
     rng = np.random.default_rng([seed, 2])          # apart from the passkeys' streams
-    return sorted(lo + int(k) * (ctx - 1) for k in rng.choice(slots, n, replace=False))
+    return sorted(lo + int(k) * (ctx - 1) for k in rng.permutation(slots)[:n])
 
 
 def make_prompts(model: str, ctx: int, n_windows: int, steps: int, n_passkeys: int,
