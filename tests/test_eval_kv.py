@@ -314,9 +314,12 @@ def test_chunked_prefill_through_the_policy(model, tmp_path):
     prompts = ev.make_prompts(model, CTX, 1, 6, 1, lengths=(850, 890))
     with distributed.Client(processes=False, n_workers=1, threads_per_worker=1,
                             dashboard_address=None) as client:
-        _, rows = ev.run_grid(client, model, CTX, prompts, ["h2o+chunk64", "h2o"], [0.3, 1.0],
+        _, rows = ev.run_grid(client, model, CTX, prompts, ["h2o", "h2o+chunk64"], [0.3, 1.0],
                               32, str(tmp_path), log=lambda s: None)
     by = {(r["policy"], r["fraction"], r["kind"]): r for r in rows}
+    # the chunked engines score as pyimp-run's: h2o's importance from every prompt row
+    chunked = [e for k, e in ev._ENGINES.items() if k[2] == 64]
+    assert chunked and all(e.sparse.opts.importance_window == 0 for e in chunked)
     full = by[("h2o+chunk64", 1.0, "text")]
     assert full["kl"] < 1e-6 and full["top1"] == 1.0
     small = by[("h2o+chunk64", 0.3, "text")]

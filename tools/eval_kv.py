@@ -189,19 +189,19 @@ MAX_ENGINES = 3               # engines a worker keeps (each holds its cache and
 _LOADED = [0]                 # engines this worker has loaded (each task's row reports it)
 
 
-def _engine(model: str, n_ctx: int, batch_size: int = 512, **opts):
+def _engine(model: str, n_ctx: int, batch_size: int = 512, track: bool = True, **opts):
     """One engine per worker and configuration, the ``MAX_ENGINES`` most recently used kept
     (the grid sends a configuration's tasks one after another, so a worker reuses its engine
     without holding one per configuration of the grid: 30 of them took 12 GB). Policy engines
     only decode, so their batch size is the context: an eviction budget sizes a layer for
     budget + one prefill chunk, and a state holding the whole prompt must fit."""
     import pyimp
-    key = (model, n_ctx, batch_size, tuple(sorted(opts.items())))
+    key = (model, n_ctx, batch_size, track, tuple(sorted(opts.items())))
     eng = _ENGINES.pop(key, None)
     if eng is None:
         while len(_ENGINES) >= MAX_ENGINES:
             _ENGINES.pop(next(iter(_ENGINES))).close()          # the least recently used
-        eng = pyimp.load(model, n_ctx=n_ctx, n_threads=1, batch_size=batch_size, track=True,
+        eng = pyimp.load(model, n_ctx=n_ctx, n_threads=1, batch_size=batch_size, track=track,
                          **opts)
         _LOADED[0] += 1
     _ENGINES[key] = eng                                         # now the most recent
@@ -305,7 +305,10 @@ def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Tas
                                                "kv_obs_window": obs_window, **popts}
     chunked = "batch_size" in opts
     opts.setdefault("batch_size", n_ctx)
-    eng = _engine(model, n_ctx, **opts, **kv_options(task.kv))
+    # chunked: no tracking asked for, so the policy's own importance rows apply (h2o every
+    # prompt row, snapkv / pyramidkv the last obs_window), as in pyimp-run; tracking's default
+    # window (the last 128 rows) would replace them
+    eng = _engine(model, n_ctx, track=not chunked, **opts, **kv_options(task.kv))
     eng.reset()
     first = None
     if chunked:
@@ -555,7 +558,7 @@ def mean_interval(x) -> tuple[float, float, float]:
 
 def summarize(rows: list) -> list:
     """One line per (policy, kv, fraction): mean KL over the text windows with its 95 % t
-    interval, top-1, passkeys found among those full attention finds with their 95 % Wilson
+    interval and the median over the windows, top-1, passkeys found among those full attention finds with their 95 % Wilson
     interval, memory fraction, decode tok/s, rows run at the policy's smallest budget."""
     out = {}
     for r in rows:
@@ -578,6 +581,7 @@ def summarize(rows: list) -> list:
         res.append({"policy": e["policy"], "kv": e["kv"], "label": label(e["policy"], e["kv"]),
                     "fraction": e["fraction"], "windows": len(e["kl"]),
                     "mean_kl": kl, "kl_lo": kl_lo, "kl_hi": kl_hi,
+                    "median_kl": float(np.median(e["kl"])) if e["kl"] else float("nan"),
                     "top1": float(np.mean(e["top1"])) if e["top1"] else float("nan"),
                     "passkeys": f"{k}/{n}", "pk_lo": lo, "pk_hi": hi,
                     "at_floor": e["at_floor"],
@@ -590,13 +594,15 @@ def format_table(summary: list) -> str:
     (of those full attention finds) with their 95 % Wilson interval."""
     w = max([16] + [len(r["label"]) for r in summary])
     head = (f"{'fraction':>8} {'policy':<{w}} {'memory':>7} {'mean KL':>10} {'KL 95% CI':>19} "
-            f"{'top-1':>6} {'passkeys':>9} {'95% CI':>12} {'tok/s':>7} {'at floor':>8}")
+            f"{'median':>8} {'top-1':>6} {'passkeys':>9} {'95% CI':>12} {'tok/s':>7} "
+            f"{'at floor':>8}")
     lines = [head]
     for r in summary:
         ci = f"[{r['kl_lo']:.3g}, {r['kl_hi']:.3g}]" if r["windows"] > 1 else "-"
         pk = f"[{r['pk_lo']:.2f}, {r['pk_hi']:.2f}]"
         lines.append(f"{r['fraction']:>8.3f} {r['label']:<{w}} {r['memory']:>7.3f} "
-                     f"{r['mean_kl']:>10.4g} {ci:>19} {r['top1']:>6.3f} {r['passkeys']:>9} "
+                     f"{r['mean_kl']:>10.4g} {ci:>19} {r['median_kl']:>8.3g} {r['top1']:>6.3f} "
+                     f"{r['passkeys']:>9} "
                      f"{pk:>12} {r['tok_s']:>7.2f} {r['at_floor']:>8}")
     return "\n".join(lines)
 
