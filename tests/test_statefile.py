@@ -577,12 +577,14 @@ def test_bad_level_is_refused(tmp_path, level):
 
 # ------------------------------------------------------------- termination, stale temporaries
 _TERM_CHILD = r"""
-import sys, time
+import sys, threading, time
 import numpy as np
 from pyimp import statefile
 real = statefile._encode
+first = threading.Lock()       # arrays are encoded on several threads: announce only once
 def encode(*args):
-    print("encoding", flush=True)          # the temporary file exists now
+    if first.acquire(blocking=False):
+        print("encoding", flush=True)      # the temporary file exists now
     time.sleep(0.5)
     return real(*args)
 statefile._encode = encode
