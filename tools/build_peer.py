@@ -19,7 +19,7 @@ version and flags (:func:`wheel_dir`): a new environment on the same machine ins
 instead of building again; a fresh machine builds it.
 
 The ggml numerics mode (``numerics="ggml"``) is bit-exact, kernel by kernel,
-with the build this script makes on an AVX-512 machine (see README, Numerics).
+with the build this script makes on an AVX-512 machine (see docs/numerics.md).
 
     python -m tools.build_peer --target znver3    # a second build for another CPU's ISA
 

@@ -7,7 +7,8 @@ The grid is policy x KV cache type x memory fraction x prompt. Prompts are windo
 (Python's pydoc topics, ``--ctx`` tokens) and passkey prompts (a five-digit key at a depth of
 filler, ``--passkey-lengths`` tokens), both drawn by ``--seed``: development seeds
 (``DEV_SEEDS``) draw from development text and keys, the others are held out (``HELD_OUT_SEED``
-gave the README's figures); a seed gives the same prompts, token for token, every time.
+gave the figures in docs/performance.md); a seed gives the same prompts, token for token,
+every time.
 
 Each prompt is prefilled once per KV cache type with full attention (stage 1, one Dask task
 per prompt and type): the state is saved (:meth:`pyimp.Engine.save_state`) before the last
@@ -78,12 +79,12 @@ REFERENCE_KV = "f16"          # full attention over an f16 cache: the reference 
 # five-digit keys, tools.eval_sparse.passkey_cases; lengths uniform in --passkey-lengths,
 # depths uniform in --depth-range) and the text windows (whole windows of --ctx tokens of the
 # pydoc text, drawn from the development text for a development seed, from the rest for a
-# held-out one). Policies and their options are chosen on development seeds; the README's
-# figures come from HELD_OUT_SEED. The README's earlier eviction figures (tuning runs of
+# held-out one). Policies and their options are chosen on development seeds; the figures in
+# docs/performance.md come from HELD_OUT_SEED. The earlier eviction figures (tuning runs of
 # h2o+depth3+obs1+recent256) were measured on windows 0-7 at --ctx 4096 (--first-window) and
 # keys the seed drew before cases came from passkey_cases: development cases too.
 DEV_SEEDS = range(0, 10)
-HELD_OUT_SEED = 10            # the README's held-out figures; a later held-out set takes 11 on
+HELD_OUT_SEED = 10            # docs/performance.md's held-out figures; a later set takes 11 on
 DEV_TEXT_TOKENS = 65536       # pydoc tokens [0, 65536): development text (tools.eval_sparse's
                               # text from offset 0, the windows 0-7 of --first-window at 4k)
 
@@ -647,7 +648,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0,
                     help=f"draws the passkeys (keys, lengths, depths) and the text windows: "
                     f"{DEV_SEEDS.start}-{DEV_SEEDS.stop - 1} are development seeds (development "
-                    f"text), others held out (held-out text); the README's figures: "
+                    f"text), others held out (held-out text); docs/performance.md's figures: "
                     f"{HELD_OUT_SEED}")
     ap.add_argument("--passkey-lengths", default=None, metavar="MIN,MAX",
                     help="passkey prompt tokens, uniform in [MIN, MAX] (default: ctx/2,ctx)")
