@@ -1,6 +1,6 @@
 """Dense attention over the paged KV cache (prefill and decode).
 
-Layer-slice buffers (KVCACHE.md section 2), as the engine passes them:
+Layer-slice buffers (docs/kvcache.md section 2), as the engine passes them:
 
 - ``k_cache`` ``[Hkv][NB][B*D]``: row t of a block is the key of token t.
 - ``v_cache`` ``[Hkv][NB][D*B]``: transposed, channel d of token t at ``[d*B + t]``.

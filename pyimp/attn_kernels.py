@@ -1,6 +1,6 @@
 """The Numba attention kernels over the paged KV cache and the helpers they are built from.
 
-Layout and masks: see :mod:`pyimp.attention` (KVCACHE.md section 2). Every
+Layout and masks: see :mod:`pyimp.attention` (docs/kvcache.md section 2). Every
 kernel is built from four steps, each one function here:
 
 1. **load**: :func:`load_keys` / :func:`load_values` decode tokens ``[t0, t1)``
@@ -13,7 +13,7 @@ kernel is built from four steps, each one function here:
    the per-type block decoders of :mod:`loaders.quantize`; no dequantized copy).
 2. **attend**: :func:`attend_block` folds one block into a running partial
    (max ``m``, sum ``l``, un-normalized output ``o``) with the max-stabilized
-   rule of KVCACHE.md section 7 (online softmax).
+   rule of docs/kvcache.md section 7 (online softmax).
 3. **merge**: :func:`merge_splits` merges the partials of the work items that
    split one head's blocks.
 4. the kernels: :func:`decode_blocks` (decode attention of one query over a

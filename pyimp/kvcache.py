@@ -1,4 +1,4 @@
-"""Paged KV cache in the ggml / KVCACHE.md layout, float or quantized.
+"""Paged KV cache in the ggml / docs/kvcache.md layout, float or quantized.
 
 Buffers (allocated once in :class:`KVCache`; ``L`` layers, ``Hkv`` kv heads,
 ``NB`` physical blocks, ``B`` tokens per block, ``D`` head dim)::

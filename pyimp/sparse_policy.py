@@ -1,4 +1,4 @@
-"""The engine side of importance-guided sparse attention (KVCACHE.md sections 4-8).
+"""The engine side of importance-guided sparse attention (docs/kvcache.md sections 4-8).
 
 :class:`SparseState` owns the two extra buffers of the cache and decides, per
 layer and decode step, which blocks attention reads:

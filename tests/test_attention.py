@@ -15,7 +15,7 @@ DTYPES = [np.float16, np.float32]
 
 
 # --------------------------------------------------------------------------
-# building a paged cache from flat K/V with the KVCACHE.md section 3 mapping
+# building a paged cache from flat K/V with the docs/kvcache.md section 3 mapping
 # --------------------------------------------------------------------------
 
 

@@ -2,7 +2,7 @@
 
 Each mutant is the Numba backend with one minimal, realistic bug in one function; the suite
 must name that function's check as failed. The mutants are the bugs the design notes list
-for block-sparse KV caches (KVCACHE.md section 9) plus two classic kernel slips.
+for block-sparse KV caches (docs/kvcache.md section 9) plus two classic kernel slips.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The GPU path on numba-cuda (imported only when ``device="cuda"`` is asked for).
 
 Kernels are twins of the CPU kernels: the same array-only arguments and layouts
-(KVCACHE.md section 2), each tested against the NumPy reference its CPU twin is
+(docs/kvcache.md section 2), each tested against the NumPy reference its CPU twin is
 tested against. fp16 buffers are float16 device arrays; every kernel loads fp16,
 computes and accumulates in float32 and rounds once when it stores fp16. Quantized KV
 caches keep the host's ggml block layout on the device; kernels decode the blocks they

@@ -1,7 +1,7 @@
 """CUDA twins of :mod:`pyimp.attn_kernels`: paged decode and prefill attention over the ggml
 layout, block-sparse decode over a selection, and the importance updates they feed.
 
-Operands are device arrays in the CPU layouts (KVCACHE.md section 2): ``kc`` ``[Hkv][NB][B*D]``
+Operands are device arrays in the CPU layouts (docs/kvcache.md section 2): ``kc`` ``[Hkv][NB][B*D]``
 token-major and ``vc`` ``[Hkv][NB][D*B]`` transposed, float16 or float32, or either side a
 quantized layer (:class:`pyimp.cuda.kvblocks.DeviceQuantizedKV`: ggml blocks in the host's byte
 layout, V by token, and the float32 tail of the block being filled); K and V types may differ.

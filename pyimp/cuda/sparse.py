@@ -1,6 +1,6 @@
 """CUDA twins of :mod:`pyimp.sparse`: anchors, block scoring, block selection, importance decay.
 
-Operands are device arrays in the CPU layouts (KVCACHE.md section 2): ``k_cache`` one layer
+Operands are device arrays in the CPU layouts (docs/kvcache.md section 2): ``k_cache`` one layer
 ``[Hkv][NB][B*D]`` token-major, float16 or float32, or a quantized K layer
 (:class:`pyimp.cuda.kvblocks.DeviceQuantizedKV`); ``anchor`` float16 ``[NB][A][Ha][D]``
 (``Ha = Hkv`` or ``Hq`` for the group-shared types, ``Hq`` for DYNAMIC); ``importance``

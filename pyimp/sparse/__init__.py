@@ -1,4 +1,4 @@
-"""Importance-guided block-sparse attention (KVCACHE.md sections 4-8).
+"""Importance-guided block-sparse attention (docs/kvcache.md sections 4-8).
 
 - ``importance``: the importance-matrix update and the fp16 codec.
 - ``anchors``: per-block key summaries (AnchorType).

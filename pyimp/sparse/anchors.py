@@ -1,7 +1,7 @@
 """Block anchors: per-block key summaries that queries are scored against.
 
 Buffer (one layer's slice of ``anchor_``): float16 ``[NB][A][Ha][D]``, indexed
-by physical block (KVCACHE.md section 5). Anchors are built from the block's
+by physical block (docs/kvcache.md section 5). Anchors are built from the block's
 valid keys (``n_valid`` tokens; a partial tail block uses only those).
 
 Under GQA query head h reads kv head ``h // G``: every type except DYNAMIC

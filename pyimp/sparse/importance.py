@@ -2,7 +2,7 @@
 
 Buffer (one layer's slice of ``importance_``): float16 ``[NB][B][Hq]``, indexed by
 *physical* block; token ``p`` of the sequence lives at
-``[block_table[p // B], p % B, h]`` (KVCACHE.md sections 2-4).
+``[block_table[p // B], p % B, h]`` (docs/kvcache.md sections 2-4).
 
 Update rule, computed in float32 and stored once::
 

@@ -1,6 +1,6 @@
 """Block retrieval: score blocks against the query and pick the ones to attend.
 
-Score (KVCACHE.md section 6), for logical block b and query head h::
+Score (docs/kvcache.md section 6), for logical block b and query head h::
 
     s[b, h] = sum_d max_a(anchor[block_table[b]][a][h][d] * q[h][d])
 

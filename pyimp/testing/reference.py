@@ -7,7 +7,7 @@ the dequantization that is bit-exact to ``gguf.quants``): one source of truth fo
 tests and for other backends.
 
 Arrays: float32 unless stated; "fp16" arrays are float16 (or their uint16 views, when the
-backend module sets ``FP16 = "uint16"``). Cache layouts (KVCACHE.md section 2), one layer:
+backend module sets ``FP16 = "uint16"``). Cache layouts (docs/kvcache.md section 2), one layer:
 
 - ``k_cache`` fp16/float32 ``[Hkv][NB][B*D]``: row t of physical block b is the key of the
   token in slot t of that block;

@@ -140,7 +140,7 @@ def test_sparse_decode_matches_reference(Hkv, G, granularity, seed, window, nspl
 
 
 def test_sparse_at_full_budget_equals_dense():
-    """Every block selected, in a shuffled order: the dense result (KVCACHE.md section 7)."""
+    """Every block selected, in a shuffled order: the dense result (docs/kvcache.md section 7)."""
     rng = np.random.default_rng(5)
     Hkv, G, D, B, NB = 2, 2, 8, 4, 7
     Hq = Hkv * G
