@@ -146,3 +146,131 @@ def fma16(typingctx, o, oo, a, ao, b, bo):
         return context.get_dummy_value()
 
     return sig, codegen
+
+
+# Reductions in a fixed order. LLVM vectorizes a sum only when allowed to reassociate it, and
+# reassociation lets each optimization of the same code pick its own order: a kernel compiled
+# in this process and the same kernel loaded from Numba's cache then sum differently. These
+# intrinsics write the vector order out in IR (no fast-math flags), so every compilation sums
+# alike: 16-lane FMAs into four accumulators (16-element chunk c into accumulator c % 4 for
+# the whole groups of four chunks, the remaining chunks into accumulator 0), the accumulators
+# added as (0 + 1) + (2 + 3), the 16 lanes by halving (lane i + lane i + 8, then + 4, + 2,
+# + 1: :func:`hsum16`'s order), then the elements past the last whole chunk in index order.
+
+def _operand_ptr(context, builder, aryty, ary_val, idx):
+    """(pointer to ary[idx], True when its elements are fp16 bits) of a 1-D array operand."""
+    ary = context.make_array(aryty)(context, builder, ary_val)
+    return (cgutils.get_item_pointer(context, builder, aryty, ary, [idx], wraparound=False),
+            aryty.dtype == types.uint16)
+
+
+def _load_lanes(builder, ptr, is_half, idx, n):
+    """Elements idx..idx+n-1 (n 1: a scalar) of a float32 or fp16-bits pointer, as float."""
+    at = builder.gep(ptr, [idx])
+    if n == 1:
+        v = builder.load(at)
+    else:
+        ety = llvm_ir.IntType(16) if is_half else llvm_ir.FloatType()
+        v = builder.load(builder.bitcast(at, llvm_ir.VectorType(ety, n).as_pointer()),
+                         align=2 if is_half else 4)
+    return _fpext_half(builder, v) if is_half else v
+
+
+def _hsum16_ir(builder, v):
+    """The 16 lanes of <16 x float> v added by halving (see above)."""
+    n = 16
+    while n > 1:
+        n //= 2
+        mask = llvm_ir.VectorType(llvm_ir.IntType(32), n)
+        lo = builder.shuffle_vector(v, v, llvm_ir.Constant(mask, list(range(n))))
+        hi = builder.shuffle_vector(v, v, llvm_ir.Constant(mask, list(range(n, 2 * n))))
+        v = builder.fadd(lo, hi)
+    return builder.extract_element(v, llvm_ir.Constant(llvm_ir.IntType(32), 0))
+
+
+def _fixed_order_reduce(context, builder, operands, n):
+    """sum over i < n of the product of the operands' element i (one operand: the elements
+    themselves), in the fixed order above; operands: (pointer, is_half) at element 0."""
+    i64 = llvm_ir.IntType(64)
+    f32 = llvm_ir.FloatType()
+    vf = llvm_ir.VectorType(f32, 16)
+    fma_v = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(vf, [vf, vf, vf]),
+                                           "llvm.fma.v16f32")
+    fma_s = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(f32, [f32, f32, f32]),
+                                           "llvm.fma.f32")
+    k = lambda v: llvm_ir.Constant(i64, v)       # noqa: E731
+    n = builder.select(builder.icmp_signed("<", n, k(0)), k(0), n)
+    n16 = builder.udiv(n, k(16))
+    n64 = builder.udiv(n16, k(4))
+    accs = []
+    for _ in range(4):
+        slot = cgutils.alloca_once(builder, vf)
+        builder.store(llvm_ir.Constant(vf, [0.0] * 16), slot)
+        accs.append(slot)
+
+    def fold(slot, idx, width):
+        xs = [_load_lanes(builder, p, h, idx, width) for p, h in operands]
+        acc = builder.load(slot)
+        if len(xs) == 1:
+            builder.store(builder.fadd(acc, xs[0]), slot)
+        else:
+            builder.store(builder.call(fma_v if width > 1 else fma_s, [xs[0], xs[1], acc]), slot)
+
+    with cgutils.for_range(builder, n64, intp=i64) as loop:
+        base = builder.mul(loop.index, k(64))
+        for j in range(4):
+            fold(accs[j], builder.add(base, k(16 * j)), 16)
+    with cgutils.for_range(builder, builder.sub(n16, builder.mul(n64, k(4))), intp=i64) as loop:
+        fold(accs[0], builder.add(builder.mul(n64, k(64)), builder.mul(loop.index, k(16))), 16)
+    a = [builder.load(s) for s in accs]
+    total = cgutils.alloca_once(builder, f32)
+    builder.store(_hsum16_ir(builder, builder.fadd(builder.fadd(a[0], a[1]), builder.fadd(a[2], a[3]))),
+                  total)
+    with cgutils.for_range(builder, builder.sub(n, builder.mul(n16, k(16))), intp=i64) as loop:
+        fold(total, builder.add(builder.mul(n16, k(16)), loop.index), 1)
+    return builder.load(total)
+
+
+def _as_i64(builder, v):
+    return builder.sext(v, llvm_ir.IntType(64)) if v.type.width < 64 else v
+
+
+@intrinsic
+def lane_dot(typingctx, a, ao, b, bo, n):
+    """sum of a[ao + i] * b[bo + i] for i < n, in the fixed order above, the same bits however
+    the calling kernel is optimized (1-D contiguous arrays, no bounds check; float32 or uint16
+    fp16 bits, converted exactly)."""
+    sig = types.float32(a, ao, b, bo, n)
+
+    def codegen(context, builder, signature, args):
+        ta, _, tb, _, _ = signature.args
+        ops = [_operand_ptr(context, builder, ta, args[0], args[1]),
+               _operand_ptr(context, builder, tb, args[2], args[3])]
+        return _fixed_order_reduce(context, builder, ops, _as_i64(builder, args[4]))
+
+    return sig, codegen
+
+
+@intrinsic
+def lane_sum(typingctx, x, xo, n):
+    """sum of x[xo + i] for i < n, in the fixed order above (as :func:`lane_dot`)."""
+    sig = types.float32(x, xo, n)
+
+    def codegen(context, builder, signature, args):
+        ops = [_operand_ptr(context, builder, signature.args[0], args[0], args[1])]
+        return _fixed_order_reduce(context, builder, ops, _as_i64(builder, args[2]))
+
+    return sig, codegen
+
+
+@intrinsic
+def hsum16(typingctx, x, xo):
+    """x[xo] + ... + x[xo + 15] added by halving (lane i + lane i + 8, then + 4, + 2, + 1), as
+    one vector sequence (float32 1-D array, no bounds check)."""
+    sig = types.float32(x, xo)
+
+    def codegen(context, builder, signature, args):
+        p, h = _operand_ptr(context, builder, signature.args[0], args[0], args[1])
+        return _hsum16_ir(builder, _load_lanes(builder, p, h, llvm_ir.Constant(llvm_ir.IntType(64), 0), 16))
+
+    return sig, codegen

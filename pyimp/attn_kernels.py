@@ -35,15 +35,19 @@ from numba.extending import intrinsic, overload
 
 from loaders import half, jit, quantize, quants, quants_legacy
 # f32_to_half_bits: pyimp.kvcache and pyimp.sparse take the conversions from here
-from loaders.half import _fpext_half, f32_to_half_bits, fma16, half_bits_to_f32  # noqa: F401
+from loaders.half import (_fpext_half, f32_to_half_bits, fma16, half_bits_to_f32,  # noqa: F401
+                          hsum16, lane_dot, lane_sum)
 from loaders.quantize import decode_qblocks
-from loaders.quants_legacy import _bits_f32, _stack_f32
+from loaders.quants_legacy import _bits_f32
 
 jit.kernel_module(__file__, half, quantize, quants_legacy)
 
-# Fast-math flags without nnan/ninf: reassociation lets LLVM vectorize the dot
-# products; -inf masks and NaN checks keep their IEEE meaning.
-FM = {"reassoc", "contract", "nsz"}
+# Fast-math flags: FMA contraction and signed-zero freedom, no reassociation (each compilation
+# of a reassociated sum may pick its own order, so a kernel compiled in this process and the
+# same kernel loaded from Numba's cache would differ in the last bits) and no nnan/ninf (-inf
+# masks and NaN checks keep their IEEE meaning). Vectorized sums are written in a fixed order
+# instead (loaders.half.lane_dot / lane_sum / hsum16).
+FM = {"contract", "nsz"}
 
 # llvm.prefetch is overloaded on the pointer type: opaque pointers from LLVM 15 on
 _PREFETCH_NAME = ("llvm.prefetch.p0" if llvm_binding.llvm_version_info[0] >= 15
@@ -287,12 +291,10 @@ def _f16_rows_ov(c, kvh):
 # --------------------------------------------------------------------------
 
 
-@jit.njit(fastmath=FM)
+@jit.njit(inline="always")
 def dot(a, b, n):
-    acc = np.float32(0.0)
-    for d in range(n):
-        acc += a[d] * b[d]
-    return acc
+    """sum of a[d] * b[d] for d < n, in lane_dot's fixed order (1-D contiguous arrays)."""
+    return lane_dot(a, 0, b, 0, n)
 
 
 @jit.njit(fastmath=FM)
@@ -361,14 +363,11 @@ def _axpy(a, x, y, n):
 LANES = 16
 
 
-@jit.njit(fastmath=FM)
+@jit.njit(inline="always")
 def dot_f16(a, h, ho, n):
-    """sum of a[d] * (fp16 value of h[ho + d]) for d < n (h uint16 bits, converted exactly)."""
-    acc = np.float32(0.0)
-    hh = h[ho:ho + n]
-    for d in range(n):
-        acc += a[d] * half_bits_to_f32(hh[d])
-    return acc
+    """sum of a[d] * (fp16 value of h[ho + d]) for d < n (h uint16 bits, converted exactly),
+    in lane_dot's fixed order."""
+    return lane_dot(a, 0, h, ho, n)
 
 
 # exp of a softmax exponent x = score - running max <= 0, in arithmetic LLVM vectorizes
@@ -435,12 +434,9 @@ def attend_block_lanes(qh, kb, vb, t0, t1, D, B, sc, s, o16, m, l, j, br):
         for i in range(D * LANES):
             o16[i] *= alpha
     mj = m[j]
-    ls = np.float32(0.0)
     for t in range(B):
-        e = exp_nonpos(s[t] - mj) if t0 <= t < t1 else np.float32(0.0)
-        s[t] = e
-        ls += e
-    l[j] += ls
+        s[t] = exp_nonpos(s[t] - mj) if t0 <= t < t1 else np.float32(0.0)
+    l[j] += lane_sum(s, 0, B)
     for d in range(D):
         for c in range(0, B, LANES):
             fma16(o16, d * LANES, s, c, vb, d * B + c)
@@ -450,14 +446,8 @@ def attend_block_lanes(qh, kb, vb, t0, t1, D, B, sc, s, o16, m, l, j, br):
 def lanes_out(o16, o):
     """o[d] = the sum of the LANES partials o16[d * LANES:(d + 1) * LANES], in a fixed
     pairwise order."""
-    D = o.shape[0]
-    for d in range(D):
-        r = o16[d * LANES:(d + 1) * LANES]
-        a0 = (r[0] + r[8]) + (r[4] + r[12])
-        a1 = (r[1] + r[9]) + (r[5] + r[13])
-        a2 = (r[2] + r[10]) + (r[6] + r[14])
-        a3 = (r[3] + r[11]) + (r[7] + r[15])
-        o[d] = (a0 + a2) + (a1 + a3)
+    for d in range(o.shape[0]):
+        o[d] = hsum16(o16, d * LANES)
 
 
 # Grouped decode over fp16 stores: the query heads of a work unit share one kv head, so a
@@ -566,16 +556,9 @@ def _pv_channels(ow, P, PS, addr, nblk, D, B, nh):
 @jit.njit(fastmath=FM, inline="always")
 def _qk_heads(q, h0, kr, ko, D, nh, sg, so, ss, sc):
     """sg[so + g*ss] = sc * (q[h0 + g] . fp16 key kr[ko:ko + D]) for g < nh (a literal in the
-    callers): each key element converted once for the nh heads, nh reductions in one loop."""
-    acc = _stack_f32(8)
+    callers), each a :func:`lane_dot`."""
     for g in range(nh):
-        acc[g] = 0.0
-    for d in range(D):
-        kf = half_bits_to_f32(kr[ko + d])
-        for g in range(nh):
-            acc[g] += q[h0 + g, d] * kf
-    for g in range(nh):
-        sg[so + g * ss] = acc[g] * sc
+        sg[so + g * ss] = lane_dot(q[h0 + g], 0, kr, ko, D) * sc
 
 
 @jit.njit(fastmath=FM)
@@ -669,15 +652,12 @@ def attend_split_grouped(q, h0, nh, kc, vc, kvh, bt, sel, si, k_beg, k_end, lo, 
                             ow[d * W + 16 * g + i] *= alpha
                 m[g] = gm
             mg = m[g]
-            lg = np.float32(0.0)
             if mg > -np.inf:
                 for i in range(n_s):
-                    e = exp_nonpos(sg[i] - mg)
-                    sg[i] = e
-                    lg += e
+                    sg[i] = exp_nonpos(sg[i] - mg)
+                l[g] += lane_sum(sg, 0, n_s)
             else:
                 sg[:] = 0.0
-            l[g] += lg
             if store:
                 for kk in range(k1 - k0):
                     bm[g, k0 + kk - k_beg] = mg
@@ -695,12 +675,7 @@ def attend_split_grouped(q, h0, nh, kc, vc, kvh, bt, sel, si, k_beg, k_end, lo, 
             _pv_channels(ow, S, PS, addr, k1 - k0, D, B, 8)
     for g in range(nh):
         for d in range(D):
-            r = ow[d * W + 16 * g:d * W + 16 * g + 16]
-            a0 = (r[0] + r[8]) + (r[4] + r[12])
-            a1 = (r[1] + r[9]) + (r[5] + r[13])
-            a2 = (r[2] + r[10]) + (r[6] + r[14])
-            a3 = (r[3] + r[11]) + (r[7] + r[15])
-            o[g, d] = (a0 + a2) + (a1 + a3)
+            o[g, d] = hsum16(ow, d * W + 16 * g)
 
 
 @jit.njit(fastmath=FM)

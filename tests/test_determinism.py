@@ -1,7 +1,6 @@
 """Results that do not depend on the run: for a given model, options and thread count the
-logits are bit-identical whatever the timings chose (serial or parallel kernels); a first run
-that compiles the kernels against one that loads them from Numba's cache is a known defect
-(the strict xfail below)."""
+logits are bit-identical whatever the timings chose (serial or parallel kernels), and whether
+the kernels were compiled in this process or loaded from Numba's cache."""
 from __future__ import annotations
 
 import contextlib
@@ -107,40 +106,39 @@ sys.path.insert(0, {tests!r})
 from pyimp.runtime import configure_process
 configure_process()
 from test_determinism import run_configs
-np.savez({out!r}, **run_configs({model!r}, {names!r}, 300, 8, 6))
+out = {{}}
+for name, block_len in {cases!r}:
+    out[f"{{name}}-{{block_len}}"] = run_configs({model!r}, (name,), 300, block_len, 6)[name]
+np.savez({out!r}, **out)
 """
 
+# (configuration, block length): blocks of 8 take the folded decode kernel (the quantized
+# caches' kernel too), fp16 blocks of 16 the grouped one, here with block-sparse decode and its
+# retrieval kernels (each case's kernels compile twice, in two processes: most of the test)
+COLD_WARM_CASES = (("fp32", 8), ("sparse", 16))
 
-# Known defect, kept as a strict xfail so that its fix is noticed: a first run (Numba compiles
-# the kernels) and a later run (Numba loads them from its cache) differ in the last bits, in the
-# decode attention (and the prefill's kernel path). The kernels use fast-math reassociation
-# (pyimp.attn_kernels.FM); a parallel kernel's loop body and its non-inlined helpers exist
-# twice, compiled standalone and linked into the kernel's module where LLVM optimizes them
-# again, and under reassociation the two copies may sum in other orders. Which copy a call
-# reaches depends on whether the standalone one was compiled in the same process. Measured on
-# this test: cold and warm logits differ by up to 1.2e-5 (logits of magnitude ~5); cold runs agree with each
-# other bit for bit, and so do warm runs; without "reassoc" in FM cold and warm agree, but the
-# decode attention is several times slower. The fix is reductions written in a fixed order
-# that LLVM vectorizes without reassociation (explicit lane accumulators).
-@pytest.mark.xfail(strict=True, reason="first-run and cached kernels differ under fast-math "
-                   "reassociation (see the comment above)")
+
+# A first run compiles every kernel; a later run loads them from Numba's cache. Their sums
+# agree only when no kernel lets LLVM reassociate: a parallel kernel's body exists twice
+# (compiled standalone, and linked into the kernel's module where LLVM optimizes it again),
+# and under reassociation the two copies may sum in different orders (measured before the
+# fixed-order reductions of loaders.half: up to 1.2e-5 on logits of magnitude ~5).
 def test_a_cold_first_run_gives_the_bits_of_a_warm_one(model, tmp_path):
     """A first run in a fresh Numba cache (every kernel compiled) and a second run that loads
-    them give bit-identical logits (300 prompt tokens in blocks of 8, 6 decode steps: shapes
-    where the difference shows)."""
-    names = ("fp32",)
+    them give bit-identical logits (300 prompt tokens, 6 decode steps)."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path / "numba-cache"))
     runs = []
     for name in ("cold", "warm"):
         out = str(tmp_path / f"{name}.npz")
         code = _CHILD.format(root=ROOT, tests=os.path.join(ROOT, "tests"), out=out, model=model,
-                             names=names)
+                             cases=COLD_WARM_CASES)
         r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                            timeout=1800)
         assert r.returncode == 0, r.stderr[-3000:]
         runs.append(dict(np.load(out)))
     assert os.listdir(tmp_path / "numba-cache")            # the second run had a cache to load
     cold, warm = runs
+    names = [f"{n}-{b}" for n, b in COLD_WARM_CASES]
     assert sorted(cold) == sorted(names)
     for name in names:
         assert np.array_equal(cold[name], warm[name]), \

@@ -49,7 +49,7 @@ from numba import prange
 
 from loaders import jit
 from pyimp import attn_kernels
-from pyimp.attn_kernels import FM as _FM, load_f32, prefetch
+from pyimp.attn_kernels import FM as _FM, lane_dot, lane_sum, load_f32, prefetch
 from pyimp.sparse import checks
 from pyimp.sparse.anchors import AnchorType, anchor_slots, group_shared
 from pyimp.sparse.importance import fp16_lut
@@ -120,39 +120,34 @@ def _scores_kernel(q, anc, bt, lb_start, n_slots, G, shared, astep, lut, out, pf
     nlead = Hq // step         # lead j's anchor is head j * astep of the buffer
     for i in prange(C):
         a = np.empty((nlead, n_slots, D), np.float32)
+        mx = np.empty(D, np.float32)
         _load_anchors(anc, bt, lb_start, i, C, astep, a, lut, pf_step)
-        # (loops specialized per slot count so each inner loop vectorizes)
+        # (loops specialized per slot count so each inner loop vectorizes; sums in
+        # lane_dot / lane_sum's fixed order)
         if n_slots == 1:
             for h in range(Hq):
-                a0 = a[h // step, 0]
-                qh = q[h]
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += a0[d] * qh[d]
-                out[i, h] = acc
+                out[i, h] = lane_dot(a[h // step, 0], 0, q[h], 0, D)
         elif n_slots == 2:
             for h in range(Hq):
                 a0 = a[h // step, 0]
                 a1 = a[h // step, 1]
                 qh = q[h]
-                acc = np.float32(0.0)
                 for d in range(D):
                     x = a0[d] * qh[d]
                     y = a1[d] * qh[d]
-                    acc += x if x > y else y
-                out[i, h] = acc
+                    mx[d] = x if x > y else y
+                out[i, h] = lane_sum(mx, 0, D)
         else:
             for h in range(Hq):
                 ah = a[h // step]
                 qh = q[h]
-                acc = np.float32(0.0)
                 for d in range(D):
-                    mx = ah[0, d] * qh[d]
+                    m = ah[0, d] * qh[d]
                     for sl in range(1, n_slots):
                         y = ah[sl, d] * qh[d]
-                        mx = mx if mx > y else y
-                    acc += mx
-                out[i, h] = acc
+                        m = m if m > y else y
+                    mx[d] = m
+                out[i, h] = lane_sum(mx, 0, D)
 
 
 def block_scores(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, lb_start: int,
@@ -242,10 +237,7 @@ def _set_scores_kernel(q, anc, bt, lb_start, G, n_slots, astep, lut, out, pf_ste
             # kv heads touched by the set's query heads [si*hps, (si+1)*hps)
             for j in range((si * hps) // G, ((si + 1) * hps - 1) // G + 1):
                 for sl in range(n_slots):
-                    aj = a[j, sl]
-                    qj = qc[si, j, sl]
-                    for d in range(D):
-                        acc += aj[d] * qj[d]
+                    acc += lane_dot(a[j, sl], 0, qc[si, j, sl], 0, D)
             out[i, si] = acc
 
 
