@@ -27,13 +27,13 @@ from loaders.config import ModelConfig, read_config
 from loaders.gguf_file import GGUFFile
 
 from . import attention, ops
+from .attention import decode_over_blocks, every_block
 from .kv_merge import KVMerger, MergeOptions
 from .kv_policy import KVPolicy, PolicyOptions
 from .kvcache import KVCache
 from .memory import check_fits, fmt_bytes
 from .model import ModelWeights
 from .sampling import Sampler, SamplingParams
-from .sparse.sparse_attention import decode_over_blocks, every_block
 from .sparse_policy import SparseOptions, SparseState
 
 NUMERICS = ("fp32", "ggml")

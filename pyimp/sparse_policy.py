@@ -40,11 +40,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .attention import decode_over_blocks, every_block, sparse_attention_decode
+from .importance import decay_importance
 from .kvcache import KVCache, QuantizedKV
-from .sparse import AnchorType, RetrievalType, compute_anchors, retrieve_blocks, sparse_attention_decode
-from .sparse.sparse_attention import decode_over_blocks, every_block
+from .sparse import AnchorType, RetrievalType, compute_anchors, retrieve_blocks
 from .sparse.anchors import block_anchors, group_shared, min_anchor_num
-from .sparse.importance import decay_importance
 from .sparse.retrieval import (block_center_logits, n_sets, recent_blocks, retrieve_unchecked,
                                select_blocks, select_for_recall)
 from .sparse.select_modes import MODES, LayerKeys, block_max, pattern_scores

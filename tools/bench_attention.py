@@ -59,11 +59,10 @@ def main(argv=None) -> None:
 
     import numba
 
-    from pyimp.attention import attention_decode
+    from pyimp.attention import attention_decode, sparse_attention_decode
+    from pyimp.importance import fp16_lut
     from pyimp.sparse.anchors import AnchorType, block_spans, compute_anchors
-    from pyimp.sparse.importance import fp16_lut
     from pyimp.sparse.retrieval import RetrievalType, retrieve_blocks
-    from pyimp.sparse.sparse_attention import sparse_attention_decode
 
     numba.set_num_threads(args.threads)
     anchor_type = AnchorType(args.anchor)

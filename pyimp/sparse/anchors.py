@@ -43,9 +43,8 @@ import enum
 import numpy as np
 
 from loaders import jit
-from pyimp import attn_kernels
+from pyimp import attn_kernels, checks
 from pyimp.attn_kernels import f32_to_half_bits, half_bits_to_f32, load_f32
-from pyimp.sparse import checks
 
 jit.kernel_module(__file__, attn_kernels)
 

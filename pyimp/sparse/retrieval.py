@@ -48,11 +48,10 @@ import numpy as np
 from numba import prange
 
 from loaders import jit
-from pyimp import attn_kernels
+from pyimp import attn_kernels, checks
 from pyimp.attn_kernels import FM as _FM, lane_dot, lane_sum, load_f32, prefetch
-from pyimp.sparse import checks
 from pyimp.sparse.anchors import AnchorType, anchor_slots, group_shared
-from pyimp.sparse.importance import fp16_lut
+from pyimp.importance import fp16_lut
 
 jit.kernel_module(__file__, attn_kernels)
 

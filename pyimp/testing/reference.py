@@ -24,13 +24,12 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from loaders import quants_k, quants_legacy
-from pyimp.attention import attention_decode_ref, attention_prefill_ref
+from pyimp.attention import attention_decode_ref, attention_prefill_ref, sparse_attention_decode_ref
+from pyimp.importance import importance_update_blocks_ref, importance_update_ref
 from pyimp.sparse.anchors import AnchorType
 from pyimp.sparse.anchors import compute_anchors as _compute_anchors
-from pyimp.sparse.importance import importance_update_blocks_ref, importance_update_ref
 from pyimp.sparse.retrieval import RetrievalType, block_scores_ref, select_blocks_ref
 from pyimp.sparse.retrieval import retrieve_blocks as _retrieve
-from pyimp.sparse.sparse_attention import sparse_attention_decode_ref
 
 # the names a backend may export (the interface), in the order the suite checks them
 NAMES = ("dequantize", "matvec", "attention_decode", "attention_prefill",

@@ -13,10 +13,9 @@ from gguf import GGMLQuantizationType as QT
 
 from loaders import quants
 from pyimp import attention as _att
+from pyimp import importance as _imp
 from pyimp.sparse import anchors as _anc
-from pyimp.sparse import importance as _imp
 from pyimp.sparse import retrieval as _ret
-from pyimp.sparse import sparse_attention as _sp
 
 FP16 = "float16"
 
@@ -41,8 +40,8 @@ def attention_prefill(q, k_cache, v_cache, block_table, pos0, scale, window, out
 
 def sparse_attention_decode(q, k_cache, v_cache, block_table, n_ctx, scale, window, sel, cnt,
                             out, importance=None):
-    return _sp.sparse_attention_decode(q, k_cache, v_cache, block_table, n_ctx, scale, window,
-                                       sel, cnt, out, importance)[0]
+    return _att.sparse_attention_decode(q, k_cache, v_cache, block_table, n_ctx, scale, window,
+                                        sel, cnt, out, importance)[0]
 
 
 def importance_update(importance, block_table, new, pos_lo=0, decay=1.0):
