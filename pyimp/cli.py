@@ -10,49 +10,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import json
 import os
 import secrets
 import signal
-import stat
 import sys
 import tempfile
 import threading
 import time
 import warnings
 
-EXIT_USAGE = 2
-EXIT_ERROR = 1
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, no usage dump
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
-class _Help(argparse.RawDescriptionHelpFormatter):
-    """Shows each option's default, except where there is none to show."""
-
-    def _get_help_string(self, action):
-        h = action.help or ""
-        d = action.default
-        if "%(default)" in h or d is None or d is False or d == () or d == argparse.SUPPRESS \
-                or not action.option_strings:
-            return h
-        return h + " (default: %(default)s)"
-
-
-def _int_at_least(lo: int, name: str):
-    def conv(s: str) -> int:
-        try:
-            v = int(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer, got {s!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"{name} must be >= {lo}, got {v}")
-        return v
-    return conv
+# EXIT_USAGE, PromptTooLarge, read_capped: re-exported (pyimp.cli has always offered them)
+from .cli_common import (EXIT_ERROR, EXIT_USAGE, MAX_PROMPT_BYTES, HelpFormatter,  # noqa: F401
+                         Parser, PromptTooLarge, add_model_args, int_at_least, model_path,
+                         quiet_stdout, read_capped, read_prompt)
 
 
 def _non_empty(s: str) -> str:
@@ -123,27 +94,6 @@ def _int_list(s: str) -> tuple:
         raise argparse.ArgumentTypeError(f"--dense-layers must be comma-separated integers, got {s!r}") from None
 
 
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """The model as first argument or -m/--model (pyimp-run, pyimp-dump); see :func:`model_path`."""
-    p.add_argument("model", nargs="?", help="GGUF model file (default: embedded Gemma 3 270M Q4_K_M)")
-    p.add_argument("-m", "--model", dest="model_opt", metavar="MODEL",
-                   help="GGUF model file, as llama-cli's -m (or give it as the first argument)")
-
-
-def model_path(args: argparse.Namespace) -> str:
-    """The model :func:`add_model_args` parsed, or the embedded default model's path (written to
-    the cache on first use). Raises ValueError for two different models, and
-    :class:`pyimp.default_model.DefaultModelError` when the default model cannot be provided."""
-    if args.model and args.model_opt and args.model != args.model_opt:
-        raise ValueError(f"two models given ({args.model_opt} and {args.model}): use -m/--model "
-                         f"or the first argument")
-    model = args.model_opt or args.model
-    if model:
-        return model
-    from .default_model import default_model_path
-    return str(default_model_path())
-
-
 def flag_conflict(args: argparse.Namespace) -> str | None:
     """A flag that the other flags would make pyimp-run ignore (None: none); a usage error."""
     given = getattr(args, "given", set())
@@ -159,65 +109,9 @@ def flag_conflict(args: argparse.Namespace) -> str | None:
     return None
 
 
-def quiet_stdout() -> None:
-    """After a BrokenPipeError (stdout closed early, e.g. piped into head): point stdout at
-    /dev/null so the process exits quietly, without a flush error at exit."""
-    try:
-        sys.stdout = open(os.devnull, "w")
-    except OSError:
-        pass
-
-
-# the most bytes of prompt text -f / --stdin read (pyimp-run, pyimp-dump, pyimp-tokenize): far
-# more than any model's context holds, and a bound on what an endless input (/dev/zero, a pipe
-# that never closes) can take before it is refused
-MAX_PROMPT_BYTES = 64 << 20
-
-
-class PromptTooLarge(OSError):
-    """An input holds more than :data:`MAX_PROMPT_BYTES`; the message names it and the limit."""
-
-
-def read_capped(fh, name: str) -> bytes:
-    """The bytes of the binary stream ``fh`` (called ``name`` in messages), at most
-    :data:`MAX_PROMPT_BYTES` of them: a regular file over the limit is refused by its size,
-    any other stream after reading one byte more than the limit (PromptTooLarge)."""
-    from .memory import fmt_bytes
-    cap = MAX_PROMPT_BYTES
-    too_large = PromptTooLarge(f"{name}: more than the {fmt_bytes(cap)} a prompt may have "
-                               f"({cap} bytes)")
-    try:
-        st = os.fstat(fh.fileno())
-    except (OSError, AttributeError, ValueError):
-        st = None
-    if st is not None and stat.S_ISREG(st.st_mode) and st.st_size > cap:
-        raise too_large
-    data = fh.read(cap + 1)
-    if len(data) > cap:
-        raise too_large
-    return data
-
-
-def read_prompt(args: argparse.Namespace) -> str:
-    """The prompt of ``-p TEXT`` or ``-f FILE`` ("" when neither is given), a file read as
-    UTF-8 text (undecodable bytes kept as surrogates, newlines translated) of at most
-    :data:`MAX_PROMPT_BYTES`; a file that cannot be read or is larger raises OSError with a
-    message naming it."""
-    if getattr(args, "file", None) is None:
-        return args.prompt if args.prompt is not None else ""
-    try:
-        with open(args.file, "rb") as fh:
-            data = read_capped(fh, f"prompt file {args.file}")
-    except PromptTooLarge:
-        raise
-    except OSError as e:
-        raise OSError(f"cannot read prompt file {args.file}: {e.strerror}") from None
-    return io.TextIOWrapper(io.BytesIO(data), encoding="utf-8", errors="surrogateescape").read()
-
-
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    p = _Parser(prog="pyimp-run", formatter_class=_Help,
+    p = Parser(prog="pyimp-run", formatter_class=HelpFormatter,
                 description="Generate text with a GGUF model (llama, gemma3).")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_model_args(p)
@@ -225,21 +119,21 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("-p", "--prompt", help="prompt text")
     src.add_argument("-f", "--file",
                      help=f"read the prompt from this file (at most {MAX_PROMPT_BYTES >> 20} MiB)")
-    p.add_argument("-n", "--n-predict", type=_int_at_least(-1, "--n-predict"), default=128,
+    p.add_argument("-n", "--n-predict", type=int_at_least(-1, "--n-predict"), default=128,
                    help="tokens to generate (-1 = until end of text or context)")
     p.add_argument("--temp", type=_float_in(0.0, 1e6, "--temp"), default=0.8, help="temperature (0 = greedy)")
-    p.add_argument("--top-k", type=_int_at_least(0, "--top-k"), default=40, help="top-k (0 = off)")
+    p.add_argument("--top-k", type=int_at_least(0, "--top-k"), default=40, help="top-k (0 = off)")
     p.add_argument("--top-p", type=_float_in(0.0, 1.0, "--top-p"), default=0.95, help="top-p (1 = off)")
     p.add_argument("--min-p", type=_float_in(0.0, 1.0, "--min-p"), default=0.05, help="min-p (0 = off)")
     p.add_argument("--repeat-penalty", type=_float_in(1e-6, 1e6, "--repeat-penalty"), default=1.0,
                    help="repetition penalty over the last 64 tokens (1 = off)")
-    p.add_argument("--seed", type=_int_at_least(-1, "--seed"), default=-1, help="RNG seed (-1 = random)")
-    p.add_argument("-c", "--ctx-size", type=_int_at_least(0, "--ctx-size"), default=4096,
+    p.add_argument("--seed", type=int_at_least(-1, "--seed"), default=-1, help="RNG seed (-1 = random)")
+    p.add_argument("-c", "--ctx-size", type=int_at_least(0, "--ctx-size"), default=4096,
                    help="context size in tokens (0 = the model's)")
-    p.add_argument("--block-len", type=_int_at_least(1, "--block-len"), default=32, help="KV block length")
-    p.add_argument("-b", "--batch-size", type=_int_at_least(1, "--batch-size"), default=512,
+    p.add_argument("--block-len", type=int_at_least(1, "--block-len"), default=32, help="KV block length")
+    p.add_argument("-b", "--batch-size", type=int_at_least(1, "--batch-size"), default=512,
                    help="prefill chunk size")
-    p.add_argument("-t", "--threads", type=_int_at_least(0, "--threads"), default=0,
+    p.add_argument("-t", "--threads", type=int_at_least(0, "--threads"), default=0,
                    help="threads (0 = all cores)")
     p.add_argument("--numerics", choices=("fp32", "ggml"), default="fp32",
                    help="fp32: exact weights, fp32 activations; ggml: activations quantized as ggml's CPU does")
@@ -273,38 +167,38 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--sparse", action="store_true", help="block-sparse decode attention on global layers")
     sp.add_argument("--anchor", choices=("fixed", "dynamic", "quest", "block_mean", "block_max", "cuboid_mean"),
                     default="quest", help="anchor type used to score blocks")
-    sp.add_argument("--anchor-num", type=_int_at_least(0, "--anchor-num"), default=0,
+    sp.add_argument("--anchor-num", type=int_at_least(0, "--anchor-num"), default=0,
                     help="anchors per block (0 = the type's minimum)")
     sp.add_argument("--retrieval", choices=("layer", "kvhead", "qhead"), default="kvhead",
                     help="selection granularity")
-    sp.add_argument("--topk", type=_int_at_least(0, "--topk"), default=8, action=_Noted,
+    sp.add_argument("--topk", type=int_at_least(0, "--topk"), default=8, action=_Noted,
                     help="blocks picked by score")
-    sp.add_argument("--init-blocks", type=_int_at_least(0, "--init-blocks"), default=1,
+    sp.add_argument("--init-blocks", type=int_at_least(0, "--init-blocks"), default=1,
                     help="attention-sink blocks always attended")
-    sp.add_argument("--local-blocks", type=_int_at_least(0, "--local-blocks"), default=2,
+    sp.add_argument("--local-blocks", type=int_at_least(0, "--local-blocks"), default=2,
                     help="most recent full blocks always attended")
     sp.add_argument("--importance-window", type=_window, default=128,
                     help="prompt rows that add importance at prefill (an integer or 'all')")
-    sp.add_argument("--token-step", type=_int_at_least(1, "--token-step"), default=1,
+    sp.add_argument("--token-step", type=int_at_least(1, "--token-step"), default=1,
                     help="reuse a block selection for this many decode steps")
-    sp.add_argument("--layer-step", type=_int_at_least(1, "--layer-step"), default=1,
+    sp.add_argument("--layer-step", type=int_at_least(1, "--layer-step"), default=1,
                     help="reuse a lead layer's selection for this many sparse layers")
     sp.add_argument("--dense-layers", type=_int_list, default=(), help="comma-separated layers kept dense")
     sp.add_argument("--select", choices=("anchors", "lowrank", "lsh", "sink_window", "strided"),
                     default="anchors", help="block scoring: the anchors (default), low-rank keys "
                     "(Loki), SimHash collisions (MagicPIG-style), or a fixed pattern")
-    sp.add_argument("--rank", type=_int_at_least(0, "--rank"), default=0,
+    sp.add_argument("--rank", type=int_at_least(0, "--rank"), default=0,
                     help="lowrank: principal directions (0: head dim / 4)")
-    sp.add_argument("--lsh-tables", type=_int_at_least(1, "--lsh-tables"), default=16)
-    sp.add_argument("--lsh-bits", type=_int_at_least(1, "--lsh-bits"), default=8)
-    sp.add_argument("--lsh-min-hits", type=_int_at_least(1, "--lsh-min-hits"), default=2)
-    sp.add_argument("--stride", type=_int_at_least(1, "--stride"), default=4,
+    sp.add_argument("--lsh-tables", type=int_at_least(1, "--lsh-tables"), default=16)
+    sp.add_argument("--lsh-bits", type=int_at_least(1, "--lsh-bits"), default=8)
+    sp.add_argument("--lsh-min-hits", type=int_at_least(1, "--lsh-min-hits"), default=2)
+    sp.add_argument("--stride", type=int_at_least(1, "--stride"), default=4,
                     help="strided: every stride-th block back from the newest")
     sp.add_argument("--recall-target", type=_float_in(0.0, 1.0, "--recall-target"), default=0.0,
                     action=_Noted,
                     help="pick blocks heaviest first until the captured softmax mass estimated "
                     "from the anchors reaches this (e.g. 0.95; --topk is then the floor)")
-    sp.add_argument("--recall-max-blocks", type=_int_at_least(0, "--recall-max-blocks"), default=0,
+    sp.add_argument("--recall-max-blocks", type=int_at_least(0, "--recall-max-blocks"), default=0,
                     help="ceiling on the blocks --recall-target picks (0: none)")
     sp.add_argument("--report", action="store_true",
                     help="print attention recall, attended fraction and buffer sizes (stderr; in --json too)")
@@ -322,16 +216,16 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--swa-full", action="store_true",
                     help="sliding-window layers keep every token (as llama.cpp's --swa-full): "
                     "more memory, but --prompt-cache can reuse any prefix of a long prompt")
-    ev.add_argument("--kv-budget", type=_int_at_least(0, "--kv-budget"), default=0,
+    ev.add_argument("--kv-budget", type=int_at_least(0, "--kv-budget"), default=0,
                     help="tokens per layer an eviction policy keeps (held in whole blocks)")
-    ev.add_argument("--keep", type=_int_at_least(0, "--keep"), default=4,
+    ev.add_argument("--keep", type=int_at_least(0, "--keep"), default=4,
                     help="sink tokens (the first positions) every policy keeps, as llama.cpp's "
                     "n_keep")
-    ev.add_argument("--kv-recent", type=_int_at_least(0, "--kv-recent"), default=0,
+    ev.add_argument("--kv-recent", type=int_at_least(0, "--kv-recent"), default=0,
                     help="h2o / streaming recent window (0: half the budget)")
-    ev.add_argument("--kv-obs-window", type=_int_at_least(0, "--kv-obs-window"), default=32,
+    ev.add_argument("--kv-obs-window", type=int_at_least(0, "--kv-obs-window"), default=32,
                     help="snapkv / pyramidkv observation window (last prompt rows)")
-    ev.add_argument("--kv-pool", type=_int_at_least(1, "--kv-pool"), default=5,
+    ev.add_argument("--kv-pool", type=int_at_least(1, "--kv-pool"), default=5,
                     help="snapkv / pyramidkv pooling kernel (odd)")
     ev.add_argument("--kv-depth-ratio", type=_float_in(1.0, float("inf"), "--kv-depth-ratio"),
                     default=1.0, metavar="R",
@@ -343,7 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="h2o: rank tokens by their accumulated attention plus W times the "
                     "attention of the prompt's last --kv-obs-window rows (each normalized per "
                     "layer); 0: accumulated attention only")
-    ev.add_argument("--kv-neighbours", type=_int_at_least(0, "--kv-neighbours"), default=0,
+    ev.add_argument("--kv-neighbours", type=int_at_least(0, "--kv-neighbours"), default=0,
                     metavar="R", help="h2o / snapkv / pyramidkv: rank a token by the largest "
                     "score within R positions of it, so a kept token keeps its neighbours (a "
                     "number's digits after the one attended to); 0: off")
@@ -351,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="COS", help="merge cached tokens whose keys share a SimHash "
                     "signature and have cosine similarity >= COS into one slot (importance-"
                     "weighted average; the slot's score gains log(count)); 0: off")
-    ev.add_argument("--kv-merge-bits", type=_int_at_least(1, "--kv-merge-bits"), default=12,
+    ev.add_argument("--kv-merge-bits", type=int_at_least(1, "--kv-merge-bits"), default=12,
                     help="SimHash bits per kv head proposing --kv-merge candidates")
     p.add_argument("--stats", action="store_true", help="print timings at the end (stderr)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")

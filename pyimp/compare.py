@@ -64,13 +64,13 @@ def metrics(a: np.ndarray, b: np.ndarray) -> dict:
 
 
 def _trim(shape) -> tuple:
-    from .dump import ggml_shape
+    from .trace import ggml_shape
     return ggml_shape(shape)
 
 
 def _group(names) -> list:
     """[(base name, count)] of a list of dump names (``kq-3#1@2`` counts under ``kq``)."""
-    from .dump import split_name
+    from .trace import split_name
     counts: dict = {}
     for n in names:
         parts = split_name(n)
@@ -229,8 +229,8 @@ def _threshold(s: str) -> float:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .cli import _Help, _Parser
-    p = _Parser(prog="pyimp-compare", formatter_class=_Help,
+    from .cli_common import HelpFormatter, Parser
+    p = Parser(prog="pyimp-compare", formatter_class=HelpFormatter,
                 description="Compare two tensor dumps (pyimp-dump, tools.llamacpp_trace): NMSE, "
                             "max abs / relative error and cosine per tensor, and the first tensor "
                             "in A's graph order where they diverge.")
@@ -247,13 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from . import dump
+    from . import trace
     args = build_parser().parse_args(argv)
     try:
-        a = dump.read(args.a)
-        b = dump.read(args.b)
+        a = trace.read(args.a)
+        b = trace.read(args.b)
         res = compare(a, b, args.nmse)
-    except dump.DumpError as e:
+    except trace.DumpError as e:
         print(f"pyimp-compare: error: {e}", file=sys.stderr)
         return EXIT_ERROR
     try:
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
             print(format_table(res, args.diverged_only))
         sys.stdout.flush()
     except BrokenPipeError:
-        from .cli import quiet_stdout
+        from .cli_common import quiet_stdout
         quiet_stdout()
     return 0
 

@@ -497,7 +497,7 @@ class Engine:
             return self._forward_device(tokens, decode, prompt_end, all_logits, logits, pos0, ckpt)
 
         # tap(llama.cpp's name, layer or -1, value): records intermediates while a trace runs
-        # (Engine.trace, pyimp.dump); otherwise a function that does nothing
+        # (Engine.trace, pyimp.trace); otherwise a function that does nothing
         tap = self._tap
         x = W.embed(tokens, scaled=False)                              # [T, E] token embeddings
         tap("embd", -1, x)
@@ -830,11 +830,11 @@ class Engine:
     def trace(self, prompt, steps: int = 0, keep=None, add_bos: bool = True):
         """Run ``prompt`` (text or token ids) as one prefill forward and ``steps`` greedy decode
         steps, recording every named intermediate tensor under llama.cpp's graph names; returns
-        a :class:`pyimp.dump.Trace` (``.write(path)``: the GGUF tensor dump). ``keep(name)``
+        a :class:`pyimp.trace.Trace` (``.write(path)``: the GGUF tensor dump). ``keep(name)``
         selects what is copied (None: everything). The cache is reset first and holds the run
         afterwards. CPU only (device="cuda" raises ValueError). Names, order and format:
         :mod:`pyimp.dump`."""
-        from .dump import run_trace
+        from .trace import run_trace
         return run_trace(self, prompt, steps, keep, add_bos)
 
     @_exclusive
@@ -939,12 +939,12 @@ class Engine:
         bos = max(self.cfg.bos_id, 0)
         helper = None
         if compile_helper and self._gpu is None and _first_run():
-            from . import compile_helper as ch
+            from . import parallel_compile as pc
             try:
                 claims = tempfile.mkdtemp(prefix="pyimp-claims-")
             except OSError:        # no writable temporary folder: this process compiles it all
                 claims = None
-            helper = None if claims is None else ch.start(self, claims)
+            helper = None if claims is None else pc.start(self, claims)
             if helper is None and claims is not None:
                 shutil.rmtree(claims, ignore_errors=True)
         try:
@@ -957,7 +957,7 @@ class Engine:
                 # the helper compiles the decode attention (the largest kernel) meanwhile, then
                 # both compile the weight types' decode matvecs, it from the first type its
                 # forward reaches and this process from the last, each type once
-                ch.Claims(claims).compile(ch.decode_linears(self.weights)[::-1],
+                pc.Claims(claims).compile(pc.decode_linears(self.weights)[::-1],
                                           self.options.numerics)
                 helper.wait()      # its kernels are in the cache now (or it failed: compiled below)
         finally:

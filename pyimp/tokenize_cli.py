@@ -55,8 +55,8 @@ def _piece_text(piece: bytes) -> tuple[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import cli
-    from .cli import PromptTooLarge, read_capped
+    from . import cli_common
+    from .cli_common import PromptTooLarge, read_capped
     from .runtime import configure_process
     configure_process()
     p = _Parser(prog=PROG, description="Print the token ids of a text for a GGUF vocabulary "
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="the same, as llama-tokenize's -m")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="text to tokenize")
-    limit = f"at most {cli.MAX_PROMPT_BYTES >> 20} MiB"
+    limit = f"at most {cli_common.MAX_PROMPT_BYTES >> 20} MiB"
     src.add_argument("-f", "--file", help=f"read the text from this file (bytes as they are; {limit})")
     src.add_argument("--stdin", action="store_true", help=f"read the text from standard input ({limit})")
     p.add_argument("--ids", action="store_true", help="print only the ids, as a list")

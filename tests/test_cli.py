@@ -413,8 +413,8 @@ def test_numba_settings_that_cannot_run_are_one_error(tiny, var, value, needle):
 def test_prompt_file_beyond_the_limit_is_one_error(capsys, tiny, tmp_path, monkeypatch):
     """-f reads at most MAX_PROMPT_BYTES + 1 bytes: /dev/zero (endless) and a regular file over
     the limit are one line naming the file and the limit, before the model is loaded."""
-    import pyimp.cli as cli
-    monkeypatch.setattr(cli, "MAX_PROMPT_BYTES", 1024)
+    import pyimp.cli_common as cli_common
+    monkeypatch.setattr(cli_common, "MAX_PROMPT_BYTES", 1024)
     code, out, err = _run([tiny, "-f", "/dev/zero"], capsys)
     _one_line_error(code, err, "prompt file /dev/zero: more than the 1.0 KiB")
     assert code == 1 and out == ""
@@ -427,9 +427,9 @@ def test_prompt_file_beyond_the_limit_is_one_error(capsys, tiny, tmp_path, monke
     ok.write_bytes(b"ab\r\ncd" + b"e" * 1018)            # exactly the limit: read as text
     code, out, err = _run([tiny, "-f", str(ok), "-n", "1", "--temp", "0", "--json"], capsys)
     assert code == 0, err
-    assert cli.MAX_PROMPT_BYTES == 1024
+    assert cli_common.MAX_PROMPT_BYTES == 1024
     monkeypatch.undo()
-    assert cli.MAX_PROMPT_BYTES == 64 << 20                # the documented limit
+    assert cli_common.MAX_PROMPT_BYTES == 64 << 20         # the documented limit
 
 
 def test_prompt_file_keeps_its_newlines_translated(tmp_path):

@@ -171,17 +171,17 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
     """On a first run (here forced: every kernel load counts as slow) warmup starts the compile
     helper, which runs the decode path of the same model, types and numerics in its own
     process and exits cleanly; the engine's results do not depend on it."""
-    from pyimp import compile_helper
     from pyimp import engine as engine_mod
+    from pyimp import parallel_compile
     started = []
-    real_start = compile_helper.start
+    real_start = parallel_compile.start
 
     def start(eng, claims):
         p = real_start(eng, claims)
         started.append((p, claims))
         return p
 
-    monkeypatch.setattr(compile_helper, "start", start)
+    monkeypatch.setattr(parallel_compile, "start", start)
     monkeypatch.setattr(engine_mod, "_first_run", lambda: True)
     opts = {"n_ctx": 64, "block_len": 8, "kv_type": "f32"}
     eng = Engine(llama, EngineOptions(**opts))
@@ -202,8 +202,8 @@ def test_first_run_without_a_temporary_folder_compiles_in_process(llama, monkeyp
     helper and compiles everything itself: no error, the same logits."""
     import tempfile
 
-    from pyimp import compile_helper
     from pyimp import engine as engine_mod
+    from pyimp import parallel_compile
 
     def no_tmp(*a, **k):
         raise PermissionError("read-only temporary folder")
@@ -211,7 +211,7 @@ def test_first_run_without_a_temporary_folder_compiles_in_process(llama, monkeyp
     started = []
     monkeypatch.setattr(engine_mod, "_first_run", lambda: True)
     monkeypatch.setattr(tempfile, "mkdtemp", no_tmp)
-    monkeypatch.setattr(compile_helper, "start", lambda *a: started.append(a))
+    monkeypatch.setattr(parallel_compile, "start", lambda *a: started.append(a))
     opts = {"n_ctx": 64, "block_len": 8, "kv_type": "f32"}
     eng = Engine(llama, EngineOptions(**opts))
     eng.warmup(compile_helper=True)
@@ -240,7 +240,7 @@ def test_claims_share_out_the_decode_matvecs(gemma_path, tmp_path, monkeypatch):
     """The helper and the engine each compile a weight type's decode matvec only if they claim
     it first; the helper takes types in the order a forward first reaches them (Gemma's file
     mixes four types), the engine from the back; wait returns once every claimed type is done."""
-    from pyimp import compile_helper as ch
+    from pyimp import parallel_compile as ch
     eng = Engine(gemma_path, EngineOptions(n_ctx=64, block_len=32))
     lins = ch.decode_linears(eng.weights)
     W = eng.weights

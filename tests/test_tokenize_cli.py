@@ -32,8 +32,8 @@ def test_input_beyond_the_limit_is_one_error(gemma_path, capsys, monkeypatch, tm
     is one line naming it and the limit."""
     import io
 
-    import pyimp.cli as cli
-    monkeypatch.setattr(cli, "MAX_PROMPT_BYTES", 1024)
+    import pyimp.cli_common as cli_common
+    monkeypatch.setattr(cli_common, "MAX_PROMPT_BYTES", 1024)
     with pytest.raises(SystemExit) as e:
         main([gemma_path, "-f", "/dev/zero", "--ids"])
     out, err = capsys.readouterr()

@@ -230,15 +230,15 @@ def _error(msg: str) -> int:
 
 
 def main(argv=None) -> int:
-    from pyimp.cli import _int_at_least, _Parser
-    p = _Parser(prog="python -m tools.llamacpp_trace",
+    from pyimp.cli_common import Parser, int_at_least
+    p = Parser(prog="python -m tools.llamacpp_trace",
                 description="Write llama.cpp's named intermediate tensors of a greedy run as a "
                             "pyimp tensor dump (GGUF; compare with pyimp-compare).")
     p.add_argument("model", help="GGUF model file")
     src = p.add_mutually_exclusive_group()
     src.add_argument("-p", "--prompt", help="prompt text (tokenized by llama.cpp)")
     src.add_argument("-f", "--file", help="read the prompt from this file")
-    p.add_argument("--steps", type=_int_at_least(0, "--steps"), default=None,
+    p.add_argument("--steps", type=int_at_least(0, "--steps"), default=None,
                    help="greedy decode steps after the prefill (default 4, or the followed "
                         "dump's)")
     p.add_argument("-o", "--output", required=True, metavar="OUT.gguf")
@@ -246,11 +246,11 @@ def main(argv=None) -> int:
                    help="feed the token ids this dump recorded (its prompt and decode tokens)")
     p.add_argument("--kv-type", choices=("f32", "f16"), default="f32", help="K and V cache type")
     p.add_argument("--no-bos", action="store_true", help="do not add the BOS token")
-    p.add_argument("-t", "--threads", type=_int_at_least(1, "--threads"), default=2)
+    p.add_argument("-t", "--threads", type=int_at_least(1, "--threads"), default=2)
     args = p.parse_args(argv)
 
     from pyimp import dump
-    from pyimp.cli import read_prompt
+    from pyimp.cli_common import read_prompt
     try:
         import llama_cpp  # noqa: F401
     except ImportError:
