@@ -1,11 +1,14 @@
 """fp16 <-> fp32 conversions for jitted code: in hardware (IR fpext / fptrunc of half,
 F16C's vcvtph2ps / vcvtps2ph on x86), or in integer IR on an x86 target without F16C, with
-the same values; and :func:`fma16`, a 16-lane FMA whose operands may be fp16. Used by the
-float matvecs (F16 weights) and pyimp's KV cache and attention kernels."""
+the same values; :func:`fma16`, a 16-lane FMA whose operands may be fp16; and sums in a fixed
+order that LLVM cannot change (:func:`lane_dot`, :func:`lane_sum`, :func:`lane_dot_rows`,
+:func:`hsum16`, with NumPy references). Used by the float matvecs (F16 weights) and pyimp's KV
+cache and attention kernels."""
 from __future__ import annotations
 
 import platform
 
+import numpy as np
 from llvmlite import ir as llvm_ir
 from numba import types
 from numba.core import cgutils
@@ -231,6 +234,12 @@ def _fixed_order_reduce(context, builder, operands, n):
     return builder.load(total)
 
 
+def _contiguous(*arys):
+    """True when every operand is a C-contiguous array (the vector loads read consecutive
+    elements); the intrinsics refuse other operands at typing time."""
+    return all(isinstance(t, types.Array) and t.layout == "C" for t in arys)
+
+
 def _as_i64(builder, v):
     return builder.sext(v, llvm_ir.IntType(64)) if v.type.width < 64 else v
 
@@ -240,6 +249,8 @@ def lane_dot(typingctx, a, ao, b, bo, n):
     """sum of a[ao + i] * b[bo + i] for i < n, in the fixed order above, the same bits however
     the calling kernel is optimized (1-D contiguous arrays, no bounds check; float32 or uint16
     fp16 bits, converted exactly)."""
+    if not _contiguous(a, b):
+        return None
     sig = types.float32(a, ao, b, bo, n)
 
     def codegen(context, builder, signature, args):
@@ -254,6 +265,8 @@ def lane_dot(typingctx, a, ao, b, bo, n):
 @intrinsic
 def lane_sum(typingctx, x, xo, n):
     """sum of x[xo + i] for i < n, in the fixed order above (as :func:`lane_dot`)."""
+    if not _contiguous(x):
+        return None
     sig = types.float32(x, xo, n)
 
     def codegen(context, builder, signature, args):
@@ -267,6 +280,8 @@ def lane_sum(typingctx, x, xo, n):
 def hsum16(typingctx, x, xo):
     """x[xo] + ... + x[xo + 15] added by halving (lane i + lane i + 8, then + 4, + 2, + 1), as
     one vector sequence (float32 1-D array, no bounds check)."""
+    if not _contiguous(x):
+        return None
     sig = types.float32(x, xo)
 
     def codegen(context, builder, signature, args):
@@ -274,3 +289,107 @@ def hsum16(typingctx, x, xo):
         return _hsum16_ir(builder, _load_lanes(builder, p, h, llvm_ir.Constant(llvm_ir.IntType(64), 0), 16))
 
     return sig, codegen
+
+
+@intrinsic
+def lane_dot_rows(typingctx, a, r0, nr, b, bo, n, out, oo, ostride, scale):
+    """out[oo + g * ostride] = scale * (a[r0 + g, :n] . b[bo:bo + n]) for g < nr (a literal): the
+    rows share each 16-element chunk of b, converted once (b float32 or fp16 bits). Each row
+    sums into one 16-lane accumulator, chunk by chunk (the nr rows' chains run side by side),
+    then its lanes by halving (:func:`hsum16`), then the elements past the last whole chunk in
+    index order: a fixed order, as :func:`lane_dot` (whose four-accumulator order differs).
+    a: float32 2-D C-contiguous; out float32 1-D; no bounds check."""
+    if not isinstance(nr, types.IntegerLiteral) or not _contiguous(a, b, out):
+        return None
+    NR = nr.literal_value
+    sig = types.void(a, r0, nr, b, bo, n, out, oo, ostride, scale)
+
+    def codegen(context, builder, signature, args):
+        i64 = llvm_ir.IntType(64)
+        f32 = llvm_ir.FloatType()
+        vf = llvm_ir.VectorType(f32, 16)
+        fma_v = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(vf, [vf, vf, vf]),
+                                               "llvm.fma.v16f32")
+        fma_s = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(f32, [f32, f32, f32]),
+                                               "llvm.fma.f32")
+        k = lambda v: llvm_ir.Constant(i64, v)       # noqa: E731
+        aty, _, _, bty, _, _, oty, _, _, _ = signature.args
+        a_ary = context.make_array(aty)(context, builder, args[0])
+        row_len = builder.extract_value(a_ary.shape, 1)
+        r0_ = _as_i64(builder, args[1])
+        a_p = builder.bitcast(a_ary.data, f32.as_pointer())
+        b_p, b_half = _operand_ptr(context, builder, bty, args[3], args[4])
+        n_ = _as_i64(builder, args[5])
+        n_ = builder.select(builder.icmp_signed("<", n_, k(0)), k(0), n_)
+        rows = [builder.gep(a_p, [builder.mul(builder.add(r0_, k(g)), row_len)]) for g in range(NR)]
+        n16 = builder.udiv(n_, k(16))
+        accs = []
+        for _ in range(NR):
+            slot = cgutils.alloca_once(builder, vf)
+            builder.store(llvm_ir.Constant(vf, [0.0] * 16), slot)
+            accs.append(slot)
+        with cgutils.for_range(builder, n16, intp=i64) as loop:
+            idx = builder.mul(loop.index, k(16))
+            bv = _load_lanes(builder, b_p, b_half, idx, 16)
+            for g in range(NR):
+                av = _load_lanes(builder, rows[g], False, idx, 16)
+                builder.store(builder.call(fma_v, [av, bv, builder.load(accs[g])]), accs[g])
+        totals = []
+        for g in range(NR):
+            t = cgutils.alloca_once(builder, f32)
+            builder.store(_hsum16_ir(builder, builder.load(accs[g])), t)
+            totals.append(t)
+        with cgutils.for_range(builder, builder.sub(n_, builder.mul(n16, k(16))), intp=i64) as loop:
+            idx = builder.add(builder.mul(n16, k(16)), loop.index)
+            bs = _load_lanes(builder, b_p, b_half, idx, 1)
+            for g in range(NR):
+                av = _load_lanes(builder, rows[g], False, idx, 1)
+                builder.store(builder.call(fma_s, [av, bs, builder.load(totals[g])]), totals[g])
+        o_ary = context.make_array(oty)(context, builder, args[6])
+        o_p = builder.bitcast(o_ary.data, f32.as_pointer())
+        oo_, os_ = _as_i64(builder, args[7]), _as_i64(builder, args[8])
+        sc = context.cast(builder, args[9], signature.args[9], types.float32)
+        for g in range(NR):
+            at = builder.gep(o_p, [builder.add(oo_, builder.mul(os_, k(g)))])
+            builder.store(builder.fmul(builder.load(totals[g]), sc), at)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _fma32(a, b, c):
+    """float32 fma(a, b, c) elementwise in NumPy: the product of two float32 is exact in float64
+    and one float64 add then rounds (a second rounding to float32 could differ from a single
+    one only in rare ties, none of which the tests' fixed data meet)."""
+    return (a.astype(np.float64) * b.astype(np.float64) + c.astype(np.float64)).astype(np.float32)
+
+
+def _hsum16_ref(v):
+    v = np.asarray(v, np.float32)
+    while v.size > 1:
+        v = v[:v.size // 2] + v[v.size // 2:]
+    return v[0]
+
+
+def lane_dot_ref(a, b=None, rows=False):
+    """NumPy reference of :func:`lane_dot` (b given), :func:`lane_sum` (b None) and, with
+    ``rows``, of one row of :func:`lane_dot_rows`: the same operations in the same order (a, b
+    float32 1-D of one length)."""
+    a = np.asarray(a, np.float32)
+    b = np.ones_like(a) if b is None else np.asarray(b, np.float32)
+    n = a.size
+    n16 = n // 16
+    if rows:
+        acc = np.zeros(16, np.float32)
+        for c in range(n16):
+            acc = _fma32(a[16 * c:16 * c + 16], b[16 * c:16 * c + 16], acc)
+        s = _hsum16_ref(acc)
+    else:
+        acc = np.zeros((4, 16), np.float32)
+        for c in range(n16):
+            j = c % 4 if c < n16 // 4 * 4 else 0
+            acc[j] = _fma32(a[16 * c:16 * c + 16], b[16 * c:16 * c + 16], acc[j])
+        s = _hsum16_ref((acc[0] + acc[1]) + (acc[2] + acc[3]))
+    for i in range(16 * n16, n):
+        s = _fma32(a[i:i + 1], b[i:i + 1], np.array([s], np.float32))[0]
+    return np.float32(s)

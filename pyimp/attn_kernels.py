@@ -36,7 +36,7 @@ from numba.extending import intrinsic, overload
 from loaders import half, jit, quantize, quants, quants_legacy
 # f32_to_half_bits: pyimp.kvcache and pyimp.sparse take the conversions from here
 from loaders.half import (_fpext_half, f32_to_half_bits, fma16, half_bits_to_f32,  # noqa: F401
-                          hsum16, lane_dot, lane_sum)
+                          hsum16, lane_dot, lane_dot_rows, lane_sum)
 from loaders.quantize import decode_qblocks
 from loaders.quants_legacy import _bits_f32
 
@@ -556,9 +556,14 @@ def _pv_channels(ow, P, PS, addr, nblk, D, B, nh):
 @jit.njit(fastmath=FM, inline="always")
 def _qk_heads(q, h0, kr, ko, D, nh, sg, so, ss, sc):
     """sg[so + g*ss] = sc * (q[h0 + g] . fp16 key kr[ko:ko + D]) for g < nh (a literal in the
-    callers), each a :func:`lane_dot`."""
-    for g in range(nh):
-        sg[so + g * ss] = lane_dot(q[h0 + g], 0, kr, ko, D) * sc
+    callers): with four heads or more one :func:`lane_dot_rows` (each key chunk converted once
+    for the nh heads, one accumulator chain per head), with fewer a :func:`lane_dot` each (four
+    chains per head)."""
+    if nh >= 4:
+        lane_dot_rows(q, h0, nh, kr, ko, D, sg, so, ss, sc)
+    else:
+        for g in range(nh):
+            sg[so + g * ss] = lane_dot(q[h0 + g], 0, kr, ko, D) * sc
 
 
 @jit.njit(fastmath=FM)
