@@ -1,0 +1,25 @@
+"""The device path against logits saved before the engine's restructuring
+(tools/forward_fixture.py write-device): the simulator computes in NumPy on the host, so on the
+fixture's machine signature bit for bit."""
+import os
+
+import numpy as np
+
+from tools import forward_fixture as ff
+
+FIXTURE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "fixtures",
+                       "forward_logits_device.npz")
+
+
+def test_device_logits_are_the_saved_ones(tmp_path):
+    saved = dict(np.load(FIXTURE))
+    assert sorted(k for k in saved if k != "signature") == sorted(ff.DEVICE_CONFIGS)
+    models = ff.write_models(str(tmp_path), ff.models_of(ff.DEVICE_CONFIGS))
+    for name, (model, options) in ff.DEVICE_CONFIGS.items():
+        got = ff.run(models[model], options, n_prompt=ff.DEVICE_PROMPT,
+                     n_decode=ff.DEVICE_DECODE, n_vocab=ff.MODELS[model]["vocab_size"])
+        if str(saved["signature"]) == ff.machine_signature():
+            assert np.array_equal(got, saved[name]), np.abs(got - saved[name]).max(axis=1)
+        else:   # another machine: see tests/test_forward_fixture.py
+            np.testing.assert_allclose(got, saved[name], rtol=0,
+                                       atol=1e-4 * np.abs(saved[name]).max())
