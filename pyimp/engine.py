@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import os
 import shutil
 import tempfile
@@ -26,8 +25,10 @@ from loaders import quants
 from loaders.config import ModelConfig, read_config
 from loaders.gguf_file import GGUFFile
 
-from . import attention, ops
+from . import ops
 from .attention import decode_over_blocks, every_block
+from .cpu_forward import CPUForward, no_tap as _no_tap
+from .forward import forward, make_step
 from .kv_merge import KVMerger, MergeOptions
 from .kv_policy import KVPolicy, PolicyOptions
 from .kvcache import KVCache
@@ -168,10 +169,6 @@ class EngineOptions:
         return self.cache_type_v or self.kv_type
 
 
-# the weight argument of a fused op whose norm the architecture does not have
-_NO_WEIGHT = np.zeros(0, np.float32)
-
-
 class EngineBusyError(RuntimeError):
     """A call on an engine whose sequence another call holds: one running in another thread,
     or a :meth:`Engine.generate` iterator that has not finished."""
@@ -195,10 +192,6 @@ def _check_max_tokens(n) -> int:
         raise ValueError(f"max_tokens must be >= -1 (-1: until an end-of-generation token or a "
                          f"full context), got {int(n)}")
     return int(n)
-
-
-def _no_tap(name: str, il: int, x: np.ndarray) -> None:
-    """The forward's tap while no trace runs: records nothing (see :meth:`Engine.trace`)."""
 
 
 @dataclass
@@ -289,17 +282,17 @@ class Engine:
         self.policy = (None if self._gpu is not None else
                        KVPolicy(opts.policy, self.cfg, self.cache, self.sparse,
                                 trim_windows=not opts.swa_full, merger=self.merger))
-        self._rot = ops.hadamard(self.cfg.head_dim) if opts.kv_rotate else None
         self._tokenizer = None
         self._vocab = None
         self.tokens: list[int] = []          # what the cache holds, in order
-        self._attn_threads: dict = {}        # (sparse, bit length of bytes read) -> ThreadChoice
         self._tap = _no_tap                  # the forward's tap (a recorder while trace() runs)
         # one-token forwards run the small ops between the matvecs as fused kernels, and the
         # matvecs that read the same x (q, k, v; gate, up) as one call where their types match
         # (the same bits: tests compare both ways); False: every op on its own, as a traced
         # forward runs
         self.fused_ops = True
+        # the forward's steps: on the device (_init_device) or on the host
+        self._backend = self._gpu if self._gpu is not None else CPUForward(self)
         self.timings = Timings(load_s=time.perf_counter() - t0)
 
     def _init_device(self) -> None:
@@ -383,7 +376,7 @@ class Engine:
         if self.file is None:
             return
         self.weights = self._vocab = self._tokenizer = None
-        self.cache = self.sparse = self._gpu = None
+        self.cache = self.sparse = self._gpu = self._backend = None
         f, self.file = self.file, None
         if not f.close():
             import gc
@@ -451,14 +444,6 @@ class Engine:
         return self.tokenizer.decode(list(tokens))
 
     # -------------------------------------------------------------- forward
-    def _rope_tables(self, il: int, pos: np.ndarray, memo: dict) -> tuple[np.ndarray, np.ndarray]:
-        """cos, sin of layer il at positions pos; layers sharing base and scale share one table."""
-        cfg = self.cfg
-        key = (cfg.layer_rope_base(il), cfg.layer_rope_scale(il))
-        if key not in memo:
-            memo[key] = ops.rope_cache(pos, cfg.rope_dim, key[0], key[1], self.weights.rope_freqs)
-        return memo[key]
-
     @_exclusive
     def forward(self, tokens: np.ndarray, all_logits: bool = False, prompt_end: int | None = None,
                 logits: bool = True) -> np.ndarray | None:
@@ -471,214 +456,39 @@ class Engine:
 
     def _forward(self, tokens: np.ndarray, all_logits: bool = False, prompt_end: int | None = None,
                  logits: bool = True) -> np.ndarray | None:
-        """Run ``tokens`` (appended after the cached ones) through the model.
+        """Run ``tokens`` (appended after the cached ones) through the model
+        (:func:`pyimp.forward.forward` over this engine's backend).
 
         Returns float32[T, n_vocab] logits when ``all_logits`` else float32[1, n_vocab]
         for the last token, or None when ``logits`` is False (the output head is skipped).
         The cache grows by T tokens. ``prompt_end``: absolute end of the prompt this chunk
         belongs to (sets the importance observation window).
         """
-        cfg, W, A = self.cfg, self.weights, self.weights.arch
-        num = self.options.numerics
-        eps = cfg.rms_eps
         T = len(tokens)
-        Hq, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         pos0 = int(self.cache.cache_seqlens[0])
         self.cache.reserve(T)
         ckpt = self.cache.checkpoint()
-        pos = np.arange(pos0, pos0 + T)
-        kq_scale = 1.0 if A.q_prescale else 1.0 / math.sqrt(D)
-        rope_memo: dict = {}
-        blocks_memo: dict = {}
+        sp = self.sparse
         # decode step or prefill chunk (a lone token that ends a chunked prompt is a prefill chunk;
         # the sparse state also applies the importance decay once per prefill here)
-        decode = T == 1 if self.sparse is None else not self.sparse.begin_forward(pos0, T, prompt_end)
-        if self._gpu is not None:
-            return self._forward_device(tokens, decode, prompt_end, all_logits, logits, pos0, ckpt)
-
-        # tap(llama.cpp's name, layer or -1, value): records intermediates while a trace runs
-        # (Engine.trace, pyimp.trace); otherwise a function that does nothing
-        tap = self._tap
-        x = W.embed(tokens, scaled=False)                              # [T, E] token embeddings
-        tap("embd", -1, x)
-        if A.embd_scale:
-            x = W.scale_embd(x)
-            tap("inp_scaled", -1, x)
-        # one token, nothing recorded: the norms, RoPE and residuals between the matvecs run as
-        # three fused calls per layer (ops._qk_norm_rope, ops._add_norm), in place on x and h;
-        # each layer's attention norm is made at the end of the layer before; q, k, v (and gate,
-        # up) run as grouped matvec calls where their types match (LayerWeights.project)
-        fused = T == 1 and tap is _no_tap and self.fused_ops
-        if fused:
-            h = ops.rms_norm(x, W.layers[0].attn_norm, eps)
-        for il, lw in enumerate(W.layers):
-            last = il == cfg.n_layer - 1 and not all_logits   # the last layer keeps one row
-            if not fused:
-                # attention rmsnorm
-                h = ops.rms_norm(x, lw.attn_norm, eps)
-                tap("attn_norm", il, h)
-            # q, k, v projections
-            q, k, v = lw.project((lw.attn_q, lw.attn_k, lw.attn_v), h, num, grouped=fused)
-            for name, y, bias in (("Qcur", q, lw.attn_q_bias), ("Kcur", k, lw.attn_k_bias),
-                                  ("Vcur", v, lw.attn_v_bias)):
-                tap(name, il, y)
-                if bias is not None:
-                    y += bias
-                    tap(name, il, y)
-            q = q.reshape(T, Hq, D)
-            k = k.reshape(T, Hkv, D)
-            v = v.reshape(T, Hkv, D)
-            tap("Qcur", il, q)
-            tap("Kcur", il, k)
-            tap("Vcur", il, v)
-            cos, sin = self._rope_tables(il, pos, rope_memo)
-            if fused:
-                self._fused_qk(lw, q[0], k[0], cos[0], sin[0])
-            else:
-                # per-head q/k norms (gemma3)
-                if A.qk_norm:
-                    q = ops.rms_norm(q, lw.attn_q_norm, eps)
-                    k = ops.rms_norm(k, lw.attn_k_norm, eps)
-                    tap("Qcur_normed", il, q)
-                    tap("Kcur_normed", il, k)
-                # rotary position embedding
-                ops.rope(q, cos, sin, A.rope_neox)
-                ops.rope(k, cos, sin, A.rope_neox)
-                tap("Qcur", il, q)
-                tap("Kcur", il, k)
-                if A.q_prescale:
-                    q *= np.float32(1.0 / math.sqrt(D))
-            if self._rot is not None:        # q.k and the attention output are unchanged
-                q, k, v = q @ self._rot, k @ self._rot, v @ self._rot
-            # store k, v in the layer's next slots, then attend over everything it holds: slot
-            # space, where a compacted layer's window is a first visible slot (kvcache docs)
-            s0 = self.cache.slot_count(il)
-            self.cache.write(il, k, v, pos0)
-            bt = self.cache.table(il)
-            positions = self.cache.positions(il, n=s0 + T) if self.cache.compacted(il) else None
-            window = cfg.sliding_window if cfg.is_swa(il) else 0
-            att = np.empty((T, Hq, D), dtype=np.float32)
-            kc, vc = self.cache.k_layer(il), self.cache.v_layer(il)
-            sp = self.sparse
-            if decode:
-                n = s0 + 1
-                window = attention.slot_window(positions, n, window)
-                n_read = min(n, window or n)                              # keys and values read
-                # serial or parallel as measured per doubling of the bytes read: layers that read
-                # as much share one choice (the 15 sliding-window layers of Gemma 3 one, not 15:
-                # each choice times its first calls both ways, slow ones included)
-                choice = self._attn_threads.setdefault(
-                    (sp is not None and sp.is_sparse_step(il, n),
-                     int(self.cache.layer_token_bytes() * n_read).bit_length()), quants.ThreadChoice())
-                if sp is not None:
-                    choice.run(sp.decode_attention, il, q[0], n, kq_scale, window, att[0])
-                else:      # the arguments are the engine's own: attention_decode less its checks
-                    if (n, window) not in blocks_memo:   # one block list per slot count and window
-                        blocks_memo[n, window] = every_block(n, self.cache.block_len, window)
-                    sel, cnt = blocks_memo[n, window]
-                    choice.run(decode_over_blocks, q[0], kc, vc, bt, n, kq_scale,
-                               window, sel, cnt, att[0], None, 1.0, None, 8, self.cache.bias(il))
-            else:
-                imp = None if sp is None else sp.importance_[il]
-                obs = 0 if sp is None else sp.obs_start(pos0 + T if prompt_end is None else prompt_end)
-                attention.attention_prefill(q, kc, vc, bt, s0, kq_scale, window, att,
-                                            importance=imp, obs_start=obs, positions=positions,
-                                            bias=self.cache.bias(il))
-            if self._rot is not None:
-                att = att @ self._rot                                  # H is its own inverse
-            tap("kqv", il, att.transpose(1, 0, 2))                     # [Hq, T, D] as ggml's kqv
-            tap("kqv_out", il, att.reshape(T, Hq * D))
-            # output projection
-            o = lw.attn_output(att.reshape(T, Hq * D), num)
-            if lw.attn_output_bias is not None:
-                tap("kqv_wo", il, o)
-                o += lw.attn_output_bias
-            if fused:
-                # post-attention norm, residual, feed-forward norm; the gated FFN; post-FFN
-                # norm, residual and the next layer's attention norm (the output norm after
-                # the last), into h
-                self._fused_add_norm(x[0], o[0], lw.post_attention_norm, lw.ffn_norm, h[0])
-                f = lw.ffn_down(self._act_mul(*lw.project((lw.ffn_gate, lw.ffn_up), h, num)), num)
-                nxt = W.layers[il + 1].attn_norm if il + 1 < cfg.n_layer else W.output_norm
-                self._fused_add_norm(x[0], f[0], lw.post_ffw_norm, nxt, h[0])
-                continue
-            if A.post_norms:
-                o = ops.rms_norm(o, lw.post_attention_norm, eps)
-                tap("attn_post_norm", il, o[-1:] if last else o)
-            else:
-                tap("attn_out", il, o)
-            # residual
-            x = x + o
-            if last:
-                x = x[-1:]                                             # only the last row is needed now
-            tap("sa_out" if A.post_norms else "ffn_inp", il, x)
-            # feed-forward rmsnorm, gated FFN, residual
-            h = ops.rms_norm(x, lw.ffn_norm, eps)
-            tap("ffn_norm", il, h)
-            g = lw.ffn_gate(h, num)
-            u = lw.ffn_up(h, num)
-            tap("ffn_gate", il, g)
-            tap("ffn_up", il, u)
-            gu = self._act_mul(g, u)
-            tap("ffn_geglu" if A.ffn_act == "gelu_tanh" else "ffn_swiglu", il, gu)
-            f = lw.ffn_down(gu, num)
-            tap("ffn_out", il, f)
-            if A.post_norms:
-                f = ops.rms_norm(f, lw.post_ffw_norm, eps)
-                tap("ffn_post_norm", il, f)
-            x = x + f
-            tap("l_out", il, x)
+        decode = T == 1 if sp is None else not sp.begin_forward(pos0, T, prompt_end)
+        obs = 0 if sp is None else sp.obs_start(pos0 + T if prompt_end is None else prompt_end)
+        step = make_step(self.cfg, self.weights.arch, tokens, pos0, decode, obs, prompt_end,
+                         all_logits, logits, fused=self.fused_ops and self._tap is _no_tap)
+        out = forward(self.cfg.n_layer, self._backend, step)
         self.cache.commit(T)
         self.tokens.extend(int(t) for t in tokens)
-        out = None
-        if logits:
-            # output norm (made by the last layer's fused call) and head
-            x = h if fused else ops.rms_norm(x, W.output_norm, eps)
-            tap("result_norm", -1, x)
-            out = W.output(x, num)
-            if cfg.final_softcap:
-                out = ops.softcap(out, cfg.final_softcap)
-            tap("result_output", -1, out)
-            if not ops.all_finite(out):
-                # every layer's keys and values were finite (KVCache.write checks them): the last
-                # layer's attention or feed-forward, or the output head, produced the NaN / inf
-                self._truncate(pos0, ckpt)
-                raise ops.NonFiniteError(f"layer {cfg.n_layer - 1}: NaN or inf in the logits after "
-                                         f"the last layer (its attention or feed-forward, or the "
-                                         f"output head; corrupted weights?)")
+        if out is not None and not ops.all_finite(out):
+            # every layer's keys and values were finite (KVCache.write checks them): the last
+            # layer's attention or feed-forward, or the output head, produced the NaN / inf
+            self._truncate(pos0, ckpt)
+            raise ops.NonFiniteError(
+                "NaN or inf in the logits computed on the device (a layer's hidden state "
+                "overflowed, or corrupted weights)" if self._gpu is not None else
+                f"layer {self.cfg.n_layer - 1}: NaN or inf in the logits after the last layer "
+                f"(its attention or feed-forward, or the output head; corrupted weights?)")
         self._end_forward(pos0 + T, decode, prompt_end)
         return out
-
-    def _fused_qk(self, lw, q: np.ndarray, k: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
-        """A one-token forward's q/k norms, RoPE and q prescale, in place (ops._qk_norm_rope)."""
-        A = self.weights.arch
-        ops._qk_norm_rope(q, k, lw.attn_q_norm if A.qk_norm else _NO_WEIGHT,
-                          lw.attn_k_norm if A.qk_norm else _NO_WEIGHT, self.cfg.rms_eps, cos, sin,
-                          A.rope_neox, A.qk_norm, np.float32(1.0 / math.sqrt(self.cfg.head_dim)),
-                          A.q_prescale)
-
-    def _fused_add_norm(self, x: np.ndarray, y: np.ndarray, post: np.ndarray | None,
-                        nxt: np.ndarray, h: np.ndarray) -> None:
-        """x += post-norm(y) (the architecture's post norm, else y itself), h = rms_norm(x) * nxt,
-        for one token (ops._add_norm)."""
-        A = self.weights.arch
-        ops._add_norm(x, y, post if A.post_norms else _NO_WEIGHT, A.post_norms, nxt, self.cfg.rms_eps, h)
-
-    def _compile_fused_ops(self) -> None:
-        """Compile (or load) the fused ops of a one-token forward, with the argument types the
-        forward passes them, on zeros. A first run's warmup calls it in the engine's process,
-        before the decode matvecs are shared out: the compile helper's forward then loads them
-        instead of compiling them last, after its share."""
-        cfg, W = self.cfg, self.weights
-        q = np.zeros((1, cfg.n_head, cfg.head_dim), np.float32)
-        k = np.zeros((1, cfg.n_head_kv, cfg.head_dim), np.float32)
-        cos, sin = self._rope_tables(0, np.arange(1), {})
-        self._fused_qk(W.layers[0], q[0], k[0], cos[0], sin[0])
-        x, y, h = (np.zeros((1, cfg.n_embd), np.float32) for _ in range(3))
-        lw = W.layers[0]
-        nxt = W.layers[1].attn_norm if cfg.n_layer > 1 else W.output_norm
-        self._fused_add_norm(x[0], y[0], lw.post_attention_norm, lw.ffn_norm, h[0])
-        self._fused_add_norm(x[0], y[0], lw.post_ffw_norm, nxt, h[0])
 
     def _end_forward(self, n: int, decode: bool, prompt_end: int | None) -> None:
         """After a forward that succeeded: the eviction policy and the sliding-window trim drop
@@ -688,19 +498,6 @@ class Engine:
             self.policy.after_forward(n, not decode and (prompt_end is None or n >= prompt_end))
         if self.sparse is not None:
             self.sparse.end_forward(n)
-
-    def _forward_device(self, tokens, decode, prompt_end, all_logits, logits, pos0, ckpt):
-        """The forward on the GPU (:class:`pyimp.cuda.forward.DeviceForward`), then the same
-        bookkeeping and logits check as the CPU forward."""
-        out = self._gpu.forward(self, tokens, decode, prompt_end, all_logits, logits)
-        self.cache.commit(len(tokens))
-        self.tokens.extend(int(t) for t in tokens)
-        if out is not None and not ops.all_finite(out):
-            self._truncate(pos0, ckpt)
-            raise ops.NonFiniteError("NaN or inf in the logits computed on the device (a layer's "
-                                     "hidden state overflowed, or corrupted weights)")
-        self._end_forward(pos0 + len(tokens), decode, prompt_end)
-        return out
 
     def _windows(self) -> list:
         return [self.cfg.sliding_window if self.cfg.is_swa(il) else 0
@@ -721,17 +518,6 @@ class Engine:
         if self.sparse is not None:
             self.sparse.truncate(n)
         return True
-
-    def _act(self, g: np.ndarray) -> np.ndarray:
-        if self.weights.arch.ffn_act == "silu":
-            return ops.silu(g)
-        return ops.gelu_tanh_ggml(g) if self.options.numerics == "ggml" else ops.gelu_tanh(g)
-
-    def _act_mul(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
-        """act(g) * u, the gated FFN's product (fp32 GeGLU as one fused call, same bits)."""
-        if self.weights.arch.ffn_act == "gelu_tanh" and self.options.numerics != "ggml":
-            return ops.gelu_tanh_mul(g, u)
-        return self._act(g) * u
 
     # ----------------------------------------------------------------- API
     def _token_ids(self, tokens) -> np.ndarray:
@@ -953,7 +739,7 @@ class Engine:
             self.forward(np.array([bos, bos], dtype=np.int64), all_logits=helper is not None,
                          logits=helper is None)
             if helper is not None:
-                self._compile_fused_ops()
+                self._backend.compile_fused_ops()
                 # the helper compiles the decode attention (the largest kernel) meanwhile, then
                 # both compile the weight types' decode matvecs, it from the first type its
                 # forward reaches and this process from the last, each type once

@@ -48,12 +48,12 @@ def test_header_names_the_kernel_sets_and_an_environment_override():
 def test_decode_profile_counts_grouped_matvecs_as_layer_matvecs(monkeypatch):
     """The decode profile times every layer matvec, grouped calls (q/k/v, gate/up as one
     LinearGroup) included, by weight type; none of it lands in "everything else"."""
-    from pyimp import engine as engine_mod
+    from pyimp import cpu_forward
     from pyimp import model as model_mod
     from tools.bench import _profiled
     # _profiled wraps these in place: set to themselves, so that they are restored afterwards
     monkeypatch.setattr(model_mod.Linear, "_matvec", model_mod.Linear._matvec)
-    monkeypatch.setattr(engine_mod, "decode_over_blocks", engine_mod.decode_over_blocks)
+    monkeypatch.setattr(cpu_forward, "decode_over_blocks", cpu_forward.decode_over_blocks)
     monkeypatch.setattr(model_mod.LinearGroup, "__call__", model_mod.LinearGroup.__call__)
 
     class Lin:

@@ -103,7 +103,7 @@ def _profiled(eng):
     matrices by type) and the decode attention; returns the dict of seconds it fills."""
     import collections
 
-    from pyimp import engine as engine_mod
+    from pyimp import cpu_forward
     from pyimp import model as model_mod
     spent = collections.defaultdict(float)
     on = {"active": False}
@@ -126,7 +126,7 @@ def _profiled(eng):
     # a layer's q/k/v and gate/up of one type run as one grouped call (model.LinearGroup)
     model_mod.LinearGroup.__call__ = timed(lambda group, *_: matvec_key(group.linears[0]),
                                            model_mod.LinearGroup.__call__)
-    engine_mod.decode_over_blocks = timed(lambda *a: "decode attention", engine_mod.decode_over_blocks)
+    cpu_forward.decode_over_blocks = timed(lambda *a: "decode attention", cpu_forward.decode_over_blocks)
     if eng.sparse is not None:
         eng.sparse.decode_attention = timed(lambda *a: "decode attention (block-sparse)",
                                             eng.sparse.decode_attention)

@@ -1,11 +1,11 @@
-"""The forward pass on the device: :class:`DeviceForward`, the ``device="cuda"`` twin of
-:meth:`pyimp.engine.Engine._forward`.
+"""The device backend of :func:`pyimp.forward.forward`: :class:`DeviceForward`, the
+``device="cuda"`` steps of the one forward pass.
 
 Weights are uploaded once, still quantized (the GGUF rows as uint8), with the norms as
 float32. Activations, the KV cache (:class:`pyimp.cuda.kvcache.DeviceKVCache`),
 ``importance_`` and the anchors stay on the device; a step copies the token ids and the RoPE
 tables (and a changed block table) to the device and the logits row back, nothing else.
-The layer reads top to bottom like the CPU forward; the kernels are those of
+The kernels are those of
 :mod:`pyimp.cuda.linear`, :mod:`pyimp.cuda.ops` and :mod:`pyimp.cuda.attention`.
 """
 from __future__ import annotations
@@ -39,11 +39,12 @@ class DeviceLinear:
 
 
 class DeviceForward:
-    """The model's weights on the device and the forward pass over them."""
+    """The model's weights on the device and the forward's steps over them."""
 
     def __init__(self, engine):
         cfg, W = engine.cfg, engine.weights
-        self.cfg, self.arch = cfg, W.arch
+        self.engine, self.cfg, self.arch = engine, cfg, W.arch
+        self.eps = np.float32(cfg.rms_eps)
         if engine.options.numerics != "fp32":
             raise ValueError("device cuda computes with fp32 numerics only (--numerics fp32)")
         if engine.options.kv_rotate:
@@ -84,85 +85,116 @@ class DeviceForward:
             dops.rms_norm(o, post_norm, eps, o)
         dops.add(x, o)
 
-    def forward(self, engine, tokens: np.ndarray, decode: bool, prompt_end: int | None,
-                all_logits: bool, logits: bool) -> np.ndarray | None:
-        """One forward of ``tokens`` after the cached ones (the engine reserved their blocks and
-        will commit them); returns host logits as :meth:`Engine._forward` does."""
-        cfg, A = self.cfg, self.arch
-        eps = np.float32(cfg.rms_eps)
-        T = len(tokens)
-        E, Hq, Hkv, D, F = cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.n_ff
-        cache, sp = engine.cache, engine.sparse
-        pos0 = int(cache.cache_seqlens[0])
-        pos = np.arange(pos0, pos0 + T)
-        kq_scale = 1.0 if A.q_prescale else 1.0 / math.sqrt(D)
-        tables: dict = {}
+    # the steps of pyimp.forward.forward; activations stay on the device
+    def begin(self, step) -> None:
+        self.cache, self.sparse = self.engine.cache, self.engine.sparse
 
-        x = self._buf("x", T, E)
-        linear.get_rows(self.embd.raw, self.embd.qtype, E, device.to_device(np.asarray(tokens, np.int64)), x)
-        if A.embd_scale:
+    def embed(self, step):
+        E = self.cfg.n_embd
+        x = self._buf("x", step.T, E)
+        linear.get_rows(self.embd.raw, self.embd.qtype, E,
+                        device.to_device(np.asarray(step.tokens, np.int64)), x)
+        if self.arch.embd_scale:
             dops.scale(x, np.float32(math.sqrt(E)))
-        h = self._buf("h", T, E)
+        return x
+
+    def _h(self, rows: int, step):
+        """The norm output buffer's last ``rows`` rows."""
+        return self._buf("h", step.T, self.cfg.n_embd)[step.T - rows:]
+
+    def norm_in(self, x, il, step):
+        h = self._h(x.shape[0], step)
+        dops.rms_norm(x, self.layers[il]["attn_norm"], self.eps, h)
+        return h
+
+    def qkv(self, il, h, step):
+        cfg, T, lw = self.cfg, step.T, self.layers[il]
+        Hq, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         q = self._buf("q", T, Hq * D)
         k = self._buf("k", T, Hkv * D)
         v = self._buf("v", T, Hkv * D)
-        qn = self._buf("qn", T * Hq, D)
-        kn = self._buf("kn", T * Hkv, D)
-        att = self._buf("att", T, Hq * D)
-        o = self._buf("o", T, E)
-        for il, lw in enumerate(self.layers):
-            dops.rms_norm(x, lw["attn_norm"], eps, h)
-            lw["attn_q"](h, q)
-            lw["attn_k"](h, k)
-            lw["attn_v"](h, v)
-            q3, k3, v3 = q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
-            if A.qk_norm:
-                dops.rms_norm(q.reshape(T * Hq, D), lw["attn_q_norm"], eps, qn)
-                dops.rms_norm(k.reshape(T * Hkv, D), lw["attn_k_norm"], eps, kn)
-                q3, k3 = qn.reshape(T, Hq, D), kn.reshape(T, Hkv, D)
-            key = (cfg.layer_rope_base(il), cfg.layer_rope_scale(il))
-            if key not in tables:
-                cos, sin = host_ops.rope_cache(pos, cfg.rope_dim, key[0], key[1],
-                                               engine.weights.rope_freqs)
-                tables[key] = (device.to_device(cos), device.to_device(sin))
-            cos, sin = tables[key]
-            dops.rope(q3, cos, sin, A.rope_neox)
-            dops.rope(k3, cos, sin, A.rope_neox)
-            if A.q_prescale:
-                dops.scale(q3, np.float32(1.0 / math.sqrt(D)))
-            cache.write(il, k3, v3, pos0)
-            window = cfg.sliding_window if cfg.is_swa(il) else 0
-            kc, vc, bt = cache.k_layer(il), cache.v_layer(il), cache.bt_dev
-            att3 = att.reshape(T, Hq, D)
-            if decode:
-                if sp is not None:
-                    sp.decode_attention(il, q3, pos0 + 1, kq_scale, window, att3)
-                else:
-                    attention.decode(q3, kc, vc, bt, pos0 + 1, kq_scale, window, att3,
-                                     scratch=self.scratch)
+        lw["attn_q"](h, q)
+        lw["attn_k"](h, k)
+        lw["attn_v"](h, v)
+        return q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
+
+    def qk_rope(self, il, q3, k3, step):
+        cfg, A, T, lw = self.cfg, self.arch, step.T, self.layers[il]
+        Hq, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        if A.qk_norm:
+            qn = self._buf("qn", T * Hq, D)
+            kn = self._buf("kn", T * Hkv, D)
+            dops.rms_norm(q3.reshape(T * Hq, D), lw["attn_q_norm"], self.eps, qn)
+            dops.rms_norm(k3.reshape(T * Hkv, D), lw["attn_k_norm"], self.eps, kn)
+            q3, k3 = qn.reshape(T, Hq, D), kn.reshape(T, Hkv, D)
+        key = ("rope", cfg.layer_rope_base(il), cfg.layer_rope_scale(il))
+        if key not in step.memo:
+            cos, sin = host_ops.rope_cache(step.pos, cfg.rope_dim, key[1], key[2],
+                                           self.engine.weights.rope_freqs)
+            step.memo[key] = (device.to_device(cos), device.to_device(sin))
+        cos, sin = step.memo[key]
+        dops.rope(q3, cos, sin, A.rope_neox)
+        dops.rope(k3, cos, sin, A.rope_neox)
+        if A.q_prescale:
+            dops.scale(q3, np.float32(1.0 / math.sqrt(D)))
+        return q3, k3
+
+    def attention(self, il, q3, k3, v3, step):
+        cfg, cache, sp, T = self.cfg, self.cache, self.sparse, step.T
+        cache.write(il, k3, v3, step.pos0)
+        window = step.windows[il]
+        kc, vc, bt = cache.k_layer(il), cache.v_layer(il), cache.bt_dev
+        att = self._buf("att", T, cfg.n_head * cfg.head_dim)
+        att3 = att.reshape(T, cfg.n_head, cfg.head_dim)
+        if step.decode:
+            if sp is not None:
+                sp.decode_attention(il, q3, step.pos0 + 1, step.kq_scale, window, att3)
             else:
-                imp = None if sp is None else sp.importance_dev[il]
-                obs = 0 if sp is None else sp.obs_start(pos0 + T if prompt_end is None else prompt_end)
-                attention.prefill(q3, kc, vc, bt, pos0, kq_scale, window, att3, importance=imp,
-                                  obs_start=obs, scratch=self.scratch)
-            lw["attn_output"](att, o)
-            self._residual(x, o, lw["post_attention_norm"], eps)
-            if il == cfg.n_layer - 1 and not all_logits and T > 1:
-                x, h, o = x[T - 1:T], h[T - 1:T], o[T - 1:T]          # the last row only
-            n = x.shape[0]
-            dops.rms_norm(x, lw["ffn_norm"], eps, h)
-            g = self._buf("g", n, F)
-            u = self._buf("u", n, F)
-            lw["ffn_gate"](h, g)
-            lw["ffn_up"](h, u)
-            dops.glu(g, u, g, A.ffn_act)
-            lw["ffn_down"](g, o)
-            self._residual(x, o, lw["post_ffw_norm"], eps)
-        if not logits:
-            return None
-        dops.rms_norm(x, self.output_norm, eps, h)              # h has x's rows
-        out = self._buf("logits", x.shape[0], cfg.n_vocab)
+                attention.decode(q3, kc, vc, bt, step.pos0 + 1, step.kq_scale, window, att3,
+                                 scratch=self.scratch)
+        else:
+            imp = None if sp is None else sp.importance_dev[il]
+            attention.prefill(q3, kc, vc, bt, step.pos0, step.kq_scale, window, att3,
+                              importance=imp, obs_start=step.obs_start, scratch=self.scratch)
+        return att
+
+    def attn_output(self, il, att, step):
+        o = self._buf("o", step.T, self.cfg.n_embd)
+        self.layers[il]["attn_output"](att, o)
+        return o
+
+    def residual_attn(self, il, x, o, last, step):
+        self._residual(x, o, self.layers[il]["post_attention_norm"], self.eps)
+        if last and step.T > 1:
+            x = x[step.T - 1:step.T]                            # the last row only
+        h = self._h(x.shape[0], step)
+        dops.rms_norm(x, self.layers[il]["ffn_norm"], self.eps, h)
+        return x, h
+
+    def ffn(self, il, h, step):
+        n, F, lw = h.shape[0], self.cfg.n_ff, self.layers[il]
+        g = self._buf("g", n, F)
+        u = self._buf("u", n, F)
+        lw["ffn_gate"](h, g)
+        lw["ffn_up"](h, u)
+        dops.glu(g, u, g, self.arch.ffn_act)
+        f = self._buf("f", step.T, self.cfg.n_embd)[step.T - n:]
+        lw["ffn_down"](g, f)
+        return f
+
+    def residual_ffn(self, il, x, f, step):
+        self._residual(x, f, self.layers[il]["post_ffw_norm"], self.eps)
+        if il + 1 < self.cfg.n_layer:
+            return x, self.norm_in(x, il + 1, step)
+        if not step.logits:
+            return x, None
+        h = self._h(x.shape[0], step)
+        dops.rms_norm(x, self.output_norm, self.eps, h)
+        return x, h
+
+    def head(self, h, step):
+        out = self._buf("logits", h.shape[0], self.cfg.n_vocab)
         self.output(h, out)
-        if cfg.final_softcap:
-            dops.softcap(out, np.float32(cfg.final_softcap))
+        if self.cfg.final_softcap:
+            dops.softcap(out, np.float32(self.cfg.final_softcap))
         return device.to_host(out)
