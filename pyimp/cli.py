@@ -20,6 +20,7 @@ import threading
 import time
 import warnings
 
+from .capabilities import CAPABILITIES, DEVICES
 # EXIT_USAGE, PromptTooLarge, read_capped: re-exported (pyimp.cli has always offered them)
 from .cli_common import (EXIT_ERROR, EXIT_USAGE, MAX_PROMPT_BYTES, HelpFormatter,  # noqa: F401
                          Parser, PromptTooLarge, add_model_args, int_at_least, model_path,
@@ -144,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="K cache type (default: --kv-type)")
     p.add_argument("-ctv", "--cache-type-v", choices=kv_types, default=None,
                    help="V cache type (default: --kv-type)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+    p.add_argument("--device", choices=DEVICES, default="cpu",
                    help="cuda: run on the GPU through numba-cuda (pip install 'pyimp[cuda]'); "
                         "weights, KV cache, importance and anchors stay on the device")
     p.add_argument("--kv-rotate", action="store_true",
@@ -443,7 +444,7 @@ def run(args: argparse.Namespace) -> int:
     from .sampling import SamplingParams
     from .sparse_policy import SparseOptions
 
-    if args.prompt_cache and args.device == "cuda":
+    if args.prompt_cache and not CAPABILITIES[args.device].prompt_cache:
         return _error("--prompt-cache needs the KV cache on the host: run it with --device cpu")
     if args.model and args.model_opt and args.model != args.model_opt:
         return _error(f"two models given ({args.model_opt} and {args.model}): use -m/--model or the "

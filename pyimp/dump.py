@@ -103,6 +103,7 @@ import re
 import sys
 import warnings
 
+from .capabilities import devices_with
 # the recorder and the file format (pyimp.trace), re-exported under the names documented above
 from .trace import (FORMAT_ARCH, KEY, LAYER_ORDER, NOT_PRODUCED, POST, PRE,  # noqa: F401
                     VERSION, Dump, DumpError, Recorder, Trace, estimate_bytes, ggml_shape, read,
@@ -171,8 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-t", "--threads", type=int_at_least(0, "--threads"), default=0,
                    help="threads (0 = all cores)")
     p.add_argument("--no-bos", action="store_true", help="do not add the BOS token")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="only cpu can trace (the GPU forward has no taps)")
+    p.add_argument("--device", choices=devices_with("trace"), default="cpu",
+                   help="where the traced forward runs: the devices whose backend records "
+                        "tensors (pyimp.capabilities)")
     sp = p.add_argument_group("sparse state (importance_, anchor_, block selections)")
     sp.add_argument("--sparse", action="store_true",
                     help="block-sparse decode attention, as pyimp-run --sparse")
@@ -234,9 +236,6 @@ def run(args: argparse.Namespace) -> int:
     from .ops import NonFiniteError
     from .sparse_policy import SparseOptions
 
-    if args.device != "cpu":
-        return _error("--device cuda: a trace taps the CPU forward only (the GPU forward has no "
-                      "taps); run pyimp-dump with --device cpu")
     out = args.output
     folder = os.path.dirname(os.path.abspath(out))
     if os.path.isdir(out):

@@ -25,7 +25,7 @@ from loaders import quants
 from loaders.config import ModelConfig, read_config
 from loaders.gguf_file import GGUFFile
 
-from . import ops
+from . import capabilities, ops
 from .attention import decode_over_blocks, every_block
 from .cpu_forward import CPUForward, no_tap as _no_tap
 from .forward import forward, make_step
@@ -38,7 +38,7 @@ from .sampling import Sampler, SamplingParams
 from .sparse_policy import SparseOptions, SparseState
 
 NUMERICS = ("fp32", "ggml")
-DEVICES = ("cpu", "cuda")
+DEVICES = capabilities.DEVICES
 # tokens per KV block; paged caches use 16-128, and the cache is allocated in whole blocks
 MAX_BLOCK_LEN = 4096
 # seconds a small kernel takes to come from Numba's cache at most (warm ~3 ms; compiling ~0.2 s)
@@ -101,8 +101,9 @@ class EngineOptions:
     kv_merge_bits: int = 12          # SimHash bits per kv head proposing merge candidates
 
     def validate(self) -> None:
-        if self.device not in DEVICES:
-            raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}")
+        if self.device not in capabilities.DEVICES:
+            raise ValueError(f"device must be one of {', '.join(capabilities.DEVICES)}, got "
+                             f"{self.device!r}")
         if self.numerics not in NUMERICS:
             raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
         if self.n_ctx < 0:
@@ -117,28 +118,18 @@ class EngineOptions:
         if self.n_threads < 0:
             raise ValueError(f"thread count must be >= 0, got {self.n_threads}")
         self.policy.validate()
-        if self.policy.evicts and self.device != "cpu":
-            raise ValueError(f"kv policy {self.kv_policy} runs on the CPU only (--device cpu)")
         if self.policy.evicts and self.v_layout == "channel" and self.type_v != "f16" \
                 and self.type_v != "f32":
             raise ValueError(f"kv policy {self.kv_policy} drops single tokens, which V quantized "
                              f"by channel (v_layout='channel') cannot: use v_layout='token'")
-        if self.device != "cpu" and self.sparse.enabled:
-            if self.sparse.recall_target > 0:
-                raise ValueError("--recall-target runs on the CPU only (--device cpu): the device "
-                                 "path selects a fixed --topk")
-            if self.sparse.select != "anchors":
-                raise ValueError(f"--select {self.sparse.select} runs on the CPU only (--device "
-                                 f"cpu): the device path selects blocks by their anchors")
         self.merge.validate()
         if self.merge.enabled and self.kv_obs_weight:
             raise ValueError("--kv-merge and --kv-obs-weight do not combine (merging would move "
                              "tokens without their observation-window scores)")
-        if self.merge.enabled and self.device != "cpu":
-            raise ValueError("--kv-merge runs on the CPU only (--device cpu)")
         if self.merge.enabled and self.v_layout == "channel" and self.type_v not in ("f16", "f32"):
             raise ValueError("--kv-merge rewrites single tokens, which V quantized by channel "
                              "(v_layout='channel') cannot: use v_layout='token'")
+        capabilities.check(self)        # what the device's backend runs
 
     @property
     def merge(self) -> MergeOptions:
@@ -620,6 +611,9 @@ class Engine:
         selects what is copied (None: everything). The cache is reset first and holds the run
         afterwards. CPU only (device="cuda" raises ValueError). Names, order and format:
         :mod:`pyimp.dump`."""
+        if not capabilities.CAPABILITIES[self.device].trace:
+            raise ValueError(f"{capabilities.refusal('a trace', 'trace')}: the {self.device} "
+                             f"backend records no tensors")
         from .trace import run_trace
         return run_trace(self, prompt, steps, keep, add_bos)
 
@@ -687,7 +681,7 @@ class Engine:
         return state.load(self, path)
 
     def _host_only(self, what: str) -> None:
-        if self._gpu is not None:
+        if not capabilities.CAPABILITIES[self.device].prompt_cache:
             raise ValueError(f"{what} (--prompt-cache) needs the cache on the host: run with "
                              f"--device cpu")
 

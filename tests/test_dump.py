@@ -192,7 +192,7 @@ def test_cli_filters(models, tmp_path, capsys):
     (["--layers", "7"], 1, "--layers 7: the model has layers 0..2"),
     (["--tensors", ""], 2, "empty glob"),
     (["--tensors", "l_outt-*"], 1, "--tensors l_outt-*: matches no tensor"),
-    (["--device", "cuda"], 1, "CPU forward only"),
+    (["--device", "cuda"], 2, "invalid choice: 'cuda' (choose from 'cpu')"),
     (["-p", "", "--no-bos"], 1, "the prompt is empty"),
 ])
 def test_cli_errors(models, tmp_path, capsys, argv, code, needle):

@@ -45,10 +45,8 @@ class DeviceForward:
         cfg, W = engine.cfg, engine.weights
         self.engine, self.cfg, self.arch = engine, cfg, W.arch
         self.eps = np.float32(cfg.rms_eps)
-        if engine.options.numerics != "fp32":
-            raise ValueError("device cuda computes with fp32 numerics only (--numerics fp32)")
-        if engine.options.kv_rotate:
-            raise ValueError("device cuda does not rotate the KV cache (--kv-rotate runs on the CPU)")
+        # numerics and rotation: EngineOptions.validate checked them (pyimp.capabilities); the
+        # biases are the model's
         for il, lw in enumerate(W.layers):
             for name in ("attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias"):
                 if getattr(lw, name) is not None:
