@@ -29,18 +29,15 @@ from . import capabilities, ops
 from .attention import decode_over_blocks, every_block
 from .cpu_forward import CPUForward, no_tap as _no_tap
 from .forward import forward, make_step
-from .kv_merge import KVMerger, MergeOptions
-from .kv_policy import KVPolicy, PolicyOptions
+from .kv_merge import KVMerger
+from .kv_policy import KVPolicy
 from .kvcache import KVCache
 from .memory import check_fits, fmt_bytes
 from .model import ModelWeights
 from .sampling import Sampler, SamplingParams
-from .sparse_policy import SparseOptions, SparseState
+from .options import DEVICES, MAX_BLOCK_LEN, NUMERICS, EngineOptions, SparseOptions  # noqa: F401
+from .sparse_policy import SparseState
 
-NUMERICS = ("fp32", "ggml")
-DEVICES = capabilities.DEVICES
-# tokens per KV block; paged caches use 16-128, and the cache is allocated in whole blocks
-MAX_BLOCK_LEN = 4096
 # seconds a small kernel takes to come from Numba's cache at most (warm ~3 ms; compiling ~0.2 s)
 COLD_LOAD_S = 0.05
 
@@ -69,95 +66,6 @@ def _first_run() -> bool:
     cos, sin = ops.rope_cache(np.arange(1), 8, 10000.0, 1.0)
     ops.rope(np.ones((1, 1, 8), np.float32), cos, sin, True)
     return time.perf_counter() - t1 > COLD_LOAD_S
-
-
-@dataclass
-class EngineOptions:
-    """Construction options (the same names as the CLI flags)."""
-
-    n_ctx: int = 4096              # 0 = the model's training context
-    block_len: int = 32
-    batch_size: int = 512          # prefill chunk
-    n_threads: int = 0             # Numba threads in the engine's calls; 0 = the caller's setting
-    numerics: str = "fp32"
-    kv_type: str = "f16"            # K and V cache type (llama.cpp's -ctk / -ctv for both)
-    cache_type_k: str | None = None  # K cache type (None: kv_type)
-    cache_type_v: str | None = None  # V cache type (None: kv_type)
-    v_layout: str = "token"          # quantized V rows: "token" (along head_dim) or "channel"
-    kv_rotate: bool = False          # Hadamard rotation of q, k, v along head_dim (see _rotation)
-    device: str = "cpu"              # "cuda": weights, KV cache, importance_ and anchors on the GPU
-    sparse: SparseOptions = field(default_factory=SparseOptions)
-    kv_policy: str = "full"          # eviction: full, streaming, h2o, snapkv, pyramidkv
-    kv_budget: int = 0               # tokens per layer an eviction policy keeps
-    keep: int = 4                    # sink tokens (the first positions) every policy keeps
-    kv_recent: int = 0               # h2o / streaming recent window (0: half the budget)
-    kv_obs_window: int = 32          # snapkv / pyramidkv observation window
-    kv_pool: int = 5                 # snapkv / pyramidkv pooling kernel
-    kv_depth_ratio: float = 1.0      # first / last evicting layer's budget (see kv_policy)
-    kv_obs_weight: float = 0.0       # h2o: weight of the prompt's last rows' attention
-    kv_neighbours: int = 0           # h2o / snapkv / pyramidkv: a kept token keeps those within R
-    swa_full: bool = False           # sliding-window layers keep every token (llama.cpp --swa-full)
-    kv_merge: float = 0.0            # merge near-duplicate tokens at this cosine similarity (0: off)
-    kv_merge_bits: int = 12          # SimHash bits per kv head proposing merge candidates
-
-    def validate(self) -> None:
-        if self.device not in capabilities.DEVICES:
-            raise ValueError(f"device must be one of {', '.join(capabilities.DEVICES)}, got "
-                             f"{self.device!r}")
-        if self.numerics not in NUMERICS:
-            raise ValueError(f"numerics must be one of {', '.join(NUMERICS)}, got {self.numerics!r}")
-        if self.n_ctx < 0:
-            raise ValueError(f"context size must be >= 0, got {self.n_ctx}")
-        if not 0 < self.block_len <= MAX_BLOCK_LEN:
-            raise ValueError(f"block length must be in 1..{MAX_BLOCK_LEN}, got {self.block_len}")
-        if self.sparse.anchor_num > self.block_len:
-            raise ValueError(f"anchor count {self.sparse.anchor_num} exceeds the block length "
-                             f"{self.block_len}: an anchor slot summarizes at least one token")
-        if self.batch_size <= 0:
-            raise ValueError(f"batch size must be positive, got {self.batch_size}")
-        if self.n_threads < 0:
-            raise ValueError(f"thread count must be >= 0, got {self.n_threads}")
-        self.policy.validate()
-        if self.policy.evicts and self.v_layout == "channel" and self.type_v != "f16" \
-                and self.type_v != "f32":
-            raise ValueError(f"kv policy {self.kv_policy} drops single tokens, which V quantized "
-                             f"by channel (v_layout='channel') cannot: use v_layout='token'")
-        self.merge.validate()
-        if self.merge.enabled and self.kv_obs_weight:
-            raise ValueError("--kv-merge and --kv-obs-weight do not combine (merging would move "
-                             "tokens without their observation-window scores)")
-        if self.merge.enabled and self.v_layout == "channel" and self.type_v not in ("f16", "f32"):
-            raise ValueError("--kv-merge rewrites single tokens, which V quantized by channel "
-                             "(v_layout='channel') cannot: use v_layout='token'")
-        capabilities.check(self)        # what the device's backend runs
-
-    @property
-    def merge(self) -> MergeOptions:
-        return MergeOptions(self.kv_merge, self.kv_merge_bits)
-
-    @property
-    def policy(self) -> PolicyOptions:
-        return PolicyOptions(self.kv_policy, self.kv_budget, self.keep, self.kv_recent,
-                             self.kv_obs_window, self.kv_pool, self.kv_depth_ratio,
-                             self.kv_obs_weight, self.kv_neighbours)
-
-    def sparse_options(self) -> SparseOptions:
-        """The sparse state's options: the given ones, or importance tracking where the eviction
-        policy scores tokens by importance_ (h2o: every prompt row adds; snapkv / pyramidkv:
-        the observation window)."""
-        pol = self.kv_policy
-        if self.sparse.active or pol not in ("h2o", "snapkv", "pyramidkv"):
-            return self.sparse
-        return dataclasses.replace(self.sparse, track=True,
-                                   importance_window=0 if pol == "h2o" else self.kv_obs_window)
-
-    @property
-    def type_k(self) -> str:
-        return self.cache_type_k or self.kv_type
-
-    @property
-    def type_v(self) -> str:
-        return self.cache_type_v or self.kv_type
 
 
 class EngineBusyError(RuntimeError):

@@ -43,93 +43,16 @@ import numpy as np
 from .attention import decode_over_blocks, every_block, sparse_attention_decode
 from .importance import decay_importance
 from .kvcache import KVCache, QuantizedKV
+from .options import SparseOptions
 from .sparse import AnchorType, RetrievalType, compute_anchors, retrieve_blocks
 from .sparse.anchors import block_anchors, group_shared, min_anchor_num
 from .sparse.retrieval import (block_center_logits, n_sets, recent_blocks, retrieve_unchecked,
                                select_blocks, select_for_recall)
-from .sparse.select_modes import MODES, LayerKeys, block_max, pattern_scores
+from .sparse.select_modes import LayerKeys, block_max, pattern_scores
 
 # decode steps whose block selections are kept (per sparse layer) for heatmaps and reports;
 # older ones are dropped so that a long --report / track run stays bounded in memory
 SELECTION_HISTORY = 1024
-
-
-@dataclass(frozen=True)
-class SparseOptions:
-    """Options of the sparse path (the CLI flags of the same names).
-
-    Every selection attends the block holding the query's own token besides
-    ``init_blocks + topk + local_blocks`` others, so
-    ``init_blocks = topk = local_blocks = 0`` attends that one block only.
-    """
-
-    enabled: bool = False           # block-sparse decode attention on eligible layers
-    anchor: str = "quest"           # fixed, dynamic, quest, block_mean, block_max, cuboid_mean
-    anchor_num: int = 0             # 0 = the type's minimum (2 for quest / cuboid_mean, else 1)
-    retrieval: str = "kvhead"       # layer, kvhead, qhead
-    topk: int = 8                   # pick_block_num: best-scoring blocks besides sinks and locals
-    init_blocks: int = 1            # attention-sink blocks always attended
-    local_blocks: int = 2           # most recent full blocks always attended
-    importance_window: int = 128    # prefill rows that add importance; 0 = all rows
-    token_step: int = 1             # reuse a selection for this many decode steps
-    layer_step: int = 1             # reuse a lead layer's selection for this many sparse layers
-    dense_layers: tuple = ()        # layers kept dense besides the sliding-window ones
-    decay: float = 1.0              # importance <- decay * importance + new
-    select: str = "anchors"         # block scoring: anchors, lowrank, lsh, sink_window, strided
-    rank: int = 0                   # lowrank: principal directions kept (0: head_dim / 4)
-    lsh_tables: int = 16            # lsh: hash tables
-    lsh_bits: int = 8               # lsh: hyperplanes (bits) per table
-    lsh_min_hits: int = 2           # lsh: agreeing tables that make a token a candidate
-    stride: int = 4                 # strided: every stride-th block back from the newest
-    recall_target: float = 0.0      # > 0: blocks heaviest first until the estimated recall reaches it
-    recall_max_blocks: int = 0      # ceiling of the blocks picked for the recall target (0: none)
-    report: bool = False            # measure attention recall (runs dense attention too)
-    track: bool = False             # keep importance_ (and selections) even when not sparse
-
-    def validate(self, n_layer: int) -> None:
-        try:
-            atype = AnchorType(self.anchor)
-        except ValueError:
-            raise ValueError(f"anchor type {self.anchor!r} is not one of "
-                             f"{', '.join(a.value for a in AnchorType)}") from None
-        try:
-            RetrievalType(self.retrieval)
-        except ValueError:
-            raise ValueError(f"retrieval type {self.retrieval!r} is not one of "
-                             f"{', '.join(r.value for r in RetrievalType)}") from None
-        if self.anchor_num and self.anchor_num < min_anchor_num(atype):
-            raise ValueError(f"{self.anchor} anchors need anchor_num >= {min_anchor_num(atype)}")
-        for name in ("topk", "init_blocks", "local_blocks", "importance_window", "anchor_num"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("token_step", "layer_step"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if not 0.0 < self.decay <= 1.0:
-            raise ValueError(f"decay must be in (0, 1], got {self.decay}")
-        if not 0.0 <= self.recall_target <= 1.0:
-            raise ValueError(f"recall target must be in (0, 1] (0: off), got {self.recall_target}")
-        if self.select not in MODES:
-            raise ValueError(f"selection mode {self.select!r} is not one of {', '.join(MODES)}")
-        if not 1 <= self.lsh_tables <= 256 or not 1 <= self.lsh_bits <= 32:
-            raise ValueError(f"lsh needs 1..256 tables of 1..32 bits, got {self.lsh_tables} of "
-                             f"{self.lsh_bits}")
-        if not 1 <= self.lsh_min_hits <= self.lsh_tables:
-            raise ValueError(f"lsh_min_hits must be in 1..{self.lsh_tables}, got {self.lsh_min_hits}")
-        if self.rank < 0 or self.stride < 1:
-            raise ValueError(f"rank must be >= 0 and stride >= 1, got {self.rank}, {self.stride}")
-        if self.recall_target > 0 and self.select != "anchors":
-            raise ValueError("the recall target estimates mass from the anchors: use it with "
-                             "select='anchors'")
-        if self.recall_max_blocks < 0:
-            raise ValueError(f"recall_max_blocks must be >= 0, got {self.recall_max_blocks}")
-        bad = [il for il in self.dense_layers if not 0 <= il < n_layer]
-        if bad:
-            raise ValueError(f"dense layer {bad[0]} does not exist (the model has {n_layer} layers)")
-
-    @property
-    def active(self) -> bool:
-        return self.enabled or self.report or self.track
 
 
 def plan_layers(opts: SparseOptions, cfg) -> tuple[list, dict]:
