@@ -171,7 +171,7 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
     """On a first run (here forced: every kernel load counts as slow) warmup starts the compile
     helper, which runs the decode path of the same model, types and numerics in its own
     process and exits cleanly; the engine's results do not depend on it."""
-    from pyimp import engine as engine_mod
+    from pyimp import warmup as warmup_mod
     from pyimp import parallel_compile
     started = []
     real_start = parallel_compile.start
@@ -182,7 +182,7 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
         return p
 
     monkeypatch.setattr(parallel_compile, "start", start)
-    monkeypatch.setattr(engine_mod, "_first_run", lambda: True)
+    monkeypatch.setattr(warmup_mod, "first_run", lambda: True)
     opts = {"n_ctx": 64, "block_len": 8, "kv_type": "f32"}
     eng = Engine(llama, EngineOptions(**opts))
     eng.warmup(compile_helper=True)
@@ -192,7 +192,7 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
     plain = Engine(llama, EngineOptions(**opts))
     plain.warmup()
     np.testing.assert_array_equal(got, plain.eval(_ids(12)))
-    monkeypatch.setattr(engine_mod, "_first_run", lambda: False)   # kernels cached: no helper
+    monkeypatch.setattr(warmup_mod, "first_run", lambda: False)   # kernels cached: no helper
     Engine(llama, EngineOptions(**opts)).warmup(compile_helper=True)
     assert len(started) == 1
 
@@ -202,14 +202,14 @@ def test_first_run_without_a_temporary_folder_compiles_in_process(llama, monkeyp
     helper and compiles everything itself: no error, the same logits."""
     import tempfile
 
-    from pyimp import engine as engine_mod
+    from pyimp import warmup as warmup_mod
     from pyimp import parallel_compile
 
     def no_tmp(*a, **k):
         raise PermissionError("read-only temporary folder")
 
     started = []
-    monkeypatch.setattr(engine_mod, "_first_run", lambda: True)
+    monkeypatch.setattr(warmup_mod, "first_run", lambda: True)
     monkeypatch.setattr(tempfile, "mkdtemp", no_tmp)
     monkeypatch.setattr(parallel_compile, "start", lambda *a: started.append(a))
     opts = {"n_ctx": 64, "block_len": 8, "kv_type": "f32"}
@@ -226,10 +226,10 @@ def test_first_run_is_read_from_numba_cache_index(tmp_path):
     Where the index cannot be read, the timed kernel load (rope compiled, or loaded from the
     cache) decides the same way."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    check = ("import numpy as np; from pyimp import engine as e, ops; a = e.numba_cache_has_kernels(); "
+    check = ("import numpy as np; from pyimp import warmup as e, ops; a = e.numba_cache_has_kernels(); "
              "ops.rms_norm(np.ones((1, 8), np.float32), np.ones(8, np.float32), 1e-6); "
              "b = e.numba_cache_has_kernels(); e.numba_cache_has_kernels = lambda: None; "
-             "print(a, b, e._first_run())")
+             "print(a, b, e.first_run())")
     runs = [subprocess.run([sys.executable, "-c", check], env=env, capture_output=True, text=True)
             for _ in range(2)]
     assert [r.stdout.split() for r in runs] == [["False", "True", "True"], ["True", "True", "False"]], \
