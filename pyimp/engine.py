@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import os
-import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -22,7 +20,7 @@ import numpy as np
 from loaders.config import ModelConfig, read_config
 from loaders.gguf_file import GGUFFile
 
-from . import capabilities, ops, warmup
+from . import capabilities, inputs, ops, warmup
 from .cpu_forward import CPUForward, no_tap as _no_tap
 from .forward import forward, make_step
 from .kv_merge import KVMerger
@@ -32,32 +30,8 @@ from .memory import check_fits, fmt_bytes
 from .model import ModelWeights
 from .sampling import Sampler, SamplingParams
 from .options import DEVICES, MAX_BLOCK_LEN, NUMERICS, EngineOptions, SparseOptions  # noqa: F401
+from .sequence import EngineBusyError, SequenceLock, exclusive  # noqa: F401
 from .sparse_policy import SparseState
-
-class EngineBusyError(RuntimeError):
-    """A call on an engine whose sequence another call holds: one running in another thread,
-    or a :meth:`Engine.generate` iterator that has not finished."""
-
-
-def _exclusive(method):
-    """The method holds the engine's sequence while it runs (:meth:`Engine._hold`)."""
-    @functools.wraps(method)
-    def held(self, *args, **kwargs):
-        with self._hold(method.__name__):
-            return method(self, *args, **kwargs)
-    return held
-
-
-def _check_max_tokens(n) -> int:
-    """``max_tokens`` as ``-n/--n-predict`` takes it: an integer >= -1 (-1: no limit)."""
-    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)):
-        raise TypeError(f"max_tokens must be an integer (-1: until an end-of-generation token or "
-                        f"a full context), got {n!r}")
-    if n < -1:
-        raise ValueError(f"max_tokens must be >= -1 (-1: until an end-of-generation token or a "
-                         f"full context), got {int(n)}")
-    return int(n)
-
 
 @dataclass
 class Timings:
@@ -86,9 +60,7 @@ class Engine:
 
     def __init__(self, path: str | os.PathLike, options: EngineOptions | None = None):
         t0 = time.perf_counter()
-        self._busy = threading.Lock()       # held by the call (or generate iterator) running
-        self._owner: int | None = None      # ident of the thread running it (None: suspended)
-        self._suspended_in: int | None = None   # that thread, while a generate iterator waits
+        self._seq = SequenceLock()          # who holds the engine's sequence
         warmup.check_numba()
         self.options = opts = options or EngineOptions()
         opts.validate()
@@ -201,10 +173,10 @@ class Engine:
         it (its next token raises "the engine is closed"); a call running in another thread
         does (EngineBusyError)."""
         try:
-            with self._hold("close"):
+            with self._seq.hold("close"):
                 self._close()
         except EngineBusyError:
-            if self._suspended_in != threading.get_ident():
+            if not self._seq.suspended_here():
                 raise
             self._close()
 
@@ -228,40 +200,6 @@ class Engine:
     def _closed(self) -> RuntimeError:
         return RuntimeError("the engine is closed")
 
-    @contextlib.contextmanager
-    def _hold(self, what: str):
-        """Hold the engine's sequence inside (calls nested in one of this thread's are inside
-        it already); EngineBusyError, naming ``what``, when another call holds it."""
-        me = threading.get_ident()
-        if self._owner == me:
-            yield
-            return
-        self._take(what)
-        try:
-            yield
-        finally:
-            self._give_back()
-
-    def _take(self, what: str) -> None:
-        if not self._busy.acquire(blocking=False):
-            if self._owner == threading.get_ident():
-                raise EngineBusyError(f"Engine.{what}: called from inside another call of this "
-                                      f"engine in this thread (a callback)")
-            if self._suspended_in == threading.get_ident():
-                raise EngineBusyError(f"Engine.{what}: the engine is in use by an unfinished "
-                                      f"generate() iterator of this thread: run it to its end "
-                                      f"or close() it first")
-            raise EngineBusyError(f"Engine.{what}: the engine is in use by another thread (one "
-                                  f"engine holds one sequence: give each thread an engine of its "
-                                  f"own, or let one call finish before the next starts)")
-        self._owner = threading.get_ident()
-        self._suspended_in = None
-
-    def _give_back(self) -> None:
-        self._owner = None
-        self._suspended_in = None
-        self._busy.release()
-
     # ------------------------------------------------------------ tokenizer
     @property
     def tokenizer(self):
@@ -280,7 +218,7 @@ class Engine:
         return self.tokenizer.decode(list(tokens))
 
     # -------------------------------------------------------------- forward
-    @_exclusive
+    @exclusive
     def forward(self, tokens: np.ndarray, all_logits: bool = False, prompt_end: int | None = None,
                 logits: bool = True) -> np.ndarray | None:
         """Run ``tokens`` through the model (see :meth:`_forward`) with the engine's thread count."""
@@ -356,43 +294,15 @@ class Engine:
         return True
 
     # ----------------------------------------------------------------- API
-    def _token_ids(self, tokens) -> np.ndarray:
-        """``tokens`` as int64[T]: a 1-D integer array (not bool) or a sequence of Python /
-        NumPy integers, each in [0, n_vocab); TypeError or ValueError naming what was given."""
-        n_vocab = self.cfg.n_vocab
-        if isinstance(tokens, np.ndarray):
-            if tokens.ndim != 1:
-                raise ValueError(f"token ids must be a 1-D sequence, got an array of shape "
-                                 f"{tokens.shape}")
-            if tokens.dtype.kind not in "iu":
-                raise TypeError(f"token ids must be integers, got an array of {tokens.dtype}")
-            bad = tokens[(tokens < 0) | (tokens >= n_vocab)]
-            if bad.size:
-                raise ValueError(f"token id {int(bad[0])} is outside the vocabulary (size {n_vocab})")
-            return tokens.astype(np.int64)
-        if isinstance(tokens, (np.generic, int, float)):
-            raise ValueError(f"token ids must be a 1-D sequence, got a scalar of shape () "
-                             f"({tokens!r})")
-        if isinstance(tokens, (str, bytes)):
-            raise TypeError(f"token ids must be integers, got a {type(tokens).__name__} "
-                            f"(tokenize text first)")
-        seq = list(tokens)
-        for t in seq:
-            if isinstance(t, (bool, np.bool_)) or not isinstance(t, (int, np.integer)):
-                raise TypeError(f"token ids must be integers, got {t!r} ({type(t).__name__})")
-            if not 0 <= t < n_vocab:
-                raise ValueError(f"token id {int(t)} is outside the vocabulary (size {n_vocab})")
-        return np.array(seq, dtype=np.int64)
-
     def _check_tokens(self, tokens) -> np.ndarray:
-        arr = self._token_ids(tokens)
+        arr = inputs.token_ids(tokens, self.cfg.n_vocab)
         room = self.n_ctx - len(self.tokens)
         if arr.size > room:
             raise ValueError(f"{arr.size} tokens do not fit: {len(self.tokens)} cached, context size "
                              f"{self.n_ctx} (use a larger -c/--ctx-size)")
         return arr
 
-    @_exclusive
+    @exclusive
     def eval(self, tokens, all_logits: bool = False, progress=None) -> np.ndarray:
         """Append ``tokens`` to the cache in prefill chunks.
 
@@ -448,7 +358,7 @@ class Engine:
             self.timings.decode_s += dt
         return np.concatenate(outs, axis=0) if all_logits else outs[-1]
 
-    @_exclusive
+    @exclusive
     def trace(self, prompt, steps: int = 0, keep=None, add_bos: bool = True):
         """Run ``prompt`` (text or token ids) as one prefill forward and ``steps`` greedy decode
         steps, recording every named intermediate tensor under llama.cpp's graph names; returns
@@ -462,7 +372,7 @@ class Engine:
         from .trace import run_trace
         return run_trace(self, prompt, steps, keep, add_bos)
 
-    @_exclusive
+    @exclusive
     def reset(self) -> None:
         """Empty the KV cache (and the importance matrix and anchors)."""
         if self.file is None:
@@ -474,13 +384,13 @@ class Engine:
         if self.policy is not None:
             self.policy.forget()
 
-    @_exclusive
+    @exclusive
     def prime(self, tokens, progress=None) -> np.ndarray:
         """Make the cache hold exactly ``tokens`` and return the last token's logits, reusing
         the longest prefix already cached (as llama.cpp reuses a prompt cache): the cache is cut
         back to that prefix, at least one token is evaluated (for its logits), the rest runs
         as a prefill. The reused tokens keep their KV, importance_ and anchors."""
-        arr = self._token_ids(tokens)
+        arr = inputs.token_ids(tokens, self.cfg.n_vocab)
         if arr.size == 0:
             raise ValueError("no tokens to evaluate")
         cached = np.asarray(self.tokens, dtype=np.int64)
@@ -494,7 +404,7 @@ class Engine:
         self.timings.extra["prefix_restarted"] = restarted
         return self.eval(arr[keep:], progress=progress)
 
-    @_exclusive
+    @exclusive
     def evict(self) -> None:
         """Apply the eviction policy now, as at the end of a prefill (snapkv / pyramidkv compress
         the cache here; a state loaded with :meth:`load_state` is compressed as if its prompt had
@@ -504,7 +414,7 @@ class Engine:
         if self.policy is not None and self.tokens:
             self.policy.after_forward(len(self.tokens), True)
 
-    @_exclusive
+    @exclusive
     def save_state(self, path: str | os.PathLike) -> dict:
         """Save the cached tokens, KV, importance_ and anchors to ``path`` (see :mod:`pyimp.state`);
         returns the writer's statistics."""
@@ -514,7 +424,7 @@ class Engine:
         from . import state
         return state.save(self, path)
 
-    @_exclusive
+    @exclusive
     def load_state(self, path: str | os.PathLike) -> int:
         """Replace the cache by a state saved with :meth:`save_state`; returns the tokens loaded.
         A file that does not fit this engine raises :class:`pyimp.statefile.StateFileError`
@@ -530,13 +440,13 @@ class Engine:
             raise ValueError(f"{what} (--prompt-cache) needs the cache on the host: run with "
                              f"--device cpu")
 
-    @_exclusive
+    @exclusive
     def compile_decode_attention(self) -> None:
         """Compile (or load) the decode attention kernels of this cache's types: one call over a
         zero token in layer 0, then the cache is empty again (:func:`pyimp.warmup.compile_decode_attention`)."""
         warmup.compile_decode_attention(self)
 
-    @_exclusive
+    @exclusive
     def warmup(self, compile_helper: bool = False) -> float:
         """Compile (or load from cache) every kernel of prefill and decode; returns seconds.
         With ``compile_helper``, on a first run a second process shares the compiling
@@ -556,10 +466,10 @@ class Engine:
         Arguments are checked here; the iterator holds the engine from its first token until it
         ends or is closed (meanwhile another thread's calls raise :class:`EngineBusyError`).
         """
-        max_tokens = _check_max_tokens(max_tokens)
+        max_tokens = inputs.max_tokens(max_tokens)
         sampler = Sampler(sampling or SamplingParams())
         ids = self.tokenize(prompt, add_bos=add_bos) if isinstance(prompt, str) else prompt
-        ids = [int(t) for t in self._token_ids(ids)]
+        ids = [int(t) for t in inputs.token_ids(ids, self.cfg.n_vocab)]
         if not ids:
             raise ValueError("the prompt is empty")
         return self._generate(ids, max_tokens, sampler, stop, progress, reuse_prefix)
@@ -568,7 +478,7 @@ class Engine:
                   reuse_prefix: bool) -> Iterator[tuple[int, float]]:
         """:meth:`generate`'s iterator: it holds the engine from its first step to its end,
         and between tokens belongs to no thread (any thread may advance it)."""
-        self._take("generate")
+        self._seq.take("generate")
         try:
             if not reuse_prefix:
                 self.reset()
@@ -587,9 +497,9 @@ class Engine:
                 tok = sampler.sample(logits, self.tokens)
                 logp = ops.token_logprob(logits, tok)
                 n += 1
-                self._owner, self._suspended_in = None, threading.get_ident()
+                self._seq.suspend()
                 yield tok, logp
-                self._owner, self._suspended_in = threading.get_ident(), None
+                self._seq.resume()
                 if tok in eog:
                     return
                 if stop:
@@ -600,7 +510,7 @@ class Engine:
                     return
                 logits = self.eval([tok], all_logits=False)[-1]
         finally:
-            self._give_back()
+            self._seq.give_back()
 
     @property
     def vocab(self):
