@@ -381,13 +381,15 @@ def _write_heatmap(engine, path: str) -> None:
     existing one."""
     import matplotlib
 
+    from . import plotting
+
     fmt = os.path.splitext(path)[1][1:].lower() or "png"
     folder, base = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{base}.{secrets.token_hex(6)}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as fh, matplotlib.rc_context({"savefig.format": fmt}):
-            engine.sparse.heatmap(fh, len(engine.tokens))
+            plotting.sparse_heatmap(engine.sparse, fh, len(engine.tokens))
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

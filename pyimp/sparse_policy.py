@@ -32,11 +32,14 @@ A selection made at one step is reused for ``token_step`` steps (and by the
 gains the blocks started since it was made, so the query's own token and every
 token since the selection are attended. Sliding-window layers and
 ``dense_layers`` stay dense.
+
+What the decode steps did (statistics, recall, the selections kept for traces and
+heatmaps) is recorded by observers the state notifies (:mod:`pyimp.sparse_stats`);
+pyimp-run draws the heatmap (:mod:`pyimp.plotting`).
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -49,9 +52,11 @@ from .sparse.anchors import block_anchors, group_shared, min_anchor_num
 from .sparse.retrieval import (block_center_logits, n_sets, recent_blocks, retrieve_unchecked,
                                select_blocks, select_for_recall)
 from .sparse.select_modes import LayerKeys, block_max, pattern_scores
+from .sparse_stats import (CallbackObserver, DecodeStats, SparseObserver,  # noqa: F401 (re-exported)
+                           SparseRecorder, sparse_report)
 
-# decode steps whose block selections are kept (per sparse layer) for heatmaps and reports;
-# older ones are dropped so that a long --report / track run stays bounded in memory
+# decode steps whose block selections the state's recorder keeps (per sparse layer) for heatmaps
+# and reports; older ones are dropped so that a long --report / track run stays bounded in memory
 SELECTION_HISTORY = 1024
 
 
@@ -165,38 +170,19 @@ class AnchorBuffer:
             a[:] = 0
 
 
-@dataclass
-class DecodeStats:
-    """What the sparse decode steps did, per sparse layer (see :meth:`SparseState.report`)."""
-
-    steps: int = 0
-    recall_sum: dict = field(default_factory=dict)      # layer -> float64[Hq]
-    recall_n: dict = field(default_factory=dict)        # layer -> sparse steps measured
-    attended: dict = field(default_factory=dict)        # layer -> tokens attended (sum over steps, mean over sets)
-    context: dict = field(default_factory=dict)         # layer -> context tokens (sum over steps)
-    est_sum: dict = field(default_factory=dict)         # layer -> estimated recall (recall target)
-    est_n: dict = field(default_factory=dict)
-
-    def add(self, il: int, n_ctx: int, block_len: int, sel: np.ndarray, cnt: np.ndarray,
-            recall: np.ndarray | None, est: np.ndarray | None = None) -> None:
-        """One sparse step of layer il: real tokens attended per set (a partial tail counts its
-        valid tokens), mean over sets; the recall per head if measured; the recall target's
-        estimate (mean over sets) if it chose the blocks."""
-        if est is not None:
-            self.est_sum[il] = self.est_sum.get(il, 0.0) + float(np.mean(est))
-            self.est_n[il] = self.est_n.get(il, 0) + 1
-        if recall is not None:
-            self.recall_sum[il] = self.recall_sum.get(il, 0.0) + recall.astype(np.float64)
-            self.recall_n[il] = self.recall_n.get(il, 0) + 1
-        live = np.arange(sel.shape[1])[None, :] < cnt[:, None]
-        ntok = np.where(live, np.minimum(block_len, n_ctx - sel.astype(np.int64) * block_len), 0)
-        self.attended[il] = self.attended.get(il, 0.0) + float(ntok.sum(axis=1).mean())
-        self.context[il] = self.context.get(il, 0) + n_ctx
-
-
-
 class SparseState:
-    """Importance matrix, anchors and block selection for one engine's cache."""
+    """Importance matrix, anchors and block selection for one engine's cache.
+
+    What the decode steps did is kept by observers (:mod:`pyimp.sparse_stats`) the state
+    notifies: ``recorder``, a :class:`SparseRecorder` (statistics, the latest selections for
+    traces, the selection history for heatmaps), is attached at construction when
+    :meth:`records` says so; ``observe(callback)`` and :meth:`add_observer` attach more.
+    ``stats``, ``selections`` and ``last_selection`` read the recorder's (empty without one).
+    """
+
+    # the host state records always: its statistics cost little, a trace reads last_selection
+    # and the report's attended fraction needs no flag
+    records_always = True
 
     def __init__(self, opts: SparseOptions, cfg, cache):
         opts.validate(cfg.n_layer)
@@ -206,7 +192,7 @@ class SparseState:
         self.retrieval_type = RetrievalType(opts.retrieval)
         L, NB, B = cfg.n_layer, cache.max_blocks, cache.block_len
         Hq, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
-        self.n_head_kv = Hkv
+        self.n_head, self.n_head_kv = Hq, Hkv
         A = opts.anchor_num or min_anchor_num(self.anchor_type)
         # layers that run block-sparse decode ([] without ``enabled``) and their lead layers
         self.sparse_layers, self._lead = plan_layers(opts, cfg)
@@ -227,13 +213,64 @@ class SparseState:
         # dense kernel (the same result, faster); False runs the block-sparse kernels over every
         # block instead (to check them against dense attention at full budget)
         self.dense_fallback = True
-        self.stats = DecodeStats()
-        self._observers: list = []   # see observe()
-        # layer -> (sel, cnt) of its latest block-sparse decode step (what a trace records)
-        self.last_selection: dict = {}
-        # (step, layer, sorted logical block ids attended by set 0), the last SELECTION_HISTORY
-        # decode steps of every sparse layer, for heatmaps
-        self.selections: deque = deque(maxlen=SELECTION_HISTORY * max(len(self.sparse_layers), 1))
+        self.step = 0                # decode steps since the last reset (token_step's clock)
+        self._observers: list = []   # SparseObserver, see add_observer()
+        self._selection_observers: list = []   # those that want on_selection
+        self._measure_recall = False           # one of them asked for each sparse step's recall
+        self.recorder: SparseRecorder | None = None
+        if self.records(opts):
+            self.recorder = SparseRecorder(len(self.sparse_layers), SELECTION_HISTORY,
+                                           keep_selections=opts.report or opts.track,
+                                           measure_recall=opts.report)
+            self.add_observer(self.recorder)
+
+    @classmethod
+    def records(cls, opts: SparseOptions) -> bool:
+        """Is a :class:`SparseRecorder` attached to a state made with ``opts``?"""
+        return cls.records_always or opts.report or opts.track
+
+    # ------------------------------------------------------------- observers
+    def add_observer(self, observer: SparseObserver) -> None:
+        """Notify ``observer`` (:class:`pyimp.sparse_stats.SparseObserver`) from now on."""
+        self._observers.append(observer)
+        self._selection_observers = [ob for ob in self._observers if ob.wants_selections]
+        self._measure_recall = any(ob.measure_recall for ob in self._observers)
+
+    def observe(self, callback) -> None:
+        """Call ``callback(il, q, n_ctx, scale, window, sparse)`` after every decode attention;
+        ``sparse`` says whether layer il took the block-sparse path."""
+        self.add_observer(CallbackObserver(callback))
+
+    def _notify_selection(self, il: int, n_ctx: int, sel: np.ndarray, cnt: np.ndarray,
+                          recall: np.ndarray | None, est: np.ndarray | None = None) -> None:
+        for ob in self._selection_observers:
+            ob.on_selection(il, self.step, n_ctx, self.cache.block_len, sel, cnt, recall, est)
+
+    def _notify_attention(self, il: int, q, n_ctx: int, scale: float, window: int,
+                          sparse: bool) -> None:
+        for ob in self._observers:
+            ob.on_attention(il, q, n_ctx, scale, window, sparse)
+
+    @property
+    def stats(self) -> DecodeStats:
+        """The recorder's statistics (without a recorder: no layer's, the steps counted)."""
+        return self.recorder.stats if self.recorder is not None else DecodeStats(steps=self.step)
+
+    @property
+    def selections(self) -> deque:
+        """(step, layer, sorted logical block ids attended by set 0) of the last
+        ``selection_history`` decode steps of every sparse layer (the recorder's, with
+        ``report`` or ``track``), for heatmaps."""
+        return self.recorder.selections if self.recorder is not None else deque()
+
+    @property
+    def selection_history(self) -> int:
+        return self.recorder.history if self.recorder is not None else SELECTION_HISTORY
+
+    @property
+    def last_selection(self) -> dict:
+        """layer -> (sel, cnt) of its latest block-sparse decode step (what a trace records)."""
+        return self.recorder.last_selection if self.recorder is not None else {}
 
     @staticmethod
     def bytes_needed(opts: SparseOptions, cfg, max_blocks: int, block_len: int) -> int:
@@ -251,16 +288,20 @@ class SparseState:
 
     # ------------------------------------------------------------- lifecycle
     def reset(self) -> None:
-        self.importance_[:] = 0
-        self.anchor_.zero()
+        self._zero_buffers()
         for d in self._dirty.values():
             d[:] = False
         self._sel.clear()
         self._keys.clear()
         self._prefill = None
-        self.stats = DecodeStats()
-        self.selections.clear()
-        self.last_selection.clear()
+        self.step = 0
+        for ob in self._observers:
+            ob.on_reset()
+
+    def _zero_buffers(self) -> None:
+        """importance_ and the anchors <- 0."""
+        self.importance_[:] = 0
+        self.anchor_.zero()
 
     def warmup(self) -> None:
         """Compile the anchor, retrieval and sparse-attention kernels on a throwaway 4-block cache."""
@@ -281,7 +322,7 @@ class SparseState:
         sel, cnt = retrieve_blocks(q, anchor, bt, 4 * B, B, Hkv, self.retrieval_type, 1, 1, 1,
                                    self.anchor_type)
         sparse_attention_decode(q, kc, vc, bt, 4 * B, 1.0, 0, sel, cnt, np.empty((Hq, D), np.float32),
-                                importance=imp, decay=self.opts.decay, recall=self.opts.report)
+                                importance=imp, decay=self.opts.decay, recall=self._measure_recall)
 
     def obs_start(self, prompt_end: int) -> int:
         """First absolute position whose query row adds importance during a prefill."""
@@ -372,22 +413,28 @@ class SparseState:
 
     def after_decode(self, n_ctx: int) -> None:
         """Called once a decode token is in every layer's cache."""
-        self.stats.steps += 1
+        self.step += 1
+        for ob in self._observers:
+            ob.on_step(self.step)
 
     def _fresh_anchors(self, il: int, n_ctx: int) -> np.ndarray:
         """Layer il's anchor storage, with every block whose inputs changed recomputed."""
         d = self._dirty[il]
         lbs = np.flatnonzero(d[:-(-n_ctx // self.cache.block_len)])
         if lbs.size:
-            blocks, n_valid = self._blocks_upto(il, n_ctx, lbs)
-            kc = self.cache.k_layer(il)
-            if self.anchor_type is AnchorType.DYNAMIC or isinstance(kc, QuantizedKV):
-                compute_anchors(self.anchor_type, kc, blocks, n_valid, self.anchor_.storage(il),
-                                self.importance_[il])
-            else:                  # the cache's own blocks: no argument checks on this path
-                block_anchors(self.anchor_type, kc, blocks, n_valid, self.anchor_.storage(il))
+            self._anchors(il, lbs, n_ctx)
             d[:] = False
         return self.anchor_.storage(il)
+
+    def _anchors(self, il: int, lbs: np.ndarray, n_ctx: int) -> None:
+        """Recompute layer il's anchors of logical blocks lbs (of its first n_ctx slots)."""
+        blocks, n_valid = self._blocks_upto(il, n_ctx, lbs)
+        kc = self.cache.k_layer(il)
+        if self.anchor_type is AnchorType.DYNAMIC or isinstance(kc, QuantizedKV):
+            compute_anchors(self.anchor_type, kc, blocks, n_valid, self.anchor_.storage(il),
+                            self.importance_[il])
+        else:                  # the cache's own blocks: no argument checks on this path
+            block_anchors(self.anchor_type, kc, blocks, n_valid, self.anchor_.storage(il))
 
     def _mark(self, il: int, n_ctx: int, sel: np.ndarray | None, cnt: np.ndarray | None) -> None:
         """Record which DYNAMIC anchors of layer il this step's importance update made stale
@@ -454,11 +501,6 @@ class SparseState:
         self._sel.clear()
         self._prefill = None
 
-    def observe(self, callback) -> None:
-        """Call ``callback(il, q, n_ctx, scale, window, sparse)`` after every decode attention;
-        ``sparse`` says whether layer il took the block-sparse path."""
-        self._observers.append(callback)
-
     def is_sparse_step(self, il: int, n_ctx: int) -> bool:
         """Does layer il take the block-sparse path with n_ctx tokens cached (new one included)?"""
         o = self.opts
@@ -489,8 +531,7 @@ class SparseState:
             self._mark(il, n_ctx, None, None)
         else:
             sel, cnt = self._selection(il, q, n_ctx, scale)
-            self.last_selection[il] = (sel, cnt)
-            if o.report:        # the recall diagnostic: the checked entry point computes it
+            if self._measure_recall:    # the recall diagnostic: the checked entry point computes it
                 _, rec = sparse_attention_decode(q, kc, vc, bt, n_ctx, scale, window, sel, cnt,
                                                  out, importance=imp, decay=o.decay, recall=True,
                                                  bias=c.bias(il))
@@ -499,11 +540,8 @@ class SparseState:
                                    o.decay, bias=c.bias(il))
                 rec = None
             self._mark(il, n_ctx, sel, cnt)
-            est = self._est.pop(il, None)
-            self.stats.add(il, n_ctx, c.block_len, sel, cnt, rec, est)
-            self._record_selection(il, sel, cnt)
-        for cb in self._observers:
-            cb(il, q, n_ctx, scale, window, sparse)
+            self._notify_selection(il, n_ctx, sel, cnt, rec, self._est.pop(il, None))
+        self._notify_attention(il, q, n_ctx, scale, window, sparse)
 
     def _selection(self, il: int, q: np.ndarray, n_ctx: int,
                    scale: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
@@ -513,31 +551,38 @@ class SparseState:
         o, B = self.opts, self.cache.block_len
         n_lb = -(-n_ctx // B)
         if n_ctx // B <= o.init_blocks + o.topk + o.local_blocks:
-            nsets = n_sets(self.retrieval_type, q.shape[0], self.n_head_kv)
-            return (np.tile(np.arange(n_lb, dtype=np.int32), (nsets, 1)),
-                    np.full(nsets, n_lb, np.int32))
-        lead, step = self._lead[il], self.stats.steps
+            return self._all_blocks(n_sets(self.retrieval_type, self.n_head, self.n_head_kv), n_lb)
+        lead, step = self._lead[il], self.step
         cached = self._sel.get(lead)
         if lead == il and (cached is None or step - cached[2] >= o.token_step):
-            # anchors are brought up to date right before retrieval reads them
-            if o.select != "anchors":
-                sel, cnt = self._mode_selection(il, q, n_ctx)
-                self._sel[lead] = (sel, cnt, step, n_lb)
-                return sel, cnt
-            if o.recall_target > 0:
-                sel, cnt, est = self._recall_selection(il, q, n_ctx, scale)
-                self._sel[lead] = (sel, cnt, step, n_lb)
-                self._est[il] = est
-                return sel, cnt
-            # more blocks than the budget (above); the cache's own arrays: no argument checks
-            Hq = q.shape[0]
-            sel, cnt = retrieve_unchecked(q, self._fresh_anchors(il, n_ctx), self.cache.table(il),
-                                          n_ctx, B, n_sets(self.retrieval_type, Hq, self.n_head_kv),
-                                          Hq // self.n_head_kv, o.init_blocks, o.topk,
-                                          o.local_blocks, self.anchor_type)
+            sel, cnt = self._retrieve(il, q, n_ctx, scale)
             self._sel[lead] = (sel, cnt, step, n_lb)
             return sel, cnt
         return self._extend(cached, n_lb)
+
+    @staticmethod
+    def _all_blocks(nsets: int, n_lb: int) -> tuple[np.ndarray, np.ndarray]:
+        """Every set selects logical blocks 0 .. n_lb-1."""
+        return (np.tile(np.arange(n_lb, dtype=np.int32), (nsets, 1)),
+                np.full(nsets, n_lb, np.int32))
+
+    def _retrieve(self, il: int, q: np.ndarray, n_ctx: int, scale: float):
+        """A new selection for lead layer il (more blocks than the budget): the selection mode's,
+        the recall target's (its estimate kept for the observers) or the anchors' top-k."""
+        o, B = self.opts, self.cache.block_len
+        # anchors are brought up to date right before retrieval reads them
+        if o.select != "anchors":
+            return self._mode_selection(il, q, n_ctx)
+        if o.recall_target > 0:
+            sel, cnt, est = self._recall_selection(il, q, n_ctx, scale)
+            self._est[il] = est
+            return sel, cnt
+        # the cache's own arrays: no argument checks
+        Hq = q.shape[0]
+        return retrieve_unchecked(q, self._fresh_anchors(il, n_ctx), self.cache.table(il),
+                                  n_ctx, B, n_sets(self.retrieval_type, Hq, self.n_head_kv),
+                                  Hq // self.n_head_kv, o.init_blocks, o.topk,
+                                  o.local_blocks, self.anchor_type)
 
     def _mode_selection(self, il: int, q: np.ndarray, n_ctx: int):
         """(sel, cnt) of a selection mode other than the anchors (:mod:`pyimp.sparse.select_modes`)."""
@@ -577,84 +622,16 @@ class SparseState:
         return select_for_recall(logits, n_ctx, B, o.init_blocks, o.local_blocks, Hq // nsets,
                                  scale, o.recall_target, o.topk, o.recall_max_blocks, tokens)
 
-    def _record_selection(self, il: int, sel: np.ndarray, cnt: np.ndarray) -> None:
-        """Keep set 0's blocks of this step for heatmaps (with ``report`` or ``track``)."""
-        if self.opts.report or self.opts.track:
-            self.selections.append((self.stats.steps, il, np.unique(sel[0, :cnt[0]]).tolist()))
-
     # -------------------------------------------------------------- report
     def report(self) -> dict:
-        """Recall per layer and head, attended fraction, buffer sizes in bytes.
+        """Recall per layer and head, attended fraction, buffer sizes in bytes
+        (:func:`pyimp.sparse_stats.sparse_report` over the recorder's statistics).
 
         ``mode`` says whether any layer ran sparse: without ``enabled`` it is
         "tracking only" and ``sparse_layers`` is empty (every layer attended densely).
         """
-        st = self.stats
-        layers = {}
-        for il in self.sparse_layers:
-            entry = {}
-            if il in st.recall_n:
-                r = st.recall_sum[il] / st.recall_n[il]
-                entry["recall_per_head"] = [round(float(x), 6) for x in r]
-                entry["recall"] = round(float(r.mean()), 6)
-            if st.context.get(il):
-                entry["attended_fraction"] = round(st.attended[il] / st.context[il], 6)
-            if st.est_n.get(il):
-                entry["estimated_recall"] = round(st.est_sum[il] / st.est_n[il], 6)
-            if entry:
-                layers[str(il)] = entry
-        recalls = [v["recall"] for v in layers.values() if "recall" in v]
-        fracs = [v["attended_fraction"] for v in layers.values() if "attended_fraction" in v]
-        ests = [v["estimated_recall"] for v in layers.values() if "estimated_recall" in v]
-        return {
-            "mode": "sparse" if self.opts.enabled else "tracking only (every layer dense)",
-            "sparse_layers": list(self.sparse_layers),
-            "decode_steps": st.steps,
-            "mean_recall": float(np.mean(recalls)) if recalls else None,
-            "mean_attended_fraction": float(np.mean(fracs)) if fracs else None,
-            "mean_estimated_recall": float(np.mean(ests)) if ests else None,
-            "layers": layers,
-            "bytes": {"kv": int(self.cache.nbytes), "importance": int(self.importance_.nbytes),
-                      "anchors": int(self.anchor_.nbytes)},
-        }
-
-    def heatmap(self, path: str, n_ctx: int) -> None:
-        """PNG: importance_ summed over heads per layer x token, and block selections over time.
-
-        Draws on its own Agg canvas: pyplot and the process's matplotlib backend are not touched.
-        """
-        try:
-            from matplotlib.backends.backend_agg import FigureCanvasAgg
-            from matplotlib.figure import Figure
-        except ImportError:
-            raise RuntimeError("heatmaps need matplotlib: pip install 'pyimp[plot]'") from None
-        B, c = self.cache.block_len, self.cache
-        nlb = -(-n_ctx // B)
-        imp = np.zeros((len(self.importance_), n_ctx), np.float32)
-        for il in range(len(self.importance_)):     # by position (a compacted layer has gaps)
-            s = c.slot_count(il)
-            blocks, rows = c.slots(0, s, layer=il)
-            imp[il, c.positions(il)] = self.importance_[il, blocks, rows].astype(np.float32).sum(-1)
-        fig = Figure(figsize=(10, 7))
-        FigureCanvasAgg(fig)
-        axes = fig.subplots(2, 1)
-        im = axes[0].imshow(np.log1p(imp), aspect="auto", interpolation="nearest", cmap="magma")
-        axes[0].set_title("log(1 + importance_) summed over query heads")
-        axes[0].set_xlabel("token position")
-        axes[0].set_ylabel("layer")
-        fig.colorbar(im, ax=axes[0])
-        lay = self.sparse_layers[0] if self.sparse_layers else None
-        rows = [(s, blk) for s, il, blk in self.selections if il == lay]
-        grid = np.zeros((max(len(rows), 1), nlb), np.float32)
-        for i, (_, blk) in enumerate(rows):
-            grid[i, [b for b in blk if b < nlb]] = 1.0
-        axes[1].imshow(grid, aspect="auto", interpolation="nearest", cmap="Greys")
-        if lay is None:
-            axes[1].set_title("no layer ran sparse (tracking only): no block selections")
-        else:
-            axes[1].set_title(f"selected blocks per decode step (layer {lay}, first set; "
-                              f"last {SELECTION_HISTORY} steps at most)")
-        axes[1].set_xlabel("logical block")
-        axes[1].set_ylabel("decode step")
-        fig.tight_layout()
-        fig.savefig(path, dpi=100)
+        return sparse_report(self.stats, enabled=self.opts.enabled, sparse_layers=self.sparse_layers,
+                             steps=self.step,
+                             nbytes={"kv": int(self.cache.nbytes),
+                                     "importance": int(self.importance_.nbytes),
+                                     "anchors": int(self.anchor_.nbytes)})

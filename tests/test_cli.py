@@ -586,11 +586,11 @@ def test_heatmap_without_extension_is_a_png_at_that_path(capsys, tiny, tmp_path)
 
 def test_a_failed_heatmap_still_prints_the_json(capsys, tiny, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from pyimp.sparse_policy import SparseState
+    from pyimp import plotting
 
-    def broken(self, path, n_ctx):
+    def broken(state, path, n_ctx):
         raise RuntimeError("the renderer failed")
-    monkeypatch.setattr(SparseState, "heatmap", broken)
+    monkeypatch.setattr(plotting, "sparse_heatmap", broken)
     code, out, err = _run([tiny, "-p", "abc", "-n", "2", "-c", "256", "--heatmap",
                            str(tmp_path / "h.png"), "--json"], capsys)
     _one_line_error(code, err, f"cannot write heatmap {tmp_path / 'h.png'}: the renderer failed")

@@ -364,7 +364,8 @@ import pyimp
 eng = pyimp.load({str(model)!r}, n_ctx=64, block_len={B}, sparse=True, topk=1, track=True)
 eng.eval(list(range(3, 30)))
 eng.eval([5])
-eng.sparse.heatmap({str(out)!r}, len(eng.tokens))
+from pyimp.plotting import sparse_heatmap
+sparse_heatmap(eng.sparse, {str(out)!r}, len(eng.tokens))
 assert matplotlib.get_backend() == "svg", matplotlib.get_backend()
 assert "matplotlib.pyplot" not in sys.modules
 """

@@ -8,9 +8,9 @@ move to the device:
   live on the device. ``importance_`` and ``anchor_[...]`` read as host copies, made on demand
   (reports, heatmaps, Python access).
 - Retrieval (scores and top-k) and the decode attention run on the device: a selection never
-  comes to the host. It does for the statistics of ``--report`` / ``track`` only (the attended
-  fraction and the recall need host numbers), so those flags cost a copy per sparse layer and
-  step.
+  comes to the host. It does for the observers that want selections only (the statistics'
+  recorder, attached with ``--report`` / ``track`` only: the attended fraction and the recall
+  need host numbers), so those flags cost a copy per sparse layer and step.
 - DYNAMIC anchors: the host does not see which blocks a step attended, so every block of a
   DYNAMIC layer is recomputed before its next retrieval (the same anchors as the CPU path's
   per-block bookkeeping gives, at the cost of recomputing unattended blocks).
@@ -22,7 +22,6 @@ from numba import cuda
 
 from ..sparse import AnchorType
 from ..sparse.anchors import group_shared
-from ..sparse.retrieval import n_sets
 from ..sparse_policy import AnchorBuffer, SparseState
 from . import attention, device
 from . import sparse as dsparse
@@ -80,7 +79,32 @@ class DeviceAnchors(AnchorBuffer):
 
 
 class DeviceSparseState(SparseState):
-    """:class:`SparseState` over a :class:`pyimp.cuda.kvcache.DeviceKVCache`."""
+    """:class:`SparseState` over a :class:`pyimp.cuda.kvcache.DeviceKVCache`.
+
+    The policy (sparse and lead layers, when a selection is reused or made again, which anchors
+    are stale, the step clock, reset, the observers) is the base class's; what is overridden
+    moves a buffer or a kernel to the device:
+
+    - ``importance_`` (a property over ``importance_dev``), ``_zero_buffers``, ``_decay``,
+      ``restore_prefix`` and ``truncate``: the importance buffer lives on the device (a rewind
+      goes through a host copy; the device cache never compacts, so one block table and one
+      count serve every layer);
+    - ``_anchors`` and ``refresh_anchors``: the anchors are computed by the device kernel (one
+      slot count for every layer);
+    - ``_mark``: the attended blocks are not seen on the host, so a DYNAMIC layer's every block
+      turns stale;
+    - ``_all_blocks``, ``_retrieve`` and ``_extend``: the selections are device arrays, made by
+      the device's retrieval (anchors only: the capability table refuses the other selection
+      modes and the recall target on the device);
+    - ``decode_attention``: the device's attention kernels; the recall, when an observer asks
+      for it, is measured by a dense pass beside the sparse one;
+    - ``warmup``: the device kernels compile at their first launch.
+
+    The statistics' recorder is attached with ``report`` or ``track`` only (``records_always``
+    False): its numbers need the selections on the host.
+    """
+
+    records_always = False
 
     def __init__(self, opts, cfg, cache):
         super().__init__(opts, cfg, cache)
@@ -102,22 +126,20 @@ class DeviceSparseState(SparseState):
     def warmup(self) -> None:
         """The device kernels compile at their first launch."""
 
-    def reset(self) -> None:
+    def _zero_buffers(self) -> None:
+        """Fresh zeroed device buffers (no host round trip)."""
         self.importance_dev = device.zeros(self.importance_dev.shape, np.float16)
         self.anchor_.zero()
-        for d in self._dirty.values():
-            d[:] = False
-        self._sel.clear()
-        self._prefill = None
-        self.stats = type(self.stats)()
-        self.selections.clear()
 
     def _decay(self, n_ctx: int) -> None:
+        """The decay kernel on the device buffer (one block table for every layer)."""
         for il in range(self.importance_dev.shape[0]):
             dsparse.decay_importance(self.importance_dev[il], self.cache.bt_dev, n_ctx,
                                      self.opts.decay)
 
     def truncate(self, n_ctx: int) -> None:
+        """As the host's, through a host copy of importance_; every anchor from the cut's block
+        on turns stale."""
         imp = self.importance_                      # a rewind is rare: host round trip
         bt, B = self.cache.table(0), self.cache.block_len
         n_lb = int((bt >= 0).sum())
@@ -132,10 +154,12 @@ class DeviceSparseState(SparseState):
         self._prefill = None
 
     def restore_prefix(self, importance: np.ndarray, n_ctx: int) -> None:
+        """Uploads importance (the host's writes into the array importance_ reads)."""
         self.importance_ = importance
         self.after_prefill(n_ctx)
 
     def _anchors(self, il: int, lbs: np.ndarray, n_ctx: int) -> None:
+        """The device kernel over layer il's logical blocks lbs (block ids uploaded)."""
         blocks, n_valid = self._blocks_upto(il, n_ctx, lbs)
         dsparse.compute_anchors(self.anchor_type, self.cache.k_layer(il),
                                 device.to_device(blocks.astype(np.int32)),
@@ -143,6 +167,7 @@ class DeviceSparseState(SparseState):
                                 self.anchor_.storage(il), self.importance_dev[il])
 
     def refresh_anchors(self, n_ctx: int | None = None, lbs: np.ndarray | None = None) -> None:
+        """As the host's, with the device kernel and one slot count for every layer."""
         if n_ctx is None:               # the device cache never compacts: one count for all
             n_ctx = self.cache.slot_count(0)
         if lbs is None:
@@ -152,20 +177,14 @@ class DeviceSparseState(SparseState):
             if lbs.size == -(-n_ctx // self.cache.block_len):
                 self._dirty[il][:] = False
 
-    def _fresh_anchors(self, il: int, n_ctx: int):
-        d = self._dirty[il]
-        lbs = np.flatnonzero(d[:-(-n_ctx // self.cache.block_len)])
-        if lbs.size:
-            self._anchors(il, lbs, n_ctx)
-            d[:] = False
-        return self.anchor_.storage(il)
-
     def _mark(self, il: int, n_ctx: int, sel, cnt) -> None:
+        """A DYNAMIC layer's every block turns stale (the selection stays on the device)."""
         d = self._dirty.get(il)
         if d is not None and self.anchor_type is AnchorType.DYNAMIC:
             d[:-(-n_ctx // self.cache.block_len)] = True     # attended blocks are not known here
 
     def _extend(self, cached, n_lb: int):
+        """The host's, as a device kernel into scratch arrays."""
         sel, cnt, _, n_lb0 = cached
         if n_lb <= n_lb0:
             return sel, cnt
@@ -175,23 +194,18 @@ class DeviceSparseState(SparseState):
         device.launch(_extend, nsets, 32, sel, cnt, np.int32(n_lb0), np.int32(n_lb), out, out_cnt)
         return out, out_cnt
 
-    def _selection(self, il: int, q, n_ctx: int):
-        o, B = self.opts, self.cache.block_len
-        n_lb = -(-n_ctx // B)
-        if n_ctx // B <= o.init_blocks + o.topk + o.local_blocks:
-            nsets = n_sets(self.retrieval_type, q.shape[1], self.n_head_kv)
-            return (device.to_device(np.tile(np.arange(n_lb, dtype=np.int32), (nsets, 1))),
-                    device.to_device(np.full(nsets, n_lb, np.int32)))
-        lead, step = self._lead[il], self.stats.steps
-        cached = self._sel.get(lead)
-        if lead == il and (cached is None or step - cached[2] >= o.token_step):
-            sel, cnt = dsparse.retrieve_blocks(q[0], self._fresh_anchors(il, n_ctx),
-                                               self.cache.bt_dev, n_ctx, B, self.n_head_kv,
-                                               self.retrieval_type, o.init_blocks, o.topk,
-                                               o.local_blocks, self.anchor_type)
-            self._sel[lead] = (sel, cnt, step, n_lb)
-            return sel, cnt
-        return self._extend(cached, n_lb)
+    def _all_blocks(self, nsets: int, n_lb: int):
+        """The host's, uploaded."""
+        sel, cnt = SparseState._all_blocks(nsets, n_lb)
+        return device.to_device(sel), device.to_device(cnt)
+
+    def _retrieve(self, il: int, q, n_ctx: int, scale: float):
+        """The anchors' top-k on the device (q: ``[1, Hq, D]``)."""
+        o = self.opts
+        return dsparse.retrieve_blocks(q[0], self._fresh_anchors(il, n_ctx), self.cache.bt_dev,
+                                       n_ctx, self.cache.block_len, self.n_head_kv,
+                                       self.retrieval_type, o.init_blocks, o.topk, o.local_blocks,
+                                       self.anchor_type)
 
     def decode_attention(self, il: int, q, n_ctx: int, scale: float, window: int, out) -> None:
         """Attention of the device query q ``[1, Hq, D]`` of layer il into out ``[1, Hq, D]``."""
@@ -206,13 +220,13 @@ class DeviceSparseState(SparseState):
                              decay=o.decay, scratch=self.scratch)
             self._mark(il, n_ctx, None, None)
         else:
-            sel, cnt = self._selection(il, q, n_ctx)
+            sel, cnt = self._selection(il, q, n_ctx, scale)
             M, L = attention.decode(q, kc, vc, bt, n_ctx, scale, window, out, sel=sel, cnt=cnt,
                                     importance=imp, decay=o.decay, scratch=self.scratch)
             self._mark(il, n_ctx, sel, cnt)
-            if o.report or o.track:
+            if self._selection_observers:
                 rec = None
-                if o.report:      # recall = exp(lse_sparse - lse_dense), as on the CPU
+                if self._measure_recall:    # recall = exp(lse_sparse - lse_dense), as on the CPU
                     Ms, Ls = device.to_host(M)[0], device.to_host(L)[0]
                     dense = device.empty(out.shape, np.float32)
                     Md, Ld = attention.decode(q, kc, vc, bt, n_ctx, scale, window, dense,
@@ -220,8 +234,5 @@ class DeviceSparseState(SparseState):
                     Md, Ld = device.to_host(Md)[0], device.to_host(Ld)[0]
                     with np.errstate(divide="ignore", invalid="ignore"):
                         rec = np.where(Ld > 0, Ls / Ld * np.exp(Ms - Md), 0).astype(np.float32)
-                hsel, hcnt = device.to_host(sel), device.to_host(cnt)
-                self.stats.add(il, n_ctx, c.block_len, hsel, hcnt, rec)
-                self._record_selection(il, hsel, hcnt)
-        for cb in self._observers:
-            cb(il, q, n_ctx, scale, window, sparse)
+                self._notify_selection(il, n_ctx, device.to_host(sel), device.to_host(cnt), rec)
+        self._notify_attention(il, q, n_ctx, scale, window, sparse)
