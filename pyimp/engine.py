@@ -20,13 +20,12 @@ import numpy as np
 from loaders.config import ModelConfig, read_config
 from loaders.gguf_file import GGUFFile
 
-from . import capabilities, inputs, ops, warmup
+from . import buffers, capabilities, inputs, ops, warmup
 from .cpu_forward import CPUForward, no_tap as _no_tap
 from .forward import forward, make_step
 from .kv_merge import KVMerger
 from .kv_policy import KVPolicy
 from .kvcache import KVCache
-from .memory import check_fits, fmt_bytes
 from .model import ModelWeights
 from .sampling import Sampler, SamplingParams
 from .options import DEVICES, MAX_BLOCK_LEN, NUMERICS, EngineOptions, SparseOptions  # noqa: F401
@@ -70,7 +69,7 @@ class Engine:
         opts.sparse.validate(self.cfg.n_layer)
         self.weights = ModelWeights(self.file, self.cfg)
         self.n_ctx = opts.n_ctx or self.cfg.n_ctx_train
-        self.buffer_bytes = self._check_memory()
+        self.buffer_bytes = buffers.check_memory(opts, self.cfg, self.n_ctx)
         if self.n_ctx > self.cfg.n_ctx_train:
             warnings.warn(f"context size {self.n_ctx} exceeds the model's training context "
                           f"{self.cfg.n_ctx_train}; quality may degrade past it", RuntimeWarning, stacklevel=2)
@@ -80,7 +79,7 @@ class Engine:
         else:
             self.cache = KVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim, self.n_ctx,
                                  block_len=opts.block_len, type_k=opts.type_k, type_v=opts.type_v,
-                                 v_layout=opts.v_layout, max_slots=self._max_slots())
+                                 v_layout=opts.v_layout, max_slots=buffers.max_slots(opts, self.cfg, self.n_ctx))
             # importance_ / anchor_ and the block-sparse decode path (None: plain dense attention)
             sp = opts.sparse_options()
             self.sparse = SparseState(sp, self.cfg, self.cache) if sp.active else None
@@ -123,32 +122,6 @@ class Engine:
     @property
     def device(self) -> str:
         return self.options.device
-
-    def _max_slots(self) -> int:
-        """Slots a layer holds at most: the context, or what the eviction budget needs."""
-        o = self.options
-        return KVPolicy.max_slots(o.policy, self.cfg, self.n_ctx, o.batch_size, o.block_len)
-
-    def _check_memory(self) -> dict:
-        """Bytes of the KV cache and sparse buffers this configuration allocates; refuses (one
-        InsufficientMemoryError) what exceeds the available memory, before allocating anything."""
-        opts, cfg = self.options, self.cfg
-        slots = self._max_slots()
-        kv = KVCache.bytes_needed(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, self.n_ctx,
-                                  block_len=opts.block_len, type_k=opts.type_k,
-                                  type_v=opts.type_v, v_layout=opts.v_layout, max_slots=slots)
-        if opts.kv_rotate:
-            ops.hadamard(cfg.head_dim)            # refuses a head dim that is not a power of 2
-        sparse = 0
-        if opts.sparse_options().active:
-            sparse = SparseState.bytes_needed(opts.sparse_options(), cfg,
-                                              -(-slots // opts.block_len), opts.block_len)
-        what = f"context {self.n_ctx} with block length {opts.block_len}: KV cache {fmt_bytes(kv)}"
-        if sparse:
-            what += f" + importance and anchors {fmt_bytes(sparse)}"
-        if opts.device == "cpu":          # on the GPU these buffers take device memory
-            check_fits(kv + sparse, what, "lower the context size (-c), block length or anchor count")
-        return {"kv": kv, "sparse": sparse}
 
     @contextlib.contextmanager
     def _threads(self):
@@ -229,19 +202,20 @@ class Engine:
             return self._forward(tokens, all_logits, prompt_end, logits)
 
     def _forward(self, tokens: np.ndarray, all_logits: bool = False, prompt_end: int | None = None,
-                 logits: bool = True) -> np.ndarray | None:
+                 logits: bool = True, ckpt=None) -> np.ndarray | None:
         """Run ``tokens`` (appended after the cached ones) through the model
         (:func:`pyimp.forward.forward` over this engine's backend).
 
         Returns float32[T, n_vocab] logits when ``all_logits`` else float32[1, n_vocab]
         for the last token, or None when ``logits`` is False (the output head is skipped).
         The cache grows by T tokens. ``prompt_end``: absolute end of the prompt this chunk
-        belongs to (sets the importance observation window).
+        belongs to (sets the importance observation window); ``ckpt``: the cache's checkpoint
+        at the current position when the caller has one.
         """
         T = len(tokens)
         pos0 = int(self.cache.cache_seqlens[0])
+        ckpt = self.cache.checkpoint() if ckpt is None else ckpt
         self.cache.reserve(T)
-        ckpt = self.cache.checkpoint()
         sp = self.sparse
         # decode step or prefill chunk (a lone token that ends a chunked prompt is a prefill chunk;
         # the sparse state also applies the importance decay once per prefill here)
@@ -316,11 +290,6 @@ class Engine:
         if arr.size == 0:
             raise ValueError("no tokens to evaluate")
         bs = self.options.batch_size
-        outs = []
-        t0 = time.perf_counter()
-        start = len(self.tokens)
-        end = start + arr.size
-        ckpt = self.cache.checkpoint()
         spans = [(s, min(s + bs, arr.size)) for s in range(0, arr.size, bs)]
         obs_at = -1
         if self.policy is not None and self.policy.observes and arr.size > 1:
@@ -329,26 +298,45 @@ class Engine:
             obs_at = max(0, arr.size - self.options.kv_obs_window)
             spans = ([(s, min(s + bs, obs_at)) for s in range(0, obs_at, bs)] +
                      [(s, min(s + bs, arr.size)) for s in range(obs_at, arr.size, bs)])
-        for s, e in spans:
-            last = e >= arr.size
-            if s == obs_at:
-                self.policy.observe_start()
-            # chunks before the last only fill the cache unless every row's logits are wanted
-            try:
-                out = self.forward(arr[s:e], all_logits=all_logits, prompt_end=end,
-                                   logits=all_logits or last)
-            except ops.NonFiniteError as e:
-                if obs_at >= 0:
-                    self.policy.cancel_observation()
-                if not self._truncate(start, ckpt):
-                    raise ops.NonFiniteError(f"{e} (the KV cache was emptied: tokens before this "
-                                             f"call had been dropped by the eviction policy or "
-                                             f"the sliding-window trim)") from None
-                raise
-            if out is not None:
-                outs.append(out)
-            if progress is not None:
-                progress(e, arr.size)
+        return self._run(arr, spans, obs_at, all_logits, progress)
+
+    @exclusive
+    def decode_one(self, token) -> np.ndarray:
+        """One decode step: append ``token`` and return its logits, float32[1, n_vocab] (what
+        ``eval([token])`` returns, without the prefill chunk planner)."""
+        if self.file is None:
+            raise self._closed()
+        return self._run(self._check_tokens([token]), [(0, 1)], -1, False, None)
+
+    def _run(self, arr, spans, obs_at: int, all_logits: bool, progress) -> np.ndarray:
+        """Forward ``arr`` chunk by chunk (``spans``; the policy's observation window from
+        ``obs_at``, -1: none); on NaN / inf the cache goes back to where it was."""
+        outs = []
+        t0 = time.perf_counter()
+        start = len(self.tokens)
+        end = start + arr.size
+        ckpt = self.cache.checkpoint()
+        with self._threads(), np.errstate(over="ignore", invalid="ignore"):
+            for s, e in spans:
+                last = e >= arr.size
+                if s == obs_at:
+                    self.policy.observe_start()
+                # chunks before the last only fill the cache unless every row's logits are wanted
+                try:
+                    out = self._forward(arr[s:e], all_logits=all_logits, prompt_end=end,
+                                        logits=all_logits or last, ckpt=ckpt if s == 0 else None)
+                except ops.NonFiniteError as err:
+                    if obs_at >= 0:
+                        self.policy.cancel_observation()
+                    if not self._truncate(start, ckpt):
+                        raise ops.NonFiniteError(f"{err} (the KV cache was emptied: tokens before "
+                                                 f"this call had been dropped by the eviction "
+                                                 f"policy or the sliding-window trim)") from None
+                    raise
+                if out is not None:
+                    outs.append(out)
+                if progress is not None:
+                    progress(e, arr.size)
         dt = time.perf_counter() - t0
         if arr.size > 1:
             self.timings.prefill_tokens += int(arr.size)
@@ -508,7 +496,7 @@ class Engine:
                         return
                 if len(self.tokens) >= self.n_ctx or n == max_tokens:
                     return
-                logits = self.eval([tok], all_logits=False)[-1]
+                logits = self.decode_one(tok)[-1]
         finally:
             self._seq.give_back()
 

@@ -314,16 +314,16 @@ def _busy_error():
 
 
 def _block_worker_forward(eng, worker: dict, entered: threading.Event, release: threading.Event):
-    """Make eng.forward wait on ``release`` inside the worker thread (after setting ``entered``);
-    other threads run it as before."""
-    real = eng.forward
+    """Make eng._forward (every model forward goes through it) wait on ``release`` inside the
+    worker thread (after setting ``entered``); other threads run it as before."""
+    real = eng._forward
 
     def forward(*a, **k):
         if threading.current_thread() is worker.get("thread"):
             entered.set()
             assert release.wait(30)
         return real(*a, **k)
-    eng.forward = forward
+    eng._forward = forward
 
 
 def test_second_thread_gets_a_busy_error_while_generate_runs(llama, tmp_path):
@@ -356,7 +356,8 @@ def test_second_thread_gets_a_busy_error_while_generate_runs(llama, tmp_path):
                  "load_state": lambda: eng.load_state(tmp_path / "s.kv"),
                  "trace": lambda: eng.trace(_ids(3)), "warmup": eng.warmup,
                  "compile_decode_attention": eng.compile_decode_attention, "close": eng.close,
-                 "forward": lambda: eng.forward(np.array([3], np.int64))}
+                 "forward": lambda: eng.forward(np.array([3], np.int64)),
+                 "decode_one": lambda: eng.decode_one(3)}
         for name, call in calls.items():
             with pytest.raises(_busy_error(), match="in use by another thread") as ei:
                 call()
@@ -484,3 +485,19 @@ def test_prompt_cache_of_a_model_differing_in_one_weight_byte_is_refused(llama, 
     changed = Engine(str(other), EngineOptions(n_ctx=64, block_len=8))
     with pytest.raises(StateFileError, match="saved from another model"):
         changed.load_state(tmp_path / "s.kv")
+
+
+def test_decode_one_is_eval_of_one_token(llama):
+    """decode_one (the decode entry point, no prefill chunk planner) gives the bits eval gives
+    for the same token, dense and block-sparse, and counts as a decode step."""
+    for opts in (dict(), dict(sparse=True, topk=1)):
+        a = pyimp.load(llama, n_ctx=64, block_len=8, **opts)
+        b = pyimp.load(llama, n_ctx=64, block_len=8, **opts)
+        a.eval(_ids(20))
+        b.eval(_ids(20))
+        for tok in (5, 9, 3):
+            x, y = a.eval([tok]), b.decode_one(tok)
+            assert x.shape == y.shape == (1, a.cfg.n_vocab) and np.array_equal(x, y), opts
+        assert b.timings.decode_tokens == 3 and b.tokens == a.tokens
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            b.decode_one(10 ** 6)
