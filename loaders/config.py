@@ -56,6 +56,16 @@ class ModelConfig:
     def is_swa(self, il: int) -> bool:
         return self.swa_layers[il]
 
+    def layer_window(self, il: int) -> int:
+        """Layer il's attention window: the sliding window on a sliding-window layer, 0 (the
+        whole context) on a global one."""
+        return self.sliding_window if self.swa_layers[il] else 0
+
+    @property
+    def windows(self) -> tuple:
+        """Every layer's :meth:`layer_window`."""
+        return tuple(self.layer_window(il) for il in range(self.n_layer))
+
     def layer_rope_base(self, il: int) -> float:
         return self.rope_base_swa if self.swa_layers[il] else self.rope_base
 

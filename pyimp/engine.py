@@ -20,7 +20,7 @@ import numpy as np
 from loaders.config import ModelConfig, read_config
 from loaders.gguf_file import GGUFFile
 
-from . import buffers, capabilities, inputs, ops, warmup
+from . import buffers, capabilities, generation, inputs, ops, warmup
 from .cpu_forward import CPUForward, no_tap as _no_tap
 from .forward import forward, make_step
 from .kv_merge import KVMerger
@@ -52,6 +52,10 @@ class Timings:
                 "decode_tok_s": rate(self.decode_tokens, self.decode_s)}
 
 
+def _closed() -> RuntimeError:
+    return RuntimeError("the engine is closed")
+
+
 class Engine:
     """A loaded model with its KV cache: one sequence. Calls that run or change it take the
     engine for their duration (a generate iterator until it ends); a call from another thread
@@ -74,8 +78,9 @@ class Engine:
             warnings.warn(f"context size {self.n_ctx} exceeds the model's training context "
                           f"{self.cfg.n_ctx_train}; quality may degrade past it", RuntimeWarning, stacklevel=2)
         self._gpu = None
-        if opts.device == "cuda":
-            self._init_device()
+        if opts.device == "cuda":     # cache, importance_, anchors and weights on the GPU
+            from .cuda.forward import build
+            self.cache, self.sparse, self._gpu = build(self)
         else:
             self.cache = KVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim, self.n_ctx,
                                  block_len=opts.block_len, type_k=opts.type_k, type_v=opts.type_v,
@@ -101,23 +106,6 @@ class Engine:
         # the forward's steps: on the device (_init_device) or on the host
         self._backend = self._gpu if self._gpu is not None else CPUForward(self)
         self.timings = Timings(load_s=time.perf_counter() - t0)
-
-    def _init_device(self) -> None:
-        """device="cuda": the cache, importance_ and anchors on the GPU, and the weights uploaded
-        (:mod:`pyimp.cuda`; raises :class:`pyimp.cuda.DeviceUnavailable` naming what is missing)."""
-        from . import cuda
-        cuda.require()
-        from .cuda.forward import DeviceForward
-        from .cuda.kvcache import DeviceKVCache
-        from .cuda.sparse_state import DeviceSparseState
-        opts = self.options
-        # quantized K/V on the device: V stored by token (the cache refuses v_layout="channel")
-        self.cache = DeviceKVCache(self.cfg.n_layer, self.cfg.n_head_kv, self.cfg.head_dim,
-                                   self.n_ctx, block_len=opts.block_len, type_k=opts.type_k,
-                                   type_v=opts.type_v, v_layout=opts.v_layout)
-        self.sparse = (DeviceSparseState(opts.sparse, self.cfg, self.cache)
-                       if opts.sparse.active else None)
-        self._gpu = DeviceForward(self)
 
     @property
     def device(self) -> str:
@@ -170,15 +158,12 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def _closed(self) -> RuntimeError:
-        return RuntimeError("the engine is closed")
-
     # ------------------------------------------------------------ tokenizer
     @property
     def tokenizer(self):
         if self._tokenizer is None:
             if self.file is None:
-                raise self._closed()
+                raise _closed()
             from loaders.tokenizer import Tokenizer
             self._tokenizer = Tokenizer.from_vocab(self.vocab, model_name=self.cfg.name,
                                                    architecture=self.cfg.arch)
@@ -196,7 +181,7 @@ class Engine:
                 logits: bool = True) -> np.ndarray | None:
         """Run ``tokens`` through the model (see :meth:`_forward`) with the engine's thread count."""
         if self.file is None:
-            raise self._closed()
+            raise _closed()
         # overflow / invalid-value warnings are replaced by the engine's own non-finite checks
         with self._threads(), np.errstate(over="ignore", invalid="ignore"):
             return self._forward(tokens, all_logits, prompt_end, logits)
@@ -247,10 +232,6 @@ class Engine:
         if self.sparse is not None:
             self.sparse.end_forward(n)
 
-    def _windows(self) -> list:
-        return [self.cfg.sliding_window if self.cfg.is_swa(il) else 0
-                for il in range(self.cfg.n_layer)]
-
     def _truncate(self, n: int, checkpoint=None) -> bool:
         """Forget cached tokens from position n on (their blocks stay reserved); ``checkpoint``:
         the cache's :meth:`KVCache.checkpoint` from when it held n tokens (exact rewind).
@@ -258,7 +239,7 @@ class Engine:
         Where a layer dropped tokens the rewind needs (an eviction policy, or a sliding-window
         layer trimmed past what position n sees) the cache is emptied instead, as llama.cpp
         re-processes a prompt it cannot restore from an SWA cache; returns False then."""
-        if not self.cache.rewinds_exactly(n, self._windows()):
+        if not self.cache.rewinds_exactly(n, list(self.cfg.windows)):
             self.reset()
             return False
         self.cache.truncate(n, checkpoint=checkpoint)
@@ -285,7 +266,7 @@ class Engine:
         naming the layer) the cache is left as it was before the call.
         """
         if self.file is None:
-            raise self._closed()
+            raise _closed()
         arr = self._check_tokens(tokens)
         if arr.size == 0:
             raise ValueError("no tokens to evaluate")
@@ -305,7 +286,7 @@ class Engine:
         """One decode step: append ``token`` and return its logits, float32[1, n_vocab] (what
         ``eval([token])`` returns, without the prefill chunk planner)."""
         if self.file is None:
-            raise self._closed()
+            raise _closed()
         return self._run(self._check_tokens([token]), [(0, 1)], -1, False, None)
 
     def _run(self, arr, spans, obs_at: int, all_logits: bool, progress) -> np.ndarray:
@@ -364,7 +345,7 @@ class Engine:
     def reset(self) -> None:
         """Empty the KV cache (and the importance matrix and anchors)."""
         if self.file is None:
-            raise self._closed()
+            raise _closed()
         self.cache.reset()
         self.tokens = []
         if self.sparse is not None:
@@ -398,7 +379,7 @@ class Engine:
         the cache here; a state loaded with :meth:`load_state` is compressed as if its prompt had
         just been evaluated)."""
         if self.file is None:
-            raise self._closed()
+            raise _closed()
         if self.policy is not None and self.tokens:
             self.policy.after_forward(len(self.tokens), True)
 
@@ -407,7 +388,7 @@ class Engine:
         """Save the cached tokens, KV, importance_ and anchors to ``path`` (see :mod:`pyimp.state`);
         returns the writer's statistics."""
         if self.file is None:
-            raise self._closed()
+            raise _closed()
         self._host_only("saving a state")
         from . import state
         return state.save(self, path)
@@ -418,7 +399,7 @@ class Engine:
         A file that does not fit this engine raises :class:`pyimp.statefile.StateFileError`
         naming the file and the reason, and leaves the engine as it was."""
         if self.file is None:
-            raise self._closed()
+            raise _closed()
         self._host_only("loading a state")
         from . import state
         return state.load(self, path)
@@ -460,57 +441,20 @@ class Engine:
         ids = [int(t) for t in inputs.token_ids(ids, self.cfg.n_vocab)]
         if not ids:
             raise ValueError("the prompt is empty")
-        return self._generate(ids, max_tokens, sampler, stop, progress, reuse_prefix)
-
-    def _generate(self, ids: list, max_tokens: int, sampler: Sampler, stop, progress,
-                  reuse_prefix: bool) -> Iterator[tuple[int, float]]:
-        """:meth:`generate`'s iterator: it holds the engine from its first step to its end,
-        and between tokens belongs to no thread (any thread may advance it)."""
-        self._seq.take("generate")
-        try:
-            if not reuse_prefix:
-                self.reset()
-                self._check_tokens(ids)
-            if max_tokens > 0 and len(ids) + max_tokens > self.n_ctx:
-                max_tokens = self.n_ctx - len(ids)
-            if reuse_prefix:
-                logits = self.prime(ids, progress=progress)[-1]
-            else:
-                logits = self.eval(ids, all_logits=False, progress=progress)[-1]
-            eog = self.eog_ids()
-            decoder = self.tokenizer.incremental_decoder(continuation=True) if stop else None
-            text = ""
-            n = 0
-            while max_tokens < 0 or n < max_tokens:
-                tok = sampler.sample(logits, self.tokens)
-                logp = ops.token_logprob(logits, tok)
-                n += 1
-                self._seq.suspend()
-                yield tok, logp
-                self._seq.resume()
-                if tok in eog:
-                    return
-                if stop:
-                    text += decoder.feed(tok)
-                    if any(s in text for s in stop):
-                        return
-                if len(self.tokens) >= self.n_ctx or n == max_tokens:
-                    return
-                logits = self.decode_one(tok)[-1]
-        finally:
-            self._seq.give_back()
+        return generation.tokens(self, ids, max_tokens, sampler, stop, progress, reuse_prefix)
 
     @property
     def vocab(self):
         if self._vocab is None:
             if self.file is None:
-                raise self._closed()
+                raise _closed()
             self._vocab = self.file.vocab()
         return self._vocab
 
     def eog_ids(self) -> set:
         """End-of-generation token ids, as llama.cpp's vocabulary marks them."""
         return set(self.tokenizer.eog_ids) | ({self.cfg.eos_id} - {-1})
+
 
 def load(path: str | os.PathLike | None = None, **options) -> Engine:
     """Load a GGUF model (``None`` = the embedded default model) into an :class:`Engine`.

@@ -49,9 +49,8 @@ def make_step(cfg, arch, tokens, pos0: int, decode: bool, obs_start: int,
               prompt_end: int | None, all_logits: bool, logits: bool, fused: bool) -> Step:
     """The :class:`Step` of a forward of ``tokens`` after ``pos0`` positions (cfg: the model's
     :class:`loaders.config.ModelConfig`, arch its :class:`pyimp.model.ArchSpec`)."""
-    windows = tuple(cfg.sliding_window if cfg.is_swa(il) else 0 for il in range(cfg.n_layer))
     kq_scale = 1.0 if arch.q_prescale else 1.0 / math.sqrt(cfg.head_dim)
-    return Step(tokens=tokens, pos0=pos0, decode=decode, windows=windows, kq_scale=kq_scale,
+    return Step(tokens=tokens, pos0=pos0, decode=decode, windows=cfg.windows, kq_scale=kq_scale,
                 obs_start=obs_start, prompt_end=prompt_end, all_logits=all_logits,
                 logits=logits, fused=fused and len(tokens) == 1)
 

@@ -196,3 +196,21 @@ class DeviceForward:
         if self.cfg.final_softcap:
             dops.softcap(out, np.float32(self.cfg.final_softcap))
         return device.to_host(out)
+
+
+def build(engine):
+    """(cache, sparse state or None, backend) of a device="cuda" engine: the KV cache,
+    importance_ and anchors on the GPU and the weights uploaded (raises
+    :class:`pyimp.cuda.DeviceUnavailable` naming what is missing)."""
+    from . import require
+    require()
+    from .kvcache import DeviceKVCache
+    from .sparse_state import DeviceSparseState
+    cfg, opts = engine.cfg, engine.options
+    # quantized K/V on the device: V stored by token (the cache refuses v_layout="channel")
+    engine.cache = DeviceKVCache(cfg.n_layer, cfg.n_head_kv, cfg.head_dim, engine.n_ctx,
+                                 block_len=opts.block_len, type_k=opts.type_k,
+                                 type_v=opts.type_v, v_layout=opts.v_layout)
+    engine.sparse = (DeviceSparseState(opts.sparse, cfg, engine.cache)
+                     if opts.sparse.active else None)
+    return engine.cache, engine.sparse, DeviceForward(engine)
