@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .choices import NUMERICS
+
 
 @dataclass(frozen=True)
 class Capabilities:
@@ -23,7 +25,7 @@ class Capabilities:
 
 
 CAPABILITIES = {
-    "cpu": Capabilities(numerics=("fp32", "ggml"), kv_policies=None, select_modes=None,
+    "cpu": Capabilities(numerics=NUMERICS, kv_policies=None, select_modes=None,
                         kv_rotate=True, kv_merge=True, recall_target=True, prompt_cache=True,
                         trace=True, layer_biases=True),
     # the device keeps every token, selects a fixed top-k by the anchors, and computes in fp32

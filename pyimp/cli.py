@@ -20,42 +20,19 @@ import threading
 import time
 import warnings
 
-from .capabilities import CAPABILITIES, DEVICES
+from .capabilities import CAPABILITIES
 # EXIT_USAGE, PromptTooLarge, read_capped: re-exported (pyimp.cli has always offered them)
 from .cli_common import (EXIT_ERROR, EXIT_USAGE, MAX_PROMPT_BYTES, HelpFormatter,  # noqa: F401
-                         Parser, PromptTooLarge, add_model_args, int_at_least, model_path,
-                         quiet_stdout, read_capped, read_prompt)
+                         Parser, PromptTooLarge, add_model_args, add_option_flags, float_in,
+                         int_at_least, model_path, options_from_args, quiet_stdout, read_capped,
+                         read_prompt)
+from .options import EngineOptions, SparseOptions
 
 
 def _non_empty(s: str) -> str:
     if not s:
         raise argparse.ArgumentTypeError("-r/--reverse-prompt: an empty string would stop at once")
     return s
-
-
-def _float_in(lo: float, hi: float, name: str):
-    """An argparse type: a float in [lo, hi] (hi = inf: any finite number >= lo)."""
-    def conv(s: str) -> float:
-        try:
-            v = float(s)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
-        if not (lo <= v <= hi) or v == float("inf"):       # NaN fails the comparison too
-            what = f"a finite number >= {lo}" if hi == float("inf") else f"in [{lo}, {hi}]"
-            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {s}")
-        return v
-    return conv
-
-
-class _Noted(argparse.Action):
-    """Stores the value as argparse's default action does and notes that the flag was given
-    (``args.given``), for flags that conflict with others when given (:func:`flag_conflict`)."""
-
-    def __call__(self, parser, namespace, values, option_string=None):
-        setattr(namespace, self.dest, values)
-        given = set(getattr(namespace, "given", ()))
-        given.add(self.dest)
-        namespace.given = given
 
 
 def _heatmap_path(s: str) -> str:
@@ -74,25 +51,6 @@ def _heatmap_path(s: str) -> str:
             f"--heatmap {s}: matplotlib cannot write '.{ext}' files (it writes "
             f"{', '.join(sorted(formats))}; no extension: png)")
     return s
-
-
-def _window(s: str) -> int:
-    if s == "all":
-        return 0
-    try:
-        v = int(s)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"--importance-window must be a positive integer or 'all', got {s!r}")
-    return v
-
-
-def _int_list(s: str) -> tuple:
-    try:
-        return tuple(int(x) for x in s.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"--dense-layers must be comma-separated integers, got {s!r}") from None
 
 
 def flag_conflict(args: argparse.Namespace) -> str | None:
@@ -122,35 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help=f"read the prompt from this file (at most {MAX_PROMPT_BYTES >> 20} MiB)")
     p.add_argument("-n", "--n-predict", type=int_at_least(-1, "--n-predict"), default=128,
                    help="tokens to generate (-1 = until end of text or context)")
-    p.add_argument("--temp", type=_float_in(0.0, 1e6, "--temp"), default=0.8, help="temperature (0 = greedy)")
+    p.add_argument("--temp", type=float_in(0.0, 1e6, "--temp"), default=0.8, help="temperature (0 = greedy)")
     p.add_argument("--top-k", type=int_at_least(0, "--top-k"), default=40, help="top-k (0 = off)")
-    p.add_argument("--top-p", type=_float_in(0.0, 1.0, "--top-p"), default=0.95, help="top-p (1 = off)")
-    p.add_argument("--min-p", type=_float_in(0.0, 1.0, "--min-p"), default=0.05, help="min-p (0 = off)")
-    p.add_argument("--repeat-penalty", type=_float_in(1e-6, 1e6, "--repeat-penalty"), default=1.0,
+    p.add_argument("--top-p", type=float_in(0.0, 1.0, "--top-p"), default=0.95, help="top-p (1 = off)")
+    p.add_argument("--min-p", type=float_in(0.0, 1.0, "--min-p"), default=0.05, help="min-p (0 = off)")
+    p.add_argument("--repeat-penalty", type=float_in(1e-6, 1e6, "--repeat-penalty"), default=1.0,
                    help="repetition penalty over the last 64 tokens (1 = off)")
     p.add_argument("--seed", type=int_at_least(-1, "--seed"), default=-1, help="RNG seed (-1 = random)")
-    p.add_argument("-c", "--ctx-size", type=int_at_least(0, "--ctx-size"), default=4096,
-                   help="context size in tokens (0 = the model's)")
-    p.add_argument("--block-len", type=int_at_least(1, "--block-len"), default=32, help="KV block length")
-    p.add_argument("-b", "--batch-size", type=int_at_least(1, "--batch-size"), default=512,
-                   help="prefill chunk size")
-    p.add_argument("-t", "--threads", type=int_at_least(0, "--threads"), default=0,
-                   help="threads (0 = all cores)")
-    p.add_argument("--numerics", choices=("fp32", "ggml"), default="fp32",
-                   help="fp32: exact weights, fp32 activations; ggml: activations quantized as ggml's CPU does")
-    kv_types = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-    p.add_argument("--kv-type", choices=kv_types, default="f16",
-                   help="KV cache type of K and V (shorthand for -ctk and -ctv)")
-    p.add_argument("-ctk", "--cache-type-k", choices=kv_types, default=None,
-                   help="K cache type (default: --kv-type)")
-    p.add_argument("-ctv", "--cache-type-v", choices=kv_types, default=None,
-                   help="V cache type (default: --kv-type)")
-    p.add_argument("--device", choices=DEVICES, default="cpu",
-                   help="cuda: run on the GPU through numba-cuda (pip install 'pyimp[cuda]'); "
-                        "weights, KV cache, importance and anchors stay on the device")
-    p.add_argument("--kv-rotate", action="store_true",
-                   help="Hadamard rotation of keys, values and queries along the head dim before "
-                        "the cache (spreads outlier channels; meant for quantized caches)")
+    add_option_flags(p, EngineOptions)
     p.add_argument("--prompt-cache", metavar="FILE",
                    help="reuse the longest matching prefix of the state saved in FILE, evaluate only "
                         "the rest, and save the state there after the run")
@@ -165,89 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
                    type=_non_empty,
                    help="stop once the generated text contains STRING (printed, as llama-cli does); repeatable")
     sp = p.add_argument_group("importance-guided sparse attention")
-    sp.add_argument("--sparse", action="store_true", help="block-sparse decode attention on global layers")
-    sp.add_argument("--anchor", choices=("fixed", "dynamic", "quest", "block_mean", "block_max", "cuboid_mean"),
-                    default="quest", help="anchor type used to score blocks")
-    sp.add_argument("--anchor-num", type=int_at_least(0, "--anchor-num"), default=0,
-                    help="anchors per block (0 = the type's minimum)")
-    sp.add_argument("--retrieval", choices=("layer", "kvhead", "qhead"), default="kvhead",
-                    help="selection granularity")
-    sp.add_argument("--topk", type=int_at_least(0, "--topk"), default=8, action=_Noted,
-                    help="blocks picked by score")
-    sp.add_argument("--init-blocks", type=int_at_least(0, "--init-blocks"), default=1,
-                    help="attention-sink blocks always attended")
-    sp.add_argument("--local-blocks", type=int_at_least(0, "--local-blocks"), default=2,
-                    help="most recent full blocks always attended")
-    sp.add_argument("--importance-window", type=_window, default=128,
-                    help="prompt rows that add importance at prefill (an integer or 'all')")
-    sp.add_argument("--token-step", type=int_at_least(1, "--token-step"), default=1,
-                    help="reuse a block selection for this many decode steps")
-    sp.add_argument("--layer-step", type=int_at_least(1, "--layer-step"), default=1,
-                    help="reuse a lead layer's selection for this many sparse layers")
-    sp.add_argument("--dense-layers", type=_int_list, default=(), help="comma-separated layers kept dense")
-    sp.add_argument("--select", choices=("anchors", "lowrank", "lsh", "sink_window", "strided"),
-                    default="anchors", help="block scoring: the anchors (default), low-rank keys "
-                    "(Loki), SimHash collisions (MagicPIG-style), or a fixed pattern")
-    sp.add_argument("--rank", type=int_at_least(0, "--rank"), default=0,
-                    help="lowrank: principal directions (0: head dim / 4)")
-    sp.add_argument("--lsh-tables", type=int_at_least(1, "--lsh-tables"), default=16)
-    sp.add_argument("--lsh-bits", type=int_at_least(1, "--lsh-bits"), default=8)
-    sp.add_argument("--lsh-min-hits", type=int_at_least(1, "--lsh-min-hits"), default=2)
-    sp.add_argument("--stride", type=int_at_least(1, "--stride"), default=4,
-                    help="strided: every stride-th block back from the newest")
-    sp.add_argument("--recall-target", type=_float_in(0.0, 1.0, "--recall-target"), default=0.0,
-                    action=_Noted,
-                    help="pick blocks heaviest first until the captured softmax mass estimated "
-                    "from the anchors reaches this (e.g. 0.95; --topk is then the floor)")
-    sp.add_argument("--recall-max-blocks", type=int_at_least(0, "--recall-max-blocks"), default=0,
-                    help="ceiling on the blocks --recall-target picks (0: none)")
-    sp.add_argument("--report", action="store_true",
-                    help="print attention recall, attended fraction and buffer sizes (stderr; in --json too)")
+    add_option_flags(sp, SparseOptions)
     sp.add_argument("--heatmap", metavar="PATH", type=_heatmap_path,
                     help="write a picture of importance_ and block selections, in the format of "
                     "PATH's extension (png, svg, pdf, ...; none: png at exactly PATH; needs "
                     "matplotlib: pyimp[plot])")
     ev = p.add_argument_group("KV eviction (what each layer keeps; sliding-window layers always "
                               "keep only their window)")
-    ev.add_argument("--kv-policy", choices=("full", "streaming", "h2o", "snapkv", "pyramidkv"),
-                    default="full", help="full (default): keep every token of global layers; "
-                    "streaming: sinks + recent; h2o: sinks + recent + heavy hitters by "
-                    "importance; snapkv / pyramidkv: compress the prompt once by its last "
-                    "queries' attention")
-    ev.add_argument("--swa-full", action="store_true",
-                    help="sliding-window layers keep every token (as llama.cpp's --swa-full): "
-                    "more memory, but --prompt-cache can reuse any prefix of a long prompt")
-    ev.add_argument("--kv-budget", type=int_at_least(0, "--kv-budget"), default=0,
-                    help="tokens per layer an eviction policy keeps (held in whole blocks)")
-    ev.add_argument("--keep", type=int_at_least(0, "--keep"), default=4,
-                    help="sink tokens (the first positions) every policy keeps, as llama.cpp's "
-                    "n_keep")
-    ev.add_argument("--kv-recent", type=int_at_least(0, "--kv-recent"), default=0,
-                    help="h2o / streaming recent window (0: half the budget)")
-    ev.add_argument("--kv-obs-window", type=int_at_least(0, "--kv-obs-window"), default=32,
-                    help="snapkv / pyramidkv observation window (last prompt rows)")
-    ev.add_argument("--kv-pool", type=int_at_least(1, "--kv-pool"), default=5,
-                    help="snapkv / pyramidkv pooling kernel (odd)")
-    ev.add_argument("--kv-depth-ratio", type=_float_in(1.0, float("inf"), "--kv-depth-ratio"),
-                    default=1.0, metavar="R",
-                    help="streaming / h2o / snapkv: budgets shrink linearly with depth over the "
-                    "layers that evict (global attention), the first R times the last's, "
-                    "their mean --kv-budget (1: the same in every layer)")
-    ev.add_argument("--kv-obs-weight", type=_float_in(0.0, float("inf"), "--kv-obs-weight"),
-                    default=0.0, metavar="W",
-                    help="h2o: rank tokens by their accumulated attention plus W times the "
-                    "attention of the prompt's last --kv-obs-window rows (each normalized per "
-                    "layer); 0: accumulated attention only")
-    ev.add_argument("--kv-neighbours", type=int_at_least(0, "--kv-neighbours"), default=0,
-                    metavar="R", help="h2o / snapkv / pyramidkv: rank a token by the largest "
-                    "score within R positions of it, so a kept token keeps its neighbours (a "
-                    "number's digits after the one attended to); 0: off")
-    ev.add_argument("--kv-merge", type=_float_in(0.0, 1.0, "--kv-merge"), default=0.0,
-                    metavar="COS", help="merge cached tokens whose keys share a SimHash "
-                    "signature and have cosine similarity >= COS into one slot (importance-"
-                    "weighted average; the slot's score gains log(count)); 0: off")
-    ev.add_argument("--kv-merge-bits", type=int_at_least(1, "--kv-merge-bits"), default=12,
-                    help="SimHash bits per kv head proposing --kv-merge candidates")
+    add_option_flags(ev, EngineOptions, group="eviction")
     p.add_argument("--stats", action="store_true", help="print timings at the end (stderr)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return p
@@ -440,11 +302,10 @@ def run(args: argparse.Namespace) -> int:
 
     from .cuda import DeviceUnavailable
     from .default_model import DefaultModelError
-    from .engine import Engine, EngineOptions
+    from .engine import Engine
     from .kvcache import ContextFullError
     from .ops import NonFiniteError
     from .sampling import SamplingParams
-    from .sparse_policy import SparseOptions
 
     if args.prompt_cache and not CAPABILITIES[args.device].prompt_cache:
         return _error("--prompt-cache needs the KV cache on the host: run it with --device cpu")
@@ -466,35 +327,11 @@ def run(args: argparse.Namespace) -> int:
     err = sys.stderr
     try:
         path = model_path(args)
-        sparse = SparseOptions(enabled=args.sparse, anchor=args.anchor, anchor_num=args.anchor_num,
-                               retrieval=args.retrieval, topk=args.topk, init_blocks=args.init_blocks,
-                               local_blocks=args.local_blocks, importance_window=args.importance_window,
-                               token_step=args.token_step, layer_step=args.layer_step,
-                               dense_layers=args.dense_layers, report=args.report,
-                               recall_target=args.recall_target, select=args.select,
-                               rank=args.rank, lsh_tables=args.lsh_tables,
-                               lsh_bits=args.lsh_bits, lsh_min_hits=args.lsh_min_hits,
-                               stride=args.stride,
-                               recall_max_blocks=args.recall_max_blocks,
-                               track=args.heatmap is not None)
+        opts = options_from_args(EngineOptions, args, sparse=options_from_args(
+            SparseOptions, args, track=args.heatmap is not None))
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            engine = Engine(path, EngineOptions(n_ctx=args.ctx_size, block_len=args.block_len,
-                                                batch_size=args.batch_size, n_threads=args.threads,
-                                                numerics=args.numerics, kv_type=args.kv_type,
-                                                cache_type_k=args.cache_type_k,
-                                                cache_type_v=args.cache_type_v,
-                                                kv_rotate=args.kv_rotate, device=args.device,
-                                                sparse=sparse, kv_policy=args.kv_policy,
-                                                kv_budget=args.kv_budget, keep=args.keep,
-                                                kv_recent=args.kv_recent,
-                                                kv_obs_window=args.kv_obs_window,
-                                                kv_pool=args.kv_pool,
-                                                kv_depth_ratio=args.kv_depth_ratio,
-                                                kv_obs_weight=args.kv_obs_weight,
-                                                kv_neighbours=args.kv_neighbours,
-                                                swa_full=args.swa_full, kv_merge=args.kv_merge,
-                                                kv_merge_bits=args.kv_merge_bits))
+            engine = Engine(path, opts)
     except (GGUFError, DefaultModelError, ValueError, MemoryError, DeviceUnavailable) as e:
         return _error(str(e) if str(e) else "out of memory")
     for w in caught:

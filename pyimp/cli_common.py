@@ -1,5 +1,7 @@
 """What pyimp's commands share: argument parsing (one-line usage errors, defaults in the
-help), the model argument, the prompt file reader and its size limit, exit codes.
+help), the flags of the option dataclasses (from their fields' metadata, :mod:`pyimp.options`)
+and the options built back from them, the model argument, the prompt file reader and its size
+limit, exit codes.
 
 ``pyimp-run`` (:mod:`pyimp.cli`), ``pyimp-dump`` (:mod:`pyimp.dump`), ``pyimp-compare`` and
 ``pyimp-tokenize`` import these; this module imports none of them, nor the engine.
@@ -7,6 +9,7 @@ help), the model argument, the prompt file reader and its size limit, exit codes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import io
 import os
 import stat
@@ -46,6 +49,119 @@ def int_at_least(lo: int, name: str):
             raise argparse.ArgumentTypeError(f"{name} must be >= {lo}, got {v}")
         return v
     return conv
+
+
+def float_in(lo: float, hi: float, name: str):
+    """An argparse type: a float in [lo, hi] (hi = inf: any finite number >= lo)."""
+    def conv(s: str) -> float:
+        try:
+            v = float(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {s!r}") from None
+        if not (lo <= v <= hi) or v == float("inf"):       # NaN fails the comparison too
+            what = f"a finite number >= {lo}" if hi == float("inf") else f"in [{lo}, {hi}]"
+            raise argparse.ArgumentTypeError(f"{name} must be {what}, got {s}")
+        return v
+    return conv
+
+
+def _parsed_by(parse, name: str):
+    """An argparse type from an option's ``parse`` function: its ValueError's rule becomes the
+    one-line usage error ``NAME <rule>, got 'TEXT'``."""
+    def conv(s: str):
+        try:
+            return parse(s)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"{name} {e}, got {s!r}") from None
+    return conv
+
+
+class Noted(argparse.Action):
+    """Stores the value as argparse's default action does and notes that the flag was given
+    (the set ``args.given`` of dests), for flags that conflict with others when given."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, values)
+        namespace.given = set(getattr(namespace, "given", ())) | {self.dest}
+
+
+class NotedSwitch(Noted):
+    """A switch (store_true) that notes it was given, as :class:`Noted`."""
+
+    def __init__(self, option_strings, dest, default=False, required=False, help=None):
+        super().__init__(option_strings, dest, nargs=0, const=True, default=default,
+                         required=required, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        super().__call__(parser, namespace, True, option_string)
+
+
+def flag_dest(flag: str) -> str:
+    """The argparse dest of a long flag: ``--kv-type`` -> ``kv_type``."""
+    return flag.lstrip("-").replace("-", "_")
+
+
+def option_flags(cls) -> list:
+    """The fields of the option dataclass ``cls`` that are command-line flags (their metadata
+    has a ``flag``: :func:`pyimp.options.opt`), in field order."""
+    return [f for f in dataclasses.fields(cls) if f.metadata.get("flag")]
+
+
+def add_option_flags(p, cls, group: str | None = None, only: tuple | None = None,
+                     overrides: dict | None = None) -> None:
+    """Add the flags of the option dataclass ``cls`` to the parser or argument group ``p``,
+    each as its field's metadata describes it (:func:`pyimp.options.opt`): the flags of
+    ``group`` (None: those without one), or the fields named in ``only`` in that order.
+    ``overrides``: per field name, metadata a command states differently (pyimp-dump's
+    context size default, the devices it traces on). Every flag notes that it was given
+    (``args.given``, :class:`Noted`)."""
+    fields = {f.name: f for f in option_flags(cls)}
+    names = only if only is not None else [n for n, f in fields.items()
+                                           if f.metadata.get("group") == group]
+    for name in names:
+        f = fields[name]
+        m = {**f.metadata, **(overrides or {}).get(name, {})}
+        default = m.get("default", f.default)
+        flag = m["flag"]
+        strings = [m["short"], flag] if m.get("short") else [flag]
+        kw = {"dest": flag_dest(flag), "default": default, "help": m.get("help")}
+        if m.get("metavar"):
+            kw["metavar"] = m["metavar"]
+        if isinstance(default, bool):
+            p.add_argument(*strings, action=NotedSwitch, **kw)
+            continue
+        if m.get("choices") is not None:
+            kw["choices"] = m["choices"]
+        elif m.get("parse") is not None:
+            kw["type"] = _parsed_by(m["parse"], flag)
+        elif isinstance(default, float):
+            lo, hi = m.get("min"), m.get("max")
+            kw["type"] = float_in(-float("inf") if lo is None else lo,
+                                  float("inf") if hi is None else hi, flag)
+        elif isinstance(default, int):
+            kw["type"] = int if m.get("min") is None else int_at_least(m["min"], flag)
+        p.add_argument(*strings, action=Noted, **kw)
+
+
+def options_from_args(cls, args: argparse.Namespace, **given):
+    """The option dataclass ``cls`` from parsed arguments: each field whose flag was added
+    (:func:`add_option_flags`) takes the flag's value, a field of a nested option dataclass
+    (EngineOptions.sparse) is built the same way, and ``given`` (field name: value) sets
+    fields directly; the rest keep their defaults."""
+    values = vars(args)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(given) - names)
+    if unknown:
+        raise TypeError(f"{cls.__name__} has no field {unknown[0]!r}")
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.name in given:
+            kw[f.name] = given[f.name]
+        elif f.metadata.get("flag") and flag_dest(f.metadata["flag"]) in values:
+            kw[f.name] = values[flag_dest(f.metadata["flag"])]
+        elif dataclasses.is_dataclass(f.default_factory):
+            kw[f.name] = options_from_args(f.default_factory, args)
+    return cls(**kw)
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:

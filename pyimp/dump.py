@@ -139,7 +139,9 @@ def _glob(s: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .cli_common import MAX_PROMPT_BYTES, HelpFormatter, Parser, add_model_args, int_at_least
+    from .cli_common import (MAX_PROMPT_BYTES, HelpFormatter, Parser, add_model_args,
+                             add_option_flags, int_at_least)
+    from .options import EngineOptions, SparseOptions
 
     p = Parser(prog="pyimp-dump", formatter_class=HelpFormatter,
                 description="Write every named intermediate tensor of a greedy run (prefill + "
@@ -160,29 +162,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensors", type=_glob, action="append", metavar="GLOB",
                    help="write only the tensors whose name (with or without its @step) matches "
                         "this fnmatch glob, e.g. 'l_out-*' or 'Qcur-0#2@0'; repeatable")
-    p.add_argument("--numerics", choices=("fp32", "ggml"), default="fp32",
-                   help="fp32: exact weights, fp32 activations; ggml: activations quantized as "
-                        "ggml's CPU does (closest to llama.cpp)")
-    kv_types = ("f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1")
-    p.add_argument("--kv-type", choices=kv_types, default="f16", help="K and V cache type")
-    p.add_argument("-c", "--ctx-size", type=int_at_least(0, "--ctx-size"), default=0,
-                   help="context size (0 = the prompt plus the steps, rounded up to a block)")
-    p.add_argument("--block-len", type=int_at_least(1, "--block-len"), default=32,
-                   help="KV block length")
-    p.add_argument("-t", "--threads", type=int_at_least(0, "--threads"), default=0,
-                   help="threads (0 = all cores)")
+    # pyimp-run's flags of the same names; the context defaults to what the dump needs, the
+    # devices are those that trace
+    add_option_flags(p, EngineOptions, only=("numerics", "kv_type", "n_ctx", "block_len",
+                                             "n_threads"), overrides={
+        "numerics": {"help": "fp32: exact weights, fp32 activations; ggml: activations "
+                             "quantized as ggml's CPU does (closest to llama.cpp)"},
+        "kv_type": {"help": "K and V cache type"},
+        "n_ctx": {"default": 0,
+                  "help": "context size (0 = the prompt plus the steps, rounded up to a block)"}})
     p.add_argument("--no-bos", action="store_true", help="do not add the BOS token")
-    p.add_argument("--device", choices=devices_with("trace"), default="cpu",
-                   help="where the traced forward runs: the devices whose backend records "
-                        "tensors (pyimp.capabilities)")
+    add_option_flags(p, EngineOptions, only=("device",), overrides={
+        "device": {"choices": devices_with("trace"),
+                   "help": "where the traced forward runs: the devices whose backend records "
+                           "tensors (pyimp.capabilities)"}})
     sp = p.add_argument_group("sparse state (importance_, anchor_, block selections)")
-    sp.add_argument("--sparse", action="store_true",
-                    help="block-sparse decode attention, as pyimp-run --sparse")
-    sp.add_argument("--anchor", choices=("fixed", "dynamic", "quest", "block_mean", "block_max",
-                                         "cuboid_mean"), default="quest")
-    sp.add_argument("--topk", type=int_at_least(0, "--topk"), default=8)
-    sp.add_argument("--init-blocks", type=int_at_least(0, "--init-blocks"), default=1)
-    sp.add_argument("--local-blocks", type=int_at_least(0, "--local-blocks"), default=2)
+    add_option_flags(sp, SparseOptions, only=("enabled", "anchor", "topk", "init_blocks",
+                                              "local_blocks"), overrides={
+        "enabled": {"help": "block-sparse decode attention, as pyimp-run --sparse"}})
     return p
 
 
@@ -231,10 +228,11 @@ def run(args: argparse.Namespace) -> int:
 
     from .cli_common import model_path, read_prompt
     from .default_model import DefaultModelError
-    from .engine import Engine, EngineOptions
+    from .cli_common import options_from_args
+    from .engine import Engine
     from .memory import check_fits
     from .ops import NonFiniteError
-    from .sparse_policy import SparseOptions
+    from .options import EngineOptions
 
     out = args.output
     folder = os.path.dirname(os.path.abspath(out))
@@ -259,16 +257,12 @@ def run(args: argparse.Namespace) -> int:
         if need > n_ctx:
             return _error(f"the prompt's {len(ids)} tokens and {args.steps} steps do not fit "
                           f"context size {n_ctx} (raise -c/--ctx-size)")
-        sparse = SparseOptions(enabled=args.sparse, anchor=args.anchor, topk=args.topk,
-                               init_blocks=args.init_blocks, local_blocks=args.local_blocks)
         # the engine's warnings (a context beyond the model's training) are shown only when
         # the dump goes ahead: a refusal is one line
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            engine = Engine(path, EngineOptions(n_ctx=n_ctx, block_len=args.block_len,
-                                                batch_size=max(512, len(ids)),
-                                                n_threads=args.threads, numerics=args.numerics,
-                                                kv_type=args.kv_type, sparse=sparse))
+            engine = Engine(path, options_from_args(EngineOptions, args, n_ctx=n_ctx,
+                                                    batch_size=max(512, len(ids))))
         keep = _keep(args)
         check_fits(estimate_bytes(engine, len(ids), args.steps, keep)
                    + sum(engine.buffer_bytes.values()),

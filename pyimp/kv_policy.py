@@ -77,7 +77,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-POLICIES = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
+from .choices import KV_POLICIES as POLICIES
+
 PYRAMID_BETA = 20          # PyramidKV's ratio of the largest to the smallest layer budget
 
 

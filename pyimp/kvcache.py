@@ -70,14 +70,14 @@ from loaders.quantize import BLOCK_BYTES, CODES, quantize_block
 
 from . import attn_kernels
 from .attn_kernels import f32_to_half_bits
+from .choices import FLOAT_KV_TYPES, KV_TYPES, QUANT_KV_TYPES
 from .ops import NonFiniteError
 
 jit.kernel_module(__file__, quantize, attn_kernels)
 
-FLOAT_TYPES = {"f16": np.float16, "f32": np.float32}
-QUANT_TYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0, "q4_1": QT.Q4_1, "q5_0": QT.Q5_0,
-               "q5_1": QT.Q5_1}
-KV_TYPES = tuple(FLOAT_TYPES) + tuple(QUANT_TYPES)
+# the types' names: pyimp.choices; here what each is stored as
+FLOAT_TYPES = {t: np.dtype(f"float{t[1:]}").type for t in FLOAT_KV_TYPES}    # f16: np.float16
+QUANT_TYPES = {t: QT[t.upper()] for t in QUANT_KV_TYPES}                    # q8_0: QT.Q8_0
 V_LAYOUTS = ("token", "channel")
 F16_MAX = 65504.0
 # float32 values below this magnitude round to a finite float16 (65504 at most); from it on,

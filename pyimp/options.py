@@ -1,22 +1,70 @@
 """The engine's options, written once: :class:`EngineOptions` (construction) and
 :class:`SparseOptions` (the block-sparse path), their validation, and the capability check of
-the device they name (:mod:`pyimp.capabilities`)."""
+the device they name (:mod:`pyimp.capabilities`).
+
+A field that is also a command-line flag says so in its metadata (:func:`opt`): the flag, its
+short form, help text, choices, bounds and metavar. ``pyimp-run`` and ``pyimp-dump`` add their
+flags from it (:func:`pyimp.cli_common.add_option_flags`) and build the options back from the
+parsed arguments (:func:`pyimp.cli_common.options_from_args`). The choices are the lists of
+:mod:`pyimp.choices`. This module loads neither NumPy nor Numba when imported: ``--help`` reads
+it.
+"""
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
+from typing import TYPE_CHECKING
 
 from . import capabilities
-from .kv_merge import MergeOptions
-from .kv_policy import PolicyOptions
-from .sparse import AnchorType, RetrievalType
-from .sparse.anchors import min_anchor_num
-from .sparse.select_modes import MODES
+from .choices import (ANCHOR_TYPES, KV_POLICIES, KV_TYPES, NUMERICS, RETRIEVAL_TYPES, SELECT_MODES,
+                      AnchorType, RetrievalType)
 
-NUMERICS = ("fp32", "ggml")
+if TYPE_CHECKING:
+    from .kv_merge import MergeOptions
+    from .kv_policy import PolicyOptions
+
 DEVICES = capabilities.DEVICES
 # tokens per KV block; paged caches use 16-128, and the cache is allocated in whole blocks
 MAX_BLOCK_LEN = 4096
+
+
+def opt(default=MISSING, *, flag: str, help: str | None, short: str | None = None,
+        choices: tuple | None = None, min: float | None = None, max: float | None = None,
+        parse=None, metavar: str | None = None, group: str | None = None):
+    """A dataclass field that is also a command-line flag, described in its metadata.
+
+    ``flag``: the long flag (``--kv-type``); ``short``: its short form (``-ctk``); ``help``:
+    the help text (the default is appended by the commands' help formatter). The value's
+    type is the default's: bool (a switch), int, float or str. ``choices``: the values a
+    str takes; ``min`` / ``max``: the bounds of an int or float (``max`` None: unbounded);
+    ``parse``: a function of the flag's text for values with a syntax of their own (it
+    raises ValueError with the rule, e.g. "must be comma-separated integers"); ``group``:
+    the help section the flag is listed in (None: the command's main options).
+    """
+    meta = {"flag": flag, "help": help, "short": short, "choices": choices, "min": min,
+            "max": max, "parse": parse, "metavar": metavar, "group": group}
+    return field(default=default, metadata=meta)
+
+
+def _window(s: str) -> int:
+    """--importance-window: a positive integer, or 'all' (0)."""
+    if s == "all":
+        return 0
+    try:
+        v = int(s)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise ValueError("must be a positive integer or 'all'")
+    return v
+
+
+def _int_list(s: str) -> tuple:
+    """--dense-layers: comma-separated integers."""
+    try:
+        return tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise ValueError("must be comma-separated integers") from None
 
 
 @dataclass(frozen=True)
@@ -28,30 +76,60 @@ class SparseOptions:
     ``init_blocks = topk = local_blocks = 0`` attends that one block only.
     """
 
-    enabled: bool = False           # block-sparse decode attention on eligible layers
-    anchor: str = "quest"           # fixed, dynamic, quest, block_mean, block_max, cuboid_mean
-    anchor_num: int = 0             # 0 = the type's minimum (2 for quest / cuboid_mean, else 1)
-    retrieval: str = "kvhead"       # layer, kvhead, qhead
-    topk: int = 8                   # pick_block_num: best-scoring blocks besides sinks and locals
-    init_blocks: int = 1            # attention-sink blocks always attended
-    local_blocks: int = 2           # most recent full blocks always attended
-    importance_window: int = 128    # prefill rows that add importance; 0 = all rows
-    token_step: int = 1             # reuse a selection for this many decode steps
-    layer_step: int = 1             # reuse a lead layer's selection for this many sparse layers
-    dense_layers: tuple = ()        # layers kept dense besides the sliding-window ones
+    # block-sparse decode attention on eligible layers (global attention, not dense_layers)
+    enabled: bool = opt(False, flag="--sparse",
+                        help="block-sparse decode attention on global layers")
+    anchor: str = opt("quest", flag="--anchor", choices=ANCHOR_TYPES,
+                      help="anchor type used to score blocks")
+    # 0: the type's minimum (2 for quest / cuboid_mean, else 1)
+    anchor_num: int = opt(0, flag="--anchor-num", min=0,
+                          help="anchors per block (0 = the type's minimum)")
+    retrieval: str = opt("kvhead", flag="--retrieval", choices=RETRIEVAL_TYPES,
+                         help="selection granularity")
+    # pick_block_num: the best-scoring blocks besides sinks and locals
+    topk: int = opt(8, flag="--topk", min=0, help="blocks picked by score")
+    init_blocks: int = opt(1, flag="--init-blocks", min=0,
+                           help="attention-sink blocks always attended")
+    local_blocks: int = opt(2, flag="--local-blocks", min=0,
+                            help="most recent full blocks always attended")
+    # 0: every row (the flag's 'all')
+    importance_window: int = opt(128, flag="--importance-window", parse=_window,
+                                 help="prompt rows that add importance at prefill (an integer "
+                                      "or 'all')")
+    token_step: int = opt(1, flag="--token-step", min=1,
+                          help="reuse a block selection for this many decode steps")
+    layer_step: int = opt(1, flag="--layer-step", min=1,
+                          help="reuse a lead layer's selection for this many sparse layers")
+    # besides the sliding-window layers, which are always dense
+    dense_layers: tuple = opt((), flag="--dense-layers", parse=_int_list,
+                              help="comma-separated layers kept dense")
     decay: float = 1.0              # importance <- decay * importance + new
-    select: str = "anchors"         # block scoring: anchors, lowrank, lsh, sink_window, strided
-    rank: int = 0                   # lowrank: principal directions kept (0: head_dim / 4)
-    lsh_tables: int = 16            # lsh: hash tables
-    lsh_bits: int = 8               # lsh: hyperplanes (bits) per table
-    lsh_min_hits: int = 2           # lsh: agreeing tables that make a token a candidate
-    stride: int = 4                 # strided: every stride-th block back from the newest
-    recall_target: float = 0.0      # > 0: blocks heaviest first until the estimated recall reaches it
-    recall_max_blocks: int = 0      # ceiling of the blocks picked for the recall target (0: none)
-    report: bool = False            # measure attention recall (runs dense attention too)
+    select: str = opt("anchors", flag="--select", choices=SELECT_MODES,
+                      help="block scoring: the anchors (default), low-rank keys (Loki), SimHash "
+                           "collisions (MagicPIG-style), or a fixed pattern")
+    rank: int = opt(0, flag="--rank", min=0,
+                    help="lowrank: principal directions (0: head dim / 4)")
+    # lsh: hash tables, hyperplanes (bits) per table, agreeing tables that make a candidate
+    lsh_tables: int = opt(16, flag="--lsh-tables", min=1, help=None)
+    lsh_bits: int = opt(8, flag="--lsh-bits", min=1, help=None)
+    lsh_min_hits: int = opt(2, flag="--lsh-min-hits", min=1, help=None)
+    stride: int = opt(4, flag="--stride", min=1,
+                      help="strided: every stride-th block back from the newest")
+    recall_target: float = opt(0.0, flag="--recall-target", min=0.0, max=1.0,
+                               help="pick blocks heaviest first until the captured softmax mass "
+                                    "estimated from the anchors reaches this (e.g. 0.95; --topk "
+                                    "is then the floor)")
+    recall_max_blocks: int = opt(0, flag="--recall-max-blocks", min=0,
+                                 help="ceiling on the blocks --recall-target picks (0: none)")
+    # measures attention recall by running dense attention too
+    report: bool = opt(False, flag="--report",
+                       help="print attention recall, attended fraction and buffer sizes "
+                            "(stderr; in --json too)")
     track: bool = False             # keep importance_ (and selections) even when not sparse
 
     def validate(self, n_layer: int) -> None:
+        from .sparse.anchors import min_anchor_num     # the kernels' package: not for --help
+
         try:
             atype = AnchorType(self.anchor)
         except ValueError:
@@ -74,8 +152,9 @@ class SparseOptions:
             raise ValueError(f"decay must be in (0, 1], got {self.decay}")
         if not 0.0 <= self.recall_target <= 1.0:
             raise ValueError(f"recall target must be in (0, 1] (0: off), got {self.recall_target}")
-        if self.select not in MODES:
-            raise ValueError(f"selection mode {self.select!r} is not one of {', '.join(MODES)}")
+        if self.select not in SELECT_MODES:
+            raise ValueError(f"selection mode {self.select!r} is not one of "
+                             f"{', '.join(SELECT_MODES)}")
         if not 1 <= self.lsh_tables <= 256 or not 1 <= self.lsh_bits <= 32:
             raise ValueError(f"lsh needs 1..256 tables of 1..32 bits, got {self.lsh_tables} of "
                              f"{self.lsh_bits}")
@@ -100,32 +179,77 @@ class SparseOptions:
 
 @dataclass
 class EngineOptions:
-    """Construction options (the same names as the CLI flags)."""
+    """Construction options (the CLI flags are in each field's metadata: :func:`opt`)."""
 
-    n_ctx: int = 4096              # 0 = the model's training context
-    block_len: int = 32
-    batch_size: int = 512          # prefill chunk
-    n_threads: int = 0             # Numba threads in the engine's calls; 0 = the caller's setting
-    numerics: str = "fp32"
-    kv_type: str = "f16"            # K and V cache type (llama.cpp's -ctk / -ctv for both)
-    cache_type_k: str | None = None  # K cache type (None: kv_type)
-    cache_type_v: str | None = None  # V cache type (None: kv_type)
+    # 0: the model's training context
+    n_ctx: int = opt(4096, flag="--ctx-size", short="-c", min=0,
+                     help="context size in tokens (0 = the model's)")
+    block_len: int = opt(32, flag="--block-len", min=1, help="KV block length")
+    batch_size: int = opt(512, flag="--batch-size", short="-b", min=1, help="prefill chunk size")
+    # Numba threads in the engine's calls; 0: the caller's setting (pyimp-run: all cores)
+    n_threads: int = opt(0, flag="--threads", short="-t", min=0, help="threads (0 = all cores)")
+    numerics: str = opt("fp32", flag="--numerics", choices=NUMERICS,
+                        help="fp32: exact weights, fp32 activations; ggml: activations quantized "
+                             "as ggml's CPU does")
+    kv_type: str = opt("f16", flag="--kv-type", choices=KV_TYPES,
+                       help="KV cache type of K and V (shorthand for -ctk and -ctv)")
+    cache_type_k: str | None = opt(None, flag="--cache-type-k", short="-ctk", choices=KV_TYPES,
+                                   help="K cache type (default: --kv-type)")
+    cache_type_v: str | None = opt(None, flag="--cache-type-v", short="-ctv", choices=KV_TYPES,
+                                   help="V cache type (default: --kv-type)")
+    device: str = opt("cpu", flag="--device", choices=DEVICES,
+                      help="cuda: run on the GPU through numba-cuda (pip install 'pyimp[cuda]'); "
+                           "weights, KV cache, importance and anchors stay on the device")
     v_layout: str = "token"          # quantized V rows: "token" (along head_dim) or "channel"
-    kv_rotate: bool = False          # Hadamard rotation of q, k, v along head_dim (see _rotation)
-    device: str = "cpu"              # "cuda": weights, KV cache, importance_ and anchors on the GPU
+    # along head_dim (see pyimp.engine's _rotation)
+    kv_rotate: bool = opt(False, flag="--kv-rotate",
+                          help="Hadamard rotation of keys, values and queries along the head dim "
+                               "before the cache (spreads outlier channels; meant for quantized "
+                               "caches)")
     sparse: SparseOptions = field(default_factory=SparseOptions)
-    kv_policy: str = "full"          # eviction: full, streaming, h2o, snapkv, pyramidkv
-    kv_budget: int = 0               # tokens per layer an eviction policy keeps
-    keep: int = 4                    # sink tokens (the first positions) every policy keeps
-    kv_recent: int = 0               # h2o / streaming recent window (0: half the budget)
-    kv_obs_window: int = 32          # snapkv / pyramidkv observation window
-    kv_pool: int = 5                 # snapkv / pyramidkv pooling kernel
-    kv_depth_ratio: float = 1.0      # first / last evicting layer's budget (see kv_policy)
-    kv_obs_weight: float = 0.0       # h2o: weight of the prompt's last rows' attention
-    kv_neighbours: int = 0           # h2o / snapkv / pyramidkv: a kept token keeps those within R
-    swa_full: bool = False           # sliding-window layers keep every token (llama.cpp --swa-full)
-    kv_merge: float = 0.0            # merge near-duplicate tokens at this cosine similarity (0: off)
-    kv_merge_bits: int = 12          # SimHash bits per kv head proposing merge candidates
+    kv_policy: str = opt("full", flag="--kv-policy", choices=KV_POLICIES, group="eviction",
+                         help="full (default): keep every token of global layers; streaming: "
+                              "sinks + recent; h2o: sinks + recent + heavy hitters by importance; "
+                              "snapkv / pyramidkv: compress the prompt once by its last queries' "
+                              "attention")
+    swa_full: bool = opt(False, flag="--swa-full", group="eviction",
+                         help="sliding-window layers keep every token (as llama.cpp's "
+                              "--swa-full): more memory, but --prompt-cache can reuse any prefix "
+                              "of a long prompt")
+    kv_budget: int = opt(0, flag="--kv-budget", min=0, group="eviction",
+                         help="tokens per layer an eviction policy keeps (held in whole blocks)")
+    keep: int = opt(4, flag="--keep", min=0, group="eviction",
+                    help="sink tokens (the first positions) every policy keeps, as llama.cpp's "
+                         "n_keep")
+    kv_recent: int = opt(0, flag="--kv-recent", min=0, group="eviction",
+                         help="h2o / streaming recent window (0: half the budget)")
+    kv_obs_window: int = opt(32, flag="--kv-obs-window", min=0, group="eviction",
+                             help="snapkv / pyramidkv observation window (last prompt rows)")
+    kv_pool: int = opt(5, flag="--kv-pool", min=1, group="eviction",
+                       help="snapkv / pyramidkv pooling kernel (odd)")
+    # the first / last evicting layer's budget (see pyimp.kv_policy)
+    kv_depth_ratio: float = opt(1.0, flag="--kv-depth-ratio", min=1.0, metavar="R",
+                                group="eviction",
+                                help="streaming / h2o / snapkv: budgets shrink linearly with "
+                                     "depth over the layers that evict (global attention), the "
+                                     "first R times the last's, their mean --kv-budget (1: the "
+                                     "same in every layer)")
+    kv_obs_weight: float = opt(0.0, flag="--kv-obs-weight", min=0.0, metavar="W", group="eviction",
+                               help="h2o: rank tokens by their accumulated attention plus W times "
+                                    "the attention of the prompt's last --kv-obs-window rows "
+                                    "(each normalized per layer); 0: accumulated attention only")
+    kv_neighbours: int = opt(0, flag="--kv-neighbours", min=0, metavar="R", group="eviction",
+                             help="h2o / snapkv / pyramidkv: rank a token by the largest score "
+                                  "within R positions of it, so a kept token keeps its "
+                                  "neighbours (a number's digits after the one attended to); "
+                                  "0: off")
+    kv_merge: float = opt(0.0, flag="--kv-merge", min=0.0, max=1.0, metavar="COS",
+                          group="eviction",
+                          help="merge cached tokens whose keys share a SimHash signature and "
+                               "have cosine similarity >= COS into one slot (importance-weighted "
+                               "average; the slot's score gains log(count)); 0: off")
+    kv_merge_bits: int = opt(12, flag="--kv-merge-bits", min=1, group="eviction",
+                             help="SimHash bits per kv head proposing --kv-merge candidates")
 
     def validate(self) -> None:
         if self.device not in capabilities.DEVICES:
@@ -160,10 +284,14 @@ class EngineOptions:
 
     @property
     def merge(self) -> MergeOptions:
+        """The merge options (:class:`pyimp.kv_merge.MergeOptions`)."""
+        from .kv_merge import MergeOptions          # NumPy: imported when used, not for --help
         return MergeOptions(self.kv_merge, self.kv_merge_bits)
 
     @property
     def policy(self) -> PolicyOptions:
+        """The eviction policy's options (:class:`pyimp.kv_policy.PolicyOptions`)."""
+        from .kv_policy import PolicyOptions        # NumPy: imported when used, not for --help
         return PolicyOptions(self.kv_policy, self.kv_budget, self.keep, self.kv_recent,
                              self.kv_obs_window, self.kv_pool, self.kv_depth_ratio,
                              self.kv_obs_weight, self.kv_neighbours)

@@ -67,7 +67,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-POLICIES = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
+from pyimp.choices import KV_POLICIES as POLICIES
+
 IMPORTANCE_OF = {"full": "obs", "streaming": "obs", "h2o": "all", "snapkv": "obs",
                  "pyramidkv": "obs"}
 PASSKEY_ANSWER = 8            # tokens decoded for a passkey answer

@@ -40,9 +40,10 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from pyimp.choices import ANCHOR_TYPES as ANCHORS
+from pyimp.choices import RETRIEVAL_TYPES, SELECT_MODES
 from pyimp.ops import log_softmax
 
-ANCHORS = ("fixed", "dynamic", "quest", "block_mean", "block_max", "cuboid_mean")
 BUDGETS = (1 / 16, 1 / 8, 1 / 4)
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 HEADER = ("There is an important piece of information hidden inside a lot of irrelevant text. "
@@ -588,8 +589,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--budgets", default="1/16,1/8,1/4", help="comma list of context fractions")
     g.add_argument("--text-offset", type=int, default=0, help="first token of the text used")
     g.add_argument("--selects", default="",
-                   help="comma list of selection modes (lowrank, lsh, sink_window, strided) run "
-                   "at each budget beside the anchors")
+                   help=f"comma list of selection modes "
+                   f"({', '.join(m for m in SELECT_MODES if m != 'anchors')}) run at each budget "
+                   f"beside the anchors")
     g.add_argument("--recall-targets", default="",
                    help="comma list of --recall-target values run per anchor type (topk floor 0)")
     g.add_argument("--no-oracle", action="store_true", help="skip the oracle recall column")
@@ -607,7 +609,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--block-len", type=int, default=32)
     g.add_argument("--init-blocks", type=int, default=1)
     g.add_argument("--local-blocks", type=int, default=2)
-    g.add_argument("--retrieval", default="kvhead", choices=("layer", "kvhead", "qhead"))
+    g.add_argument("--retrieval", default="kvhead", choices=RETRIEVAL_TYPES)
     g.add_argument("--importance-window", type=int, default=128)
     g = ap.add_argument_group("output")
     g.add_argument("--plot", help="PNG path for recall / KL against budget")

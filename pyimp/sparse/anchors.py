@@ -38,24 +38,14 @@ float32 cache; the other types round to nearest.
 """
 from __future__ import annotations
 
-import enum
-
 import numpy as np
 
 from loaders import jit
 from pyimp import attn_kernels, checks
 from pyimp.attn_kernels import f32_to_half_bits, half_bits_to_f32, load_f32
+from pyimp.choices import AnchorType
 
 jit.kernel_module(__file__, attn_kernels)
-
-
-class AnchorType(enum.Enum):
-    FIXED = "fixed"
-    DYNAMIC = "dynamic"
-    QUEST = "quest"
-    BLOCK_MEAN = "block_mean"
-    BLOCK_MAX = "block_max"
-    CUBOID_MEAN = "cuboid_mean"
 
 
 _TWO_SLOT = (AnchorType.QUEST, AnchorType.CUBOID_MEAN)

@@ -42,26 +42,19 @@ ascending order, padded with -1, ``K = init + pick + local + 1``, and int32
 """
 from __future__ import annotations
 
-import enum
-
 import numpy as np
 from numba import prange
 
 from loaders import jit
 from pyimp import attn_kernels, checks
 from pyimp.attn_kernels import FM as _FM, lane_dot, lane_sum, load_f32, prefetch
+from pyimp.choices import RetrievalType
 from pyimp.sparse.anchors import AnchorType, anchor_slots, group_shared
 from pyimp.importance import fp16_lut
 
 jit.kernel_module(__file__, attn_kernels)
 
 ORDERED_ANCHORS = (AnchorType.QUEST, AnchorType.CUBOID_MEAN)  # slot 0 >= slot 1 per channel
-
-
-class RetrievalType(enum.Enum):
-    LAYER = "layer"
-    KVHEAD = "kvhead"
-    QHEAD = "qhead"
 
 
 def n_sets(retrieval_type: RetrievalType, n_q_heads: int, n_kv_heads: int) -> int:

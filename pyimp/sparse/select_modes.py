@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-MODES = ("anchors", "lowrank", "lsh", "sink_window", "strided")
+from pyimp.choices import SELECT_MODES as MODES  # noqa: F401 (the modes, under their name here)
 
 
 def lowrank_basis(keys: np.ndarray, rank: int) -> np.ndarray:

@@ -24,11 +24,14 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.reporting import with_reporter
 
+from pyimp.choices import ANCHOR_TYPES, RETRIEVAL_TYPES, AnchorType
+from pyimp.sparse.anchors import min_anchor_num
+from pyimp.sparse.retrieval import ORDERED_ANCHORS
+
 from . import reference as ref
 from . import strategies as S
 
 U32 = 2.0 ** -24        # float32 unit roundoff
-ANCHOR_TYPES = ("block_mean", "block_max", "fixed", "dynamic", "quest", "cuboid_mean")
 EXACT_ANCHORS = ("block_max", "quest")          # maxima and minima: no rounding to disagree on
 
 
@@ -381,7 +384,7 @@ def _anchor_cases(draw, anchor_type: str):
     c = draw(S.paged_caches())
     sh, rng = c["shape"], c["rng"]
     NB, B = c["k_cache"].shape[1], sh["B"]
-    lo = 2 if anchor_type in ("quest", "cuboid_mean") else 1
+    lo = min_anchor_num(AnchorType(anchor_type))
     A = draw(st.integers(lo, max(lo, min(B, 4))))
     n_lb = c["block_table"].size
     blocks = c["block_table"].astype(np.int64)
@@ -483,7 +486,7 @@ def _retrieve_cases(draw):
     sh = c["sh"]
     B = draw(st.sampled_from((1, 2, 4)))
     c["anchor_type"] = draw(st.sampled_from(ANCHOR_TYPES))
-    if c["anchor_type"] in ("quest", "cuboid_mean"):
+    if AnchorType(c["anchor_type"]) in ORDERED_ANCHORS:
         if c["A"] < 2:
             c["anchor"] = np.concatenate([c["anchor"]] * 2, axis=1)
         hi = np.maximum(c["anchor"][:, 0], c["anchor"][:, 1])  # slot 0 >= slot 1, as stored
@@ -494,7 +497,7 @@ def _retrieve_cases(draw):
         c["anchor"] = np.repeat(c["anchor"][:, :, ::G], G, axis=2)
     c["n_ctx"] = draw(st.integers((c["n_lb"] - 1) * B + 1, c["n_lb"] * B))
     c["B"] = B
-    c["retrieval_type"] = draw(st.sampled_from(("layer", "kvhead", "qhead")))
+    c["retrieval_type"] = draw(st.sampled_from(RETRIEVAL_TYPES))
     c["init"], c["pick"], c["local"] = (draw(st.integers(0, 2)) for _ in range(3))
     return c
 
