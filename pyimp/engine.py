@@ -459,16 +459,11 @@ class Engine:
 def load(path: str | os.PathLike | None = None, **options) -> Engine:
     """Load a GGUF model (``None`` = the embedded default model) into an :class:`Engine`.
 
-    Options are the fields of :class:`EngineOptions` (n_ctx, block_len, batch_size,
-    n_threads, numerics, kv_type, cache_type_k, cache_type_v, v_layout, kv_rotate, device,
-    kv_policy, kv_budget, keep, kv_recent, kv_obs_window, kv_pool, kv_depth_ratio,
-    kv_obs_weight, kv_neighbours, swa_full, kv_merge, kv_merge_bits) and of
-    :class:`SparseOptions` (sparse=True, anchor, anchor_num, retrieval, topk, init_blocks,
-    local_blocks, importance_window, token_step, layer_step, dense_layers, decay, select,
-    rank, lsh_tables, lsh_bits, lsh_min_hits, stride, recall_target, recall_max_blocks,
-    report, track). ``sparse`` is a bool
-    (``enabled``) or a whole :class:`SparseOptions`; sparse keywords given beside a
-    SparseOptions override its fields of the same names.
+    Options are the fields of :class:`EngineOptions` and of :class:`SparseOptions`
+    (:mod:`pyimp.options`; a field that is also a CLI flag carries its help in its metadata,
+    as ``pyimp-run --help`` shows). ``sparse`` is a bool (``enabled``) or a whole
+    :class:`SparseOptions`; sparse keywords given beside a SparseOptions override its fields
+    of the same names.
     """
     if path is None:
         from .default_model import default_model_path
