@@ -103,7 +103,7 @@ class Engine:
         # (the same bits: tests compare both ways); False: every op on its own, as a traced
         # forward runs
         self.fused_ops = True
-        # the forward's steps: on the device (_init_device) or on the host
+        # the forward's steps: on the device (pyimp.cuda.forward.build) or on the host
         self._backend = self._gpu if self._gpu is not None else CPUForward(self)
         self.timings = Timings(load_s=time.perf_counter() - t0)
 

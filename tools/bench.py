@@ -141,7 +141,8 @@ def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numer
     toks = None if tokens_file is None else [int(t) for t in np.load(tokens_file)[:ctx + n_decode]]
     extra = {}
     if engine == "pyimp":
-        from pyimp.engine import Engine, EngineOptions, numba_cache_has_kernels
+        from pyimp.engine import Engine, EngineOptions
+        from pyimp.warmup import numba_cache_has_kernels
         from pyimp.sparse_policy import SparseOptions
         # a run that compiles its kernels (in warmup, before the timings) is no warm run all the
         # same: LLVM's memory counts in its peak RSS, about 200 MB for Gemma
