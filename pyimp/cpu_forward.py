@@ -125,11 +125,13 @@ class CPUForward:
             window = attention.slot_window(positions, n, window)
             n_read = min(n, window or n)                              # keys and values read
             # serial or parallel as measured per doubling of the bytes read
+            sparse = bool(step.sparse) and step.sparse[il]
             choice = self.attn_threads.setdefault(
-                (sp is not None and sp.is_sparse_step(il, n),
-                 int(cache.layer_token_bytes() * n_read).bit_length()), quants.ThreadChoice())
+                (sparse, int(cache.layer_token_bytes() * n_read).bit_length()),
+                quants.ThreadChoice())
             if sp is not None:
-                choice.run(sp.decode_attention, il, q[0], n, step.kq_scale, window, att[0])
+                choice.run(sp.decode_attention, il, q[0], n, step.kq_scale, window, att[0],
+                           sparse)
             else:      # the arguments are the engine's own: attention_decode less its checks
                 key = ("blocks", n, window)    # one block list per slot count and window
                 if key not in step.memo:

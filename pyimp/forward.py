@@ -34,6 +34,7 @@ class Step:
     all_logits: bool        # logits of every row (else of the last)
     logits: bool            # run the output head
     fused: bool             # one token and nothing traced: a backend may fuse the small ops
+    sparse: tuple = ()      # decode: per layer, whether it takes the block-sparse path
     memo: dict = field(default_factory=dict)     # per-step tables a backend shares across layers
 
     @property
@@ -46,13 +47,15 @@ class Step:
 
 
 def make_step(cfg, arch, tokens, pos0: int, decode: bool, obs_start: int,
-              prompt_end: int | None, all_logits: bool, logits: bool, fused: bool) -> Step:
+              prompt_end: int | None, all_logits: bool, logits: bool, fused: bool,
+              sparse: tuple = ()) -> Step:
     """The :class:`Step` of a forward of ``tokens`` after ``pos0`` positions (cfg: the model's
-    :class:`loaders.config.ModelConfig`, arch its :class:`pyimp.model.ArchSpec`)."""
+    :class:`loaders.config.ModelConfig`, arch its :class:`pyimp.model.ArchSpec`; ``sparse``:
+    a decode step's per-layer block-sparse decisions, empty without a sparse state)."""
     kq_scale = 1.0 if arch.q_prescale else 1.0 / math.sqrt(cfg.head_dim)
     return Step(tokens=tokens, pos0=pos0, decode=decode, windows=cfg.windows, kq_scale=kq_scale,
                 obs_start=obs_start, prompt_end=prompt_end, all_logits=all_logits,
-                logits=logits, fused=fused and len(tokens) == 1)
+                logits=logits, fused=fused and len(tokens) == 1, sparse=tuple(sparse))
 
 
 def forward(n_layer: int, be, step: Step):

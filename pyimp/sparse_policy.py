@@ -509,16 +509,18 @@ class SparseState:
 
     # --------------------------------------------------------------- decode
     def decode_attention(self, il: int, q: np.ndarray, n_ctx: int, scale: float, window: int,
-                         out: np.ndarray) -> None:
+                         out: np.ndarray, sparse: bool | None = None) -> None:
         """Attention of the decode query q float32[Hq, D] of layer il into out float32[Hq, D]
         (``n_ctx``: the slots layer il holds, the new token's included; ``window`` in slots,
-        see :func:`pyimp.attention.slot_window`)."""
+        see :func:`pyimp.attention.slot_window`); ``sparse``: the step's decision for the layer
+        (the engine's Step; None: :meth:`is_sparse_step`)."""
         o, c = self.opts, self.cache
         kc, vc, bt = c.k_layer(il), c.v_layer(il), c.table(il)
         imp = self.importance_[il]
         if il in self._dirty:
             self._dirty[il][-(-n_ctx // c.block_len) - 1] = True   # the newest token's key joined it
-        sparse = self.is_sparse_step(il, n_ctx)
+        if sparse is None:
+            sparse = self.is_sparse_step(il, n_ctx)
         # the cache's own arrays and a selection made here: the kernels run without the public
         # entry points' argument checks (their reductions cost ~1 ms a token at 16k)
         if not sparse:

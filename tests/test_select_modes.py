@@ -147,8 +147,8 @@ def test_modes_in_the_engine(model, mode, kw):
     fitted, checked = {}, []
     decode = sp.decode_attention
 
-    def check(il, q, n_ctx, scale, window, out):
-        decode(il, q, n_ctx, scale, window, out)
+    def check(il, q, n_ctx, scale, window, out, sparse=None):
+        decode(il, q, n_ctx, scale, window, out, sparse)
         if not sp.is_sparse_step(il, n_ctx):
             return
         K, V = c.gather(il, n_ctx)                 # [Hkv, n, D], f32 cache: the exact keys

@@ -95,9 +95,9 @@ def test_anchors_read_by_retrieval_are_fresh(model, monkeypatch, anchor, token_s
     current = {}
     inner_attn = st.decode_attention
 
-    def decode_attention(il, q, n_ctx, scale, window, out):
+    def decode_attention(il, q, n_ctx, scale, window, out, sparse=None):
         current["layer"], current["n_ctx"] = il, n_ctx
-        inner_attn(il, q, n_ctx, scale, window, out)
+        inner_attn(il, q, n_ctx, scale, window, out, sparse)
 
     inner_retrieve = policy.retrieve_unchecked
     checked = []
@@ -438,3 +438,26 @@ def test_decode_anchor_refresh_uses_the_warmed_specialization(model, monkeypatch
     for t in ids[50:]:
         eng.eval([t])
     assert seen["run"] and seen["run"] <= seen["warm"], (seen["run"], seen["warm"])
+
+
+def test_the_step_decides_each_layers_path_once(model):
+    """A decode step's block-sparse-or-dense decision is made once, at the top of the forward
+    (the engine's Step), and reaches the sparse state's decode attention as made: the same as
+    is_sparse_step for the slots each layer holds, dense while every block fits the budget,
+    sparse on the lead layers after."""
+    eng = _engine(model, sparse=True, topk=1, init_blocks=1, local_blocks=1)
+    st = eng.sparse
+    seen = []
+    inner = st.decode_attention
+
+    def decode_attention(il, q, n_ctx, scale, window, out, sparse=None):
+        assert sparse is not None                    # the engine passes its decision
+        seen.append((il, n_ctx, sparse, st.is_sparse_step(il, n_ctx)))
+        inner(il, q, n_ctx, scale, window, out, sparse)
+    st.decode_attention = decode_attention
+    ids = _ids(40, seed=5)
+    eng.eval(ids[:2])
+    for t in ids[2:]:
+        eng.eval([t])
+    assert seen and all(decided == own for _, _, decided, own in seen)
+    assert {d for _, _, d, _ in seen} == {False, True}

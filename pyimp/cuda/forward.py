@@ -146,7 +146,8 @@ class DeviceForward:
         att3 = att.reshape(T, cfg.n_head, cfg.head_dim)
         if step.decode:
             if sp is not None:
-                sp.decode_attention(il, q3, step.pos0 + 1, step.kq_scale, window, att3)
+                sp.decode_attention(il, q3, step.pos0 + 1, step.kq_scale, window, att3,
+                                    step.sparse[il])
             else:
                 attention.decode(q3, kc, vc, bt, step.pos0 + 1, step.kq_scale, window, att3,
                                  scratch=self.scratch)

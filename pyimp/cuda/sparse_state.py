@@ -207,14 +207,17 @@ class DeviceSparseState(SparseState):
                                        self.retrieval_type, o.init_blocks, o.topk, o.local_blocks,
                                        self.anchor_type)
 
-    def decode_attention(self, il: int, q, n_ctx: int, scale: float, window: int, out) -> None:
-        """Attention of the device query q ``[1, Hq, D]`` of layer il into out ``[1, Hq, D]``."""
+    def decode_attention(self, il: int, q, n_ctx: int, scale: float, window: int, out,
+                         sparse: bool | None = None) -> None:
+        """Attention of the device query q ``[1, Hq, D]`` of layer il into out ``[1, Hq, D]``;
+        ``sparse`` as :meth:`pyimp.sparse_policy.SparseState.decode_attention`."""
         o, c = self.opts, self.cache
         kc, vc, bt = c.k_layer(il), c.v_layer(il), c.bt_dev
         imp = self.importance_dev[il]
         if il in self._dirty:
             self._dirty[il][-(-n_ctx // c.block_len) - 1] = True
-        sparse = self.is_sparse_step(il, n_ctx)
+        if sparse is None:
+            sparse = self.is_sparse_step(il, n_ctx)
         if not sparse:
             attention.decode(q, kc, vc, bt, n_ctx, scale, window, out, importance=imp,
                              decay=o.decay, scratch=self.scratch)
