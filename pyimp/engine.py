@@ -206,13 +206,9 @@ class Engine:
         # the sparse state also applies the importance decay once per prefill here)
         decode = T == 1 if sp is None else not sp.begin_forward(pos0, T, prompt_end)
         obs = 0 if sp is None else sp.obs_start(pos0 + T if prompt_end is None else prompt_end)
-        # a decode step's layers: block-sparse or dense, by the slots each holds with the new token
-        sparse = (() if sp is None or not decode else
-                  tuple(sp.is_sparse_step(il, self.cache.slot_count(il) + 1)
-                        for il in range(self.cfg.n_layer)))
         step = make_step(self.cfg, self.weights.arch, tokens, pos0, decode, obs, prompt_end,
                          all_logits, logits, fused=self.fused_ops and self._tap is _no_tap,
-                         sparse=sparse)
+                         sparse_state=sp, cache=self.cache)
         out = forward(self.cfg.n_layer, self._backend, step)
         self.cache.commit(T)
         self.tokens.extend(int(t) for t in tokens)

@@ -48,10 +48,13 @@ class Step:
 
 def make_step(cfg, arch, tokens, pos0: int, decode: bool, obs_start: int,
               prompt_end: int | None, all_logits: bool, logits: bool, fused: bool,
-              sparse: tuple = ()) -> Step:
+              sparse_state=None, cache=None) -> Step:
     """The :class:`Step` of a forward of ``tokens`` after ``pos0`` positions (cfg: the model's
-    :class:`loaders.config.ModelConfig`, arch its :class:`pyimp.model.ArchSpec`; ``sparse``:
-    a decode step's per-layer block-sparse decisions, empty without a sparse state)."""
+    :class:`loaders.config.ModelConfig`, arch its :class:`pyimp.model.ArchSpec`). A decode
+    step with a ``sparse_state`` decides here, once, which layers take the block-sparse path,
+    by the slots each layer of ``cache`` holds with the new token."""
+    sparse = () if sparse_state is None or not decode else tuple(
+        sparse_state.is_sparse_step(il, cache.slot_count(il) + 1) for il in range(cfg.n_layer))
     kq_scale = 1.0 if arch.q_prescale else 1.0 / math.sqrt(cfg.head_dim)
     return Step(tokens=tokens, pos0=pos0, decode=decode, windows=cfg.windows, kq_scale=kq_scale,
                 obs_start=obs_start, prompt_end=prompt_end, all_logits=all_logits,
