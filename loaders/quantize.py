@@ -30,6 +30,7 @@ from gguf import GGMLQuantizationType
 from numba import prange
 
 from . import jit, quants_legacy
+from .ggml_types import type_size
 from .quants_legacy import (_deq_q4_0, _deq_q4_1, _deq_q5_0, _deq_q5_1, _deq_q8_0,
                             _f32_to_f16_bits, _head_d, _head_d_qh, _head_dm, _head_dm_qh,
                             _pair_q4_0, _pair_q4_1, _pair_q5_0, _pair_q5_1, _pair_q8_0, _u16, _u32,
@@ -39,9 +40,10 @@ jit.kernel_module(__file__, quants_legacy)
 
 QT = GGMLQuantizationType
 
-# type -> small integer code the kernels branch on, and bytes per block of 32
+# type -> small integer code the kernels branch on, and bytes per block of 32 by code (the
+# block geometry is gguf's, through loaders.ggml_types)
 CODES: dict[QT, int] = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4}
-BLOCK_BYTES: tuple[int, ...] = (34, 18, 20, 22, 24)
+BLOCK_BYTES: tuple[int, ...] = tuple(type_size(t) for t in sorted(CODES, key=CODES.get))
 
 _0 = np.float32(0.0)
 _1 = np.float32(1.0)

@@ -104,7 +104,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import jit, quants_legacy
-from .ggml_types import TypeKernels
+from .ggml_types import TypeKernels, type_size
 from .quants_legacy import (_I32, _X86_64, I8_DOT, PREFETCH_BYTES, WIDE_STEPS, _ROW_CHUNKS, _far_pair,
                             _fma32, _hsum8, _i8, _stack_f32,
                             _I8T as _I8, _group_row, _lanes_sum32, _prefetch,
@@ -116,7 +116,7 @@ QT = GGMLQuantizationType
 QK_K = 256
 Q8_K_BYTES = 292  # float32 d + int8 qs[256] + int16 bsums[16]
 
-BLOCK_BYTES = {QT.Q2_K: 84, QT.Q3_K: 110, QT.Q4_K: 144, QT.Q5_K: 176, QT.Q6_K: 210}
+BLOCK_BYTES = {t: type_size(t) for t in (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K)}
 
 _F32_0 = np.float32(0.0)
 

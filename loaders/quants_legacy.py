@@ -52,7 +52,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import half, jit
-from .ggml_types import TypeKernels
+from .ggml_types import TypeKernels, type_size
 # the target's architecture and the features Numba compiles for (NUMBA_CPU_NAME /
 # NUMBA_CPU_FEATURES honoured), not the host's
 from .half import _FEATURES, _X86_64, fma16, half_bits_to_f32
@@ -1836,7 +1836,7 @@ ACT_CONVERTERS = {
 # plain NumPy references (test oracles beside the kernels)
 # ---------------------------------------------------------------------------------------
 
-_BLOCK_BYTES = {QT.Q4_0: 18, QT.Q4_1: 20, QT.Q5_0: 22, QT.Q5_1: 24, QT.Q8_0: 34}
+_BLOCK_BYTES = {t: type_size(t) for t in (QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1, QT.Q8_0)}
 
 
 def _ref_f16(b: np.ndarray) -> np.ndarray:
