@@ -130,8 +130,7 @@ def fma16(typingctx, o, oo, a, ao, b, bo):
 
     def codegen(context, builder, signature, args):
         vf = llvm_ir.VectorType(llvm_ir.FloatType(), 16)
-        fn = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(vf, [vf, vf, vf]),
-                                            "llvm.fma.v16f32")
+        fn = _fma_fns(builder)[0]
 
         def operand(k):         # (operand k as <16 x float>, its float pointer or None)
             aryty = signature.args[2 * k]
@@ -191,25 +190,47 @@ def _hsum16_ir(builder, v):
     return builder.extract_element(v, llvm_ir.Constant(llvm_ir.IntType(32), 0))
 
 
-def _fixed_order_reduce(context, builder, operands, n):
-    """sum over i < n of the product of the operands' element i (one operand: the elements
-    themselves), in the fixed order above; operands: (pointer, is_half) at element 0."""
-    i64 = llvm_ir.IntType(64)
+def _fma_fns(builder):
+    """The module's llvm.fma declarations: (<16 x float> fma, float fma)."""
     f32 = llvm_ir.FloatType()
     vf = llvm_ir.VectorType(f32, 16)
-    fma_v = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(vf, [vf, vf, vf]),
-                                           "llvm.fma.v16f32")
-    fma_s = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(f32, [f32, f32, f32]),
-                                           "llvm.fma.f32")
+    return (cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(vf, [vf, vf, vf]),
+                                           "llvm.fma.v16f32"),
+            cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(f32, [f32, f32, f32]),
+                                           "llvm.fma.f32"))
+
+
+def _zero_slots(builder, ty, count):
+    """``count`` stack slots of IR type ``ty`` (a float or float vector), each holding zero."""
+    zero = llvm_ir.Constant(ty, [0.0] * ty.count) if isinstance(ty, llvm_ir.VectorType) else \
+        llvm_ir.Constant(ty, 0.0)
+    slots = []
+    for _ in range(count):
+        slot = cgutils.alloca_once(builder, ty)
+        builder.store(zero, slot)
+        slots.append(slot)
+    return slots
+
+
+def _count(builder, n):
+    """An element count as i64, a negative one taken as 0."""
+    n = _as_i64(builder, n)
+    zero = llvm_ir.Constant(llvm_ir.IntType(64), 0)
+    return builder.select(builder.icmp_signed("<", n, zero), zero, n)
+
+
+def _fixed_order_reduce(context, builder, operands, n):
+    """sum over i < n of the product of the operands' element i (one operand: the elements
+    themselves), in the fixed order above; operands: (pointer, is_half) at element 0; n an
+    integer IR value."""
+    i64 = llvm_ir.IntType(64)
+    f32 = llvm_ir.FloatType()
+    fma_v, fma_s = _fma_fns(builder)
     k = lambda v: llvm_ir.Constant(i64, v)       # noqa: E731
-    n = builder.select(builder.icmp_signed("<", n, k(0)), k(0), n)
+    n = _count(builder, n)
     n16 = builder.udiv(n, k(16))
     n64 = builder.udiv(n16, k(4))
-    accs = []
-    for _ in range(4):
-        slot = cgutils.alloca_once(builder, vf)
-        builder.store(llvm_ir.Constant(vf, [0.0] * 16), slot)
-        accs.append(slot)
+    accs = _zero_slots(builder, llvm_ir.VectorType(f32, 16), 4)
 
     def fold(slot, idx, width):
         xs = [_load_lanes(builder, p, h, idx, width) for p, h in operands]
@@ -257,7 +278,7 @@ def lane_dot(typingctx, a, ao, b, bo, n):
         ta, _, tb, _, _ = signature.args
         ops = [_operand_ptr(context, builder, ta, args[0], args[1]),
                _operand_ptr(context, builder, tb, args[2], args[3])]
-        return _fixed_order_reduce(context, builder, ops, _as_i64(builder, args[4]))
+        return _fixed_order_reduce(context, builder, ops, args[4])
 
     return sig, codegen
 
@@ -271,7 +292,7 @@ def lane_sum(typingctx, x, xo, n):
 
     def codegen(context, builder, signature, args):
         ops = [_operand_ptr(context, builder, signature.args[0], args[0], args[1])]
-        return _fixed_order_reduce(context, builder, ops, _as_i64(builder, args[2]))
+        return _fixed_order_reduce(context, builder, ops, args[2])
 
     return sig, codegen
 
@@ -307,11 +328,7 @@ def lane_dot_rows(typingctx, a, r0, nr, b, bo, n, out, oo, ostride, scale):
     def codegen(context, builder, signature, args):
         i64 = llvm_ir.IntType(64)
         f32 = llvm_ir.FloatType()
-        vf = llvm_ir.VectorType(f32, 16)
-        fma_v = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(vf, [vf, vf, vf]),
-                                               "llvm.fma.v16f32")
-        fma_s = cgutils.get_or_insert_function(builder.module, llvm_ir.FunctionType(f32, [f32, f32, f32]),
-                                               "llvm.fma.f32")
+        fma_v, fma_s = _fma_fns(builder)
         k = lambda v: llvm_ir.Constant(i64, v)       # noqa: E731
         aty, _, _, bty, _, _, oty, _, _, _ = signature.args
         a_ary = context.make_array(aty)(context, builder, args[0])
@@ -319,15 +336,10 @@ def lane_dot_rows(typingctx, a, r0, nr, b, bo, n, out, oo, ostride, scale):
         r0_ = _as_i64(builder, args[1])
         a_p = builder.bitcast(a_ary.data, f32.as_pointer())
         b_p, b_half = _operand_ptr(context, builder, bty, args[3], args[4])
-        n_ = _as_i64(builder, args[5])
-        n_ = builder.select(builder.icmp_signed("<", n_, k(0)), k(0), n_)
+        n_ = _count(builder, args[5])
         rows = [builder.gep(a_p, [builder.mul(builder.add(r0_, k(g)), row_len)]) for g in range(NR)]
         n16 = builder.udiv(n_, k(16))
-        accs = []
-        for _ in range(NR):
-            slot = cgutils.alloca_once(builder, vf)
-            builder.store(llvm_ir.Constant(vf, [0.0] * 16), slot)
-            accs.append(slot)
+        accs = _zero_slots(builder, llvm_ir.VectorType(f32, 16), NR)
         with cgutils.for_range(builder, n16, intp=i64) as loop:
             idx = builder.mul(loop.index, k(16))
             bv = _load_lanes(builder, b_p, b_half, idx, 16)
