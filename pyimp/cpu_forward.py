@@ -85,14 +85,19 @@ class CPUForward:
                                             self.W.rope_freqs)
         return step.memo[key]
 
+    def _qk_fused(self, il, q, k, cos, sin) -> None:
+        """One token's q / k norms, RoPE and q prescale, in place (ops._qk_norm_rope)."""
+        lw, A = self.W.layers[il], self.A
+        ops._qk_norm_rope(q[0], k[0], lw.attn_q_norm if A.qk_norm else NO_WEIGHT,
+                          lw.attn_k_norm if A.qk_norm else NO_WEIGHT, self.eps, cos[0], sin[0],
+                          A.rope_neox, A.qk_norm, np.float32(1.0 / math.sqrt(self.cfg.head_dim)),
+                          A.q_prescale)
+
     def qk_rope(self, il, q, k, step):
         lw, A, tap = self.W.layers[il], self.A, self.tap
         cos, sin = self._rope_tables(il, step)
-        inv_sqrt_d = np.float32(1.0 / math.sqrt(self.cfg.head_dim))
         if step.fused:
-            ops._qk_norm_rope(q[0], k[0], lw.attn_q_norm if A.qk_norm else NO_WEIGHT,
-                              lw.attn_k_norm if A.qk_norm else NO_WEIGHT, self.eps, cos[0],
-                              sin[0], A.rope_neox, A.qk_norm, inv_sqrt_d, A.q_prescale)
+            self._qk_fused(il, q, k, cos, sin)
             return q, k
         if A.qk_norm:                                  # per-head q / k norms (gemma3)
             q = ops.rms_norm(q, lw.attn_q_norm, self.eps)
@@ -104,7 +109,7 @@ class CPUForward:
         tap("Qcur", il, q)
         tap("Kcur", il, k)
         if A.q_prescale:
-            q *= inv_sqrt_d
+            q *= np.float32(1.0 / math.sqrt(self.cfg.head_dim))
         return q, k
 
     def attention(self, il, q, k, v, step) -> np.ndarray:
@@ -238,16 +243,13 @@ class CPUForward:
         forward passes them, on zeros. A first run's warmup calls it in the engine's process,
         before the decode matvecs are shared out: the compile helper's forward then loads them
         instead of compiling them last, after its share."""
-        cfg, W, A = self.cfg, self.W, self.A
+        cfg, W = self.cfg, self.W
         q = np.zeros((1, cfg.n_head, cfg.head_dim), np.float32)
         k = np.zeros((1, cfg.n_head_kv, cfg.head_dim), np.float32)
         cos, sin = ops.rope_cache(np.arange(1), cfg.rope_dim, cfg.layer_rope_base(0),
                                   cfg.layer_rope_scale(0), W.rope_freqs)
+        self._qk_fused(0, q, k, cos, sin)
         lw = W.layers[0]
-        ops._qk_norm_rope(q[0], k[0], lw.attn_q_norm if A.qk_norm else NO_WEIGHT,
-                          lw.attn_k_norm if A.qk_norm else NO_WEIGHT, self.eps, cos[0], sin[0],
-                          A.rope_neox, A.qk_norm, np.float32(1.0 / math.sqrt(cfg.head_dim)),
-                          A.q_prescale)
         x, y, h = (np.zeros((1, cfg.n_embd), np.float32) for _ in range(3))
         nxt = W.layers[1].attn_norm if cfg.n_layer > 1 else W.output_norm
         self._add_norm_fused(x, y, lw.post_attention_norm, lw.ffn_norm, h)
