@@ -12,20 +12,7 @@ from conftest import ROOT
 from tools import forward_fixture as ff
 
 FIXTURE = os.path.join(ROOT, "tests", "fixtures", "forward_logits.npz")
-# On another machine the same kernels take other SIMD paths (the quantized matvecs' AVX2 or
-# AVX-512 steps) and another BLAS: float32 rounding in another order, 2 layers deep. 1e-4 of the
-# logit scale is a few hundred times float32's epsilon; a wrong head, block or position moves
-# logits by a sizeable fraction of the scale.
-OTHER_MACHINE_RTOL = 1e-4
-
-
-def compare(saved, got, signature) -> None:
-    if signature == ff.machine_signature():
-        assert np.array_equal(got, saved), \
-            f"largest difference by step: {np.abs(got - saved).max(axis=1)}"
-    else:
-        np.testing.assert_allclose(got, saved, rtol=0,
-                                   atol=OTHER_MACHINE_RTOL * np.abs(saved).max())
+compare = ff.assert_matches      # bit for bit on the fixture's machine signature, see there
 
 
 @pytest.fixture(scope="module")

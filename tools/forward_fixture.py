@@ -72,6 +72,24 @@ def machine_signature() -> str:
     return f"{platform.machine()} {','.join(sorted(jit.target_features()))} blas={blas}"
 
 
+# On another machine the same kernels take other SIMD paths (the quantized matvecs' AVX2 or
+# AVX-512 steps) and another BLAS: float32 rounding in another order, 2 layers deep. 1e-4 of the
+# logit scale is a few hundred times float32's epsilon; a wrong head, block or position moves
+# logits by a sizeable fraction of the scale.
+OTHER_MACHINE_RTOL = 1e-4
+
+
+def assert_matches(saved: np.ndarray, got: np.ndarray, signature: str) -> None:
+    """AssertionError unless ``got`` is ``saved``: bit for bit on the machine signature the
+    fixture was written on, within OTHER_MACHINE_RTOL of the logit scale elsewhere."""
+    if signature == machine_signature():
+        assert np.array_equal(got, saved), \
+            f"largest difference by step: {np.abs(got - saved).max(axis=1)}"
+    else:
+        np.testing.assert_allclose(got, saved, rtol=0,
+                                   atol=OTHER_MACHINE_RTOL * np.abs(saved).max())
+
+
 def write_models(directory: str, names=tuple(MODELS)) -> dict:
     from tools.write_synthetic_gguf import SynthSpec, write
     return {name: write(os.path.join(directory, f"{name}.gguf"), SynthSpec(**MODELS[name]))
@@ -109,6 +127,10 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if a.what == "write-device" and os.environ.get("NUMBA_ENABLE_CUDASIM") != "1":
         print("write-device runs on the simulator: set NUMBA_ENABLE_CUDASIM=1", file=sys.stderr)
+        return 2
+    folder = os.path.dirname(os.path.abspath(a.out))
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        print(f"{a.out}: the folder {folder} does not exist or is not writable", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory() as d:
         if a.what == "write":
