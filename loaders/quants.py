@@ -20,7 +20,7 @@ import contextlib
 import threading
 import time
 
-# The thread pool's spin (GOMP_SPINCOUNT) matters for speed (see pyimp/runtime.py) but is set only by
+# The thread pool's spin (GOMP_SPINCOUNT) matters for speed (see pyimp/runtime/process.py) but is set only by
 # pyimp's own programs: a library import must not change the host process's environment.
 import numba
 import numpy as np
@@ -111,7 +111,7 @@ def _thread_count_fns():
     value known to be valid (at most NUMBA_NUM_THREADS, as a count read back from Numba is);
     where this Numba does not expose them, the public functions. Made at the first kernel
     call, not at import: starting the threading layer reads its environment once (see
-    pyimp.runtime), which a program sets before that."""
+    pyimp.runtime.process), which a program sets before that."""
     from numba.np.ufunc import parallel as par
     numba.get_num_threads()                                    # starts the threading layer
     get, set_ = getattr(par, "_get_num_threads", None), getattr(par, "_set_num_threads", None)
@@ -181,7 +181,7 @@ class ThreadChoice:
     timing it on this machine, as it is loaded now: its first ``2 * TRIALS`` calls alternate
     between the two and the faster (best time of each) is kept while the thread count stays
     the same. A fixed size threshold cannot make that choice: it depends on the core, on
-    whether the thread pool's workers are awake (see pyimp.runtime) and on what else runs.
+    whether the thread pool's workers are awake (see pyimp.runtime.process) and on what else runs.
 
     A choice is checked again after ``RECHECK`` calls, then after twice as many each time:
     one more timed call in each mode, and the best times decide anew. Best times only fall,
@@ -409,7 +409,7 @@ def matmul(raw: np.ndarray, qtype: int, n: int, X: np.ndarray, numerics: str = "
         r1 = min(r0 + step, rows)
         t = tile[:r1 - r0]
         # on the calling thread: Numba's workers would spin through the start of every BLAS call
-        # (pyimp.runtime), while a tile takes a small fraction of its product's time
+        # (pyimp.runtime.process), while a tile takes a small fraction of its product's time
         with _single_thread():
             k.dequantize(r[r0:r1], t)
         if own:

@@ -3,10 +3,10 @@ the sparse buffers, refused before anything is allocated when they exceed the me
 from __future__ import annotations
 
 from . import ops
-from .kv_policy import KVPolicy
-from .kvcache import KVCache
-from .memory import check_fits, fmt_bytes
-from .sparse_policy import SparseState
+from .kv.policy import KVPolicy
+from .kv.cache import KVCache
+from .runtime.memory import check_fits, fmt_bytes
+from .sparse.policy import SparseState
 
 
 def max_slots(opts, cfg, n_ctx: int) -> int:

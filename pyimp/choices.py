@@ -1,9 +1,9 @@
 """The values the engine's options choose from, each list written once: numerics, KV cache
 types, anchor types, retrieval granularities, block-selection modes, eviction policies.
 
-The modules that implement them import their names from here (:mod:`pyimp.kvcache`,
+The modules that implement them import their names from here (:mod:`pyimp.kv.cache`,
 :mod:`pyimp.sparse.anchors`, :mod:`pyimp.sparse.retrieval`, :mod:`pyimp.sparse.select_modes`,
-:mod:`pyimp.kv_policy`), and so do the options (:mod:`pyimp.options`), the commands' flags and
+:mod:`pyimp.kv.policy`), and so do the options (:mod:`pyimp.options`), the commands' flags and
 the tools. This module imports nothing of the project's, nor NumPy or Numba: ``pyimp-run
 --help`` lists the choices without loading a kernel. The devices are the keys of
 :data:`pyimp.capabilities.CAPABILITIES`.
@@ -47,5 +47,5 @@ RETRIEVAL_TYPES = tuple(r.value for r in RetrievalType)
 # block scoring of the sparse path (:mod:`pyimp.sparse.select_modes`)
 SELECT_MODES = ("anchors", "lowrank", "lsh", "sink_window", "strided")
 
-# eviction policies (:mod:`pyimp.kv_policy`)
+# eviction policies (:mod:`pyimp.kv.policy`)
 KV_POLICIES = ("full", "streaming", "h2o", "snapkv", "pyramidkv")

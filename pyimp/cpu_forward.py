@@ -15,8 +15,9 @@ import numpy as np
 
 from loaders import quants
 
-from . import attention, ops
-from .attention import decode_over_blocks, every_block
+from . import ops
+from .attention import attend as attention
+from .attention.attend import decode_over_blocks, every_block
 
 # the weight argument of a fused op whose norm the architecture does not have
 NO_WEIGHT = np.zeros(0, np.float32)

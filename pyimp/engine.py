@@ -20,17 +20,18 @@ import numpy as np
 from loaders.config import ModelConfig, read_config
 from loaders.gguf_file import GGUFFile
 
-from . import buffers, capabilities, generation, inputs, ops, warmup
+from . import buffers, capabilities, generation, inputs, ops
+from .runtime import warmup
 from .cpu_forward import CPUForward, no_tap as _no_tap
 from .forward import forward, make_step
-from .kv_merge import KVMerger
-from .kv_policy import KVPolicy
-from .kvcache import KVCache
+from .kv.merge import KVMerger
+from .kv.policy import KVPolicy
+from .kv.cache import KVCache
 from .model import ModelWeights
 from .sampling import Sampler, SamplingParams
 from .options import DEVICES, MAX_BLOCK_LEN, NUMERICS, EngineOptions, SparseOptions  # noqa: F401
 from .sequence import EngineBusyError, SequenceLock, exclusive  # noqa: F401
-from .sparse_policy import SparseState
+from .sparse.policy import SparseState
 
 @dataclass
 class Timings:
@@ -332,14 +333,14 @@ class Engine:
     def trace(self, prompt, steps: int = 0, keep=None, add_bos: bool = True):
         """Run ``prompt`` (text or token ids) as one prefill forward and ``steps`` greedy decode
         steps, recording every named intermediate tensor under llama.cpp's graph names; returns
-        a :class:`pyimp.trace.Trace` (``.write(path)``: the GGUF tensor dump). ``keep(name)``
+        a :class:`pyimp.trace.record.Trace` (``.write(path)``: the GGUF tensor dump). ``keep(name)``
         selects what is copied (None: everything). The cache is reset first and holds the run
         afterwards. CPU only (device="cuda" raises ValueError). Names, order and format:
-        :mod:`pyimp.dump`."""
+        :mod:`pyimp.trace.dump`."""
         if not capabilities.CAPABILITIES[self.device].trace:
             raise ValueError(f"{capabilities.refusal('a trace', 'trace')}: the {self.device} "
                              f"backend records no tensors")
-        from .trace import run_trace
+        from .trace.record import run_trace
         return run_trace(self, prompt, steps, keep, add_bos)
 
     @exclusive
@@ -386,23 +387,23 @@ class Engine:
 
     @exclusive
     def save_state(self, path: str | os.PathLike) -> dict:
-        """Save the cached tokens, KV, importance_ and anchors to ``path`` (see :mod:`pyimp.state`);
+        """Save the cached tokens, KV, importance_ and anchors to ``path`` (see :mod:`pyimp.kv.state`);
         returns the writer's statistics."""
         if self.file is None:
             raise _closed()
         self._host_only("saving a state")
-        from . import state
+        from .kv import state
         return state.save(self, path)
 
     @exclusive
     def load_state(self, path: str | os.PathLike) -> int:
         """Replace the cache by a state saved with :meth:`save_state`; returns the tokens loaded.
-        A file that does not fit this engine raises :class:`pyimp.statefile.StateFileError`
+        A file that does not fit this engine raises :class:`pyimp.kv.statefile.StateFileError`
         naming the file and the reason, and leaves the engine as it was."""
         if self.file is None:
             raise _closed()
         self._host_only("loading a state")
-        from . import state
+        from .kv import state
         return state.load(self, path)
 
     def _host_only(self, what: str) -> None:
@@ -413,14 +414,14 @@ class Engine:
     @exclusive
     def compile_decode_attention(self) -> None:
         """Compile (or load) the decode attention kernels of this cache's types: one call over a
-        zero token in layer 0, then the cache is empty again (:func:`pyimp.warmup.compile_decode_attention`)."""
+        zero token in layer 0, then the cache is empty again (:func:`pyimp.runtime.warmup.compile_decode_attention`)."""
         warmup.compile_decode_attention(self)
 
     @exclusive
     def warmup(self, compile_helper: bool = False) -> float:
         """Compile (or load from cache) every kernel of prefill and decode; returns seconds.
         With ``compile_helper``, on a first run a second process shares the compiling
-        (:func:`pyimp.warmup.run`)."""
+        (:func:`pyimp.runtime.warmup.run`)."""
         return warmup.run(self, compile_helper)
 
     def generate(self, prompt: str | list, max_tokens: int = 128, sampling: SamplingParams | None = None,
@@ -467,7 +468,7 @@ def load(path: str | os.PathLike | None = None, **options) -> Engine:
     of the same names.
     """
     if path is None:
-        from .default_model import default_model_path
+        from .runtime.default_model import default_model_path
         path = default_model_path()
     sparse_fields = set(SparseOptions.__dataclass_fields__) - {"enabled"}
     sp = {k: options.pop(k) for k in list(options) if k in sparse_fields}

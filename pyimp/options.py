@@ -4,8 +4,8 @@ the device they name (:mod:`pyimp.capabilities`).
 
 A field that is also a command-line flag says so in its metadata (:func:`opt`): the flag, its
 short form, help text, choices, bounds and metavar. ``pyimp-run`` and ``pyimp-dump`` add their
-flags from it (:func:`pyimp.cli_common.add_option_flags`) and build the options back from the
-parsed arguments (:func:`pyimp.cli_common.options_from_args`). The choices are the lists of
+flags from it (:func:`pyimp.cli.common.add_option_flags`) and build the options back from the
+parsed arguments (:func:`pyimp.cli.common.options_from_args`). The choices are the lists of
 :mod:`pyimp.choices`. This module loads neither NumPy nor Numba when imported: ``--help`` reads
 it.
 """
@@ -20,8 +20,8 @@ from .choices import (ANCHOR_TYPES, KV_POLICIES, KV_TYPES, NUMERICS, RETRIEVAL_T
                       AnchorType, RetrievalType)
 
 if TYPE_CHECKING:
-    from .kv_merge import MergeOptions
-    from .kv_policy import PolicyOptions
+    from .kv.merge import MergeOptions
+    from .kv.policy import PolicyOptions
 
 DEVICES = capabilities.DEVICES
 # tokens per KV block; paged caches use 16-128, and the cache is allocated in whole blocks
@@ -227,7 +227,7 @@ class EngineOptions:
                              help="snapkv / pyramidkv observation window (last prompt rows)")
     kv_pool: int = opt(5, flag="--kv-pool", min=1, group="eviction",
                        help="snapkv / pyramidkv pooling kernel (odd)")
-    # the first / last evicting layer's budget (see pyimp.kv_policy)
+    # the first / last evicting layer's budget (see pyimp.kv.policy)
     kv_depth_ratio: float = opt(1.0, flag="--kv-depth-ratio", min=1.0, metavar="R",
                                 group="eviction",
                                 help="streaming / h2o / snapkv: budgets shrink linearly with "
@@ -284,14 +284,14 @@ class EngineOptions:
 
     @property
     def merge(self) -> MergeOptions:
-        """The merge options (:class:`pyimp.kv_merge.MergeOptions`)."""
-        from .kv_merge import MergeOptions          # NumPy: imported when used, not for --help
+        """The merge options (:class:`pyimp.kv.merge.MergeOptions`)."""
+        from .kv.merge import MergeOptions
         return MergeOptions(self.kv_merge, self.kv_merge_bits)
 
     @property
     def policy(self) -> PolicyOptions:
-        """The eviction policy's options (:class:`pyimp.kv_policy.PolicyOptions`)."""
-        from .kv_policy import PolicyOptions        # NumPy: imported when used, not for --help
+        """The eviction policy's options (:class:`pyimp.kv.policy.PolicyOptions`)."""
+        from .kv.policy import PolicyOptions
         return PolicyOptions(self.kv_policy, self.kv_budget, self.keep, self.kv_recent,
                              self.kv_obs_window, self.kv_pool, self.kv_depth_ratio,
                              self.kv_obs_weight, self.kv_neighbours)

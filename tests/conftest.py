@@ -8,7 +8,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 # pytest runs the engine in-process: set what pyimp's own programs set before any kernel runs
-from pyimp.runtime import configure_process  # noqa: E402
+from pyimp.runtime.process import configure_process
 
 configure_process()
 
@@ -18,7 +18,7 @@ configure_process()
 # contents of every source they are built from), so a fresh clone does not compile them all
 # again. A NUMBA_CACHE_DIR of your own wins; the tests that need a cold start make their own.
 if "numba" not in sys.modules:
-    from pyimp.default_model import cache_dir  # noqa: E402
+    from pyimp.runtime.default_model import cache_dir
     os.environ.setdefault("NUMBA_CACHE_DIR", str(cache_dir() / "numba"))
 
 
@@ -27,7 +27,7 @@ def numba_cache_for(setting: str) -> str:
     checks, another target's instruction set): Numba's cache key holds neither the bounds-check
     flag nor all of a target's options, so kernels compiled under one setting must never be
     loaded under another; kept beside the suite's cache, so a second run loads them."""
-    from pyimp.default_model import cache_dir
+    from pyimp.runtime.default_model import cache_dir
     return str(cache_dir() / f"numba-{setting}")
 
 import pytest  # noqa: E402
@@ -51,7 +51,7 @@ def in_ci() -> bool:
 def gemma_path() -> str:
     """The embedded default model (Gemma 3 270M Q4_K_M), written to the cache once."""
     try:
-        from pyimp.default_model import DefaultModelError, default_model_path
+        from pyimp.runtime.default_model import DefaultModelError, default_model_path
         return str(default_model_path())
     except DefaultModelError as e:
         pytest.skip(f"default model unavailable: {e}")
@@ -130,7 +130,7 @@ def peer():
 def prefill_path(path: str):
     """Force the dense prefill onto the flash-style kernel ("kernel") or the tiled BLAS path
     ("tiled") whatever the chunk's size (pyimp.attention.TILED_MIN_KEYS)."""
-    from pyimp import attention
+    from pyimp.attention import attend as attention
     old = attention.TILED_MIN_KEYS
     attention.TILED_MIN_KEYS = 0 if path == "tiled" else 1 << 60
     try:

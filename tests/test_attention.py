@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 from conftest import prefill_path
 
-from pyimp.attention import (attention_decode, attention_prefill, gather_kv)
-from pyimp.kvcache import KVCache
-from pyimp.sparse_policy import SparseOptions, SparseState
+from pyimp.attention.attend import (attention_decode, attention_prefill, gather_kv)
+from pyimp.kv.cache import KVCache
+from pyimp.sparse.policy import SparseOptions, SparseState
 
 DTYPES = [np.float16, np.float32]
 
@@ -236,7 +236,7 @@ def test_softmax_exp_within_two_ulp():
     NaN for NaN."""
     import numba
 
-    from pyimp import attn_kernels as K
+    from pyimp.attention import kernels as K
 
     @numba.njit
     def ev(x):

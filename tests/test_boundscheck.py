@@ -30,7 +30,7 @@ sys.path.insert(0, {root!r})
 from numba.core import config
 assert config.BOUNDSCHECK, "NUMBA_BOUNDSCHECK did not reach Numba"
 from pyimp.engine import Engine, EngineOptions
-from pyimp.sparse_policy import SparseOptions
+from pyimp.sparse.policy import SparseOptions
 kw = dict({kw!r})
 anchor = kw.pop("sparse", None)
 if anchor:

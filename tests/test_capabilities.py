@@ -7,7 +7,7 @@ import pytest
 
 from pyimp.capabilities import CAPABILITIES, DEVICES, devices_with, refusal
 from pyimp.engine import EngineOptions
-from pyimp.sparse_policy import SparseOptions
+from pyimp.sparse.policy import SparseOptions
 
 # option values that need one capability each: (capability, options, the flag the error names)
 ASKS = [

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pyimp.cli import main
+from pyimp.cli.run import main
 from tools.write_synthetic_gguf import SynthSpec, write
 
 
@@ -62,7 +62,7 @@ def test_compile_notice_only_when_the_warmup_is_slow(capsys, tiny, monkeypatch):
 
     import numba
 
-    import pyimp.cli as cli
+    import pyimp.cli.run as cli
     from pyimp.engine import Engine
     fast = Engine.warmup
 
@@ -84,7 +84,7 @@ def test_compile_notice_only_when_the_warmup_is_slow(capsys, tiny, monkeypatch):
 
 def test_help_compiles_nothing():
     r = subprocess.run([sys.executable, "-c",
-                        "import sys; from pyimp.cli import main\n"
+                        "import sys; from pyimp.cli.run import main\n"
                         "try: main(['--help'])\n"
                         "except SystemExit: pass\n"
                         "print('numba' in sys.modules)"], capture_output=True, text=True)
@@ -143,7 +143,7 @@ def test_console_script_runs(tiny):
 
 
 def test_entry_point_sets_the_thread_pool_spin(monkeypatch):
-    from pyimp.runtime import SPIN_COUNT
+    from pyimp.runtime.process import SPIN_COUNT
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     with pytest.raises(SystemExit):
@@ -164,7 +164,7 @@ def test_entry_point_sets_the_thread_pool_spin(monkeypatch):
 def test_entry_point_sets_the_blas_thread_timeout(monkeypatch):
     """pyimp's programs let OpenBLAS's workers sleep right after a call (they would hold a
     core through the next decode step); a timeout the user set is kept."""
-    from pyimp.runtime import BLAS_THREAD_TIMEOUT
+    from pyimp.runtime.process import BLAS_THREAD_TIMEOUT
     for var in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT"):
         monkeypatch.delenv(var, raising=False)
     with pytest.raises(SystemExit):
@@ -312,7 +312,7 @@ def test_invalid_utf8_prompt_under_strict_stdout(tmp_path, tiny):
     f = tmp_path / "p.txt"
     f.write_bytes(b"ab\xff\xfe cd")
     env = dict(os.environ, PYTHONIOENCODING="utf-8:strict")
-    r = subprocess.run([sys.executable, "-m", "pyimp.cli", tiny, "-f", str(f), "-n", "2", "--temp", "0"],
+    r = subprocess.run([sys.executable, "-m", "pyimp.cli.run", tiny, "-f", str(f), "-n", "2", "--temp", "0"],
                        capture_output=True, env=env, cwd=os.path.dirname(os.path.dirname(__file__)))
     assert r.returncode == 0, r.stderr.decode()
     assert r.stdout.startswith(b"ab\xff\xfe cd")        # the prompt's bytes echoed as they came
@@ -321,7 +321,7 @@ def test_invalid_utf8_prompt_under_strict_stdout(tmp_path, tiny):
 def test_first_ctrl_c_makes_the_second_one_final(monkeypatch, capsys):
     import signal
 
-    from pyimp import cli
+    from pyimp.cli import run as cli
 
     def interrupted(args):
         raise KeyboardInterrupt
@@ -403,7 +403,7 @@ def test_numba_settings_that_cannot_run_are_one_error(tiny, var, value, needle):
     form for the kernels' LLVM intrinsics, and a threading layer Numba cannot load; from
     ``import numba`` itself: NUMBA_NUM_THREADS below 1)."""
     env = dict(os.environ, **{var: value})
-    r = subprocess.run([sys.executable, "-m", "pyimp.cli", str(tiny), "-p", "abc", "-n", "2"],
+    r = subprocess.run([sys.executable, "-m", "pyimp.cli.run", str(tiny), "-p", "abc", "-n", "2"],
                        capture_output=True, text=True, env=env, timeout=300,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     _one_line_error(r.returncode, r.stderr, needle)
@@ -413,7 +413,7 @@ def test_numba_settings_that_cannot_run_are_one_error(tiny, var, value, needle):
 def test_prompt_file_beyond_the_limit_is_one_error(capsys, tiny, tmp_path, monkeypatch):
     """-f reads at most MAX_PROMPT_BYTES + 1 bytes: /dev/zero (endless) and a regular file over
     the limit are one line naming the file and the limit, before the model is loaded."""
-    import pyimp.cli_common as cli_common
+    import pyimp.cli.common as cli_common
     monkeypatch.setattr(cli_common, "MAX_PROMPT_BYTES", 1024)
     code, out, err = _run([tiny, "-f", "/dev/zero"], capsys)
     _one_line_error(code, err, "prompt file /dev/zero: more than the 1.0 KiB")
@@ -435,7 +435,7 @@ def test_prompt_file_beyond_the_limit_is_one_error(capsys, tiny, tmp_path, monke
 def test_prompt_file_keeps_its_newlines_translated(tmp_path):
     import argparse
 
-    from pyimp.cli import read_prompt
+    from pyimp.cli.run import read_prompt
     f = tmp_path / "p.txt"
     f.write_bytes(b"a\r\nb\rc\n\xff")
     assert read_prompt(argparse.Namespace(file=str(f), prompt=None)) == "a\nb\nc\n\udcff"
@@ -446,7 +446,7 @@ def test_compile_notice_only_when_something_compiles(capsys, tiny, monkeypatch):
     disk, a busy machine) compiles nothing: no notice."""
     import time
 
-    import pyimp.cli as cli
+    import pyimp.cli.run as cli
     from pyimp.engine import Engine, EngineOptions
     fast = Engine.warmup
     fast(Engine(tiny, EngineOptions(n_ctx=256)))        # every kernel tiny needs is loaded now
@@ -469,7 +469,7 @@ def test_compile_notice_only_when_something_compiles(capsys, tiny, monkeypatch):
     (["--prompt-cache-ro"], "--prompt-cache-ro applies to --prompt-cache"),
 ])
 def test_flags_that_would_be_ignored_are_usage_errors(capsys, tiny, monkeypatch, argv, needle):
-    import pyimp.cli as cli
+    import pyimp.cli.run as cli
     ran = []
     monkeypatch.setattr(cli, "run", lambda args: ran.append(args) or 0)
     with pytest.raises(SystemExit) as ei:
@@ -485,7 +485,7 @@ def test_flags_that_would_be_ignored_are_usage_errors(capsys, tiny, monkeypatch,
     ["--recall-target", "0.9", "--sparse"], ["--prompt-cache-ro", "--prompt-cache", "x.pkv"],
 ])
 def test_flags_that_apply_are_accepted(tiny, monkeypatch, argv):
-    import pyimp.cli as cli
+    import pyimp.cli.run as cli
     ran = []
     monkeypatch.setattr(cli, "run", lambda args: ran.append(args) or 0)
     assert main([tiny, "-p", "x"] + argv) == 0 and len(ran) == 1
@@ -586,7 +586,7 @@ def test_heatmap_without_extension_is_a_png_at_that_path(capsys, tiny, tmp_path)
 
 def test_a_failed_heatmap_still_prints_the_json(capsys, tiny, tmp_path, monkeypatch):
     pytest.importorskip("matplotlib")
-    from pyimp import plotting
+    from pyimp.cli import plotting
 
     def broken(state, path, n_ctx):
         raise RuntimeError("the renderer failed")

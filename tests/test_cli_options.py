@@ -6,8 +6,9 @@ import dataclasses
 
 import pytest
 
-from pyimp import cli, dump
-from pyimp.cli_common import Parser, add_option_flags, flag_dest, option_flags, options_from_args
+from pyimp.cli import run as cli
+from pyimp.trace import dump
+from pyimp.cli.common import Parser, add_option_flags, flag_dest, option_flags, options_from_args
 from pyimp.options import EngineOptions, SparseOptions
 
 # the fields that are not flags (set by the Python API, or by pyimp-run from other flags)

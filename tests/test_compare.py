@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from pyimp import compare, dump
+from pyimp.trace import compare, dump
 from pyimp.engine import Engine, EngineOptions
 from tools.write_synthetic_gguf import SynthSpec, write
 
@@ -171,7 +171,7 @@ def test_bad_inputs_one_line(pyimp_dump, llama, tmp_path, capsys):
 
 
 def test_console_script_module(pyimp_dump):
-    r = subprocess.run([sys.executable, "-m", "pyimp.compare", str(pyimp_dump), str(pyimp_dump),
+    r = subprocess.run([sys.executable, "-m", "pyimp.trace.compare", str(pyimp_dump), str(pyimp_dump),
                         "--diverged-only"], check=False, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "no divergence" in r.stdout
     assert len(r.stdout.splitlines()) < 8              # the header and the summary only

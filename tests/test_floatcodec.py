@@ -1,4 +1,4 @@
-"""pyimp.floatcodec (the state files' pred-f16 codec): bit-exact round trips of any float16
+"""pyimp.kv.floatcodec (the state files' pred-f16 codec): bit-exact round trips of any float16
 bit patterns in any shape, with and without a rotary frame and repeated rows; payloads
 that are cut or corrupted fail through the caller's handler instead of decoding garbage
 or crashing; and the predictions do what they are for on KV-like data."""
@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pyimp import floatcodec as fc
+from pyimp.kv import floatcodec as fc
 
 # special bit patterns: zeros, infinities, NaNs (quiet, signalling, payloads), the
 # smallest and largest subnormals and normals, one, and their negatives
@@ -229,7 +229,7 @@ def _keys(T=512, D=64, seed=0, repeat=False):
 
 
 def test_rotary_frame_and_taps_pay_off_on_keys():
-    from pyimp.statefile import _shuffle
+    from pyimp.kv.statefile import _shuffle
     k, rot = _keys()
     plain = len(zstandard.ZstdCompressor(level=3).compress(_shuffle(k)))
     no_taps = len(round_trip(k, max_taps=0))

@@ -1,4 +1,4 @@
-"""Merging near-duplicate tokens (pyimp.kv_merge): the kernels' per-slot score bias, the
+"""Merging near-duplicate tokens (pyimp.kv.merge): the kernels' per-slot score bias, the
 SimHash plan, and merged caches against the caches they stand for."""
 import dataclasses
 import subprocess
@@ -10,10 +10,10 @@ from hypothesis import given, settings, strategies as st
 
 import pyimp
 from conftest import prefill_path
-from pyimp import kv_merge
-from pyimp.attention import attention_decode, attention_prefill
-from pyimp.kvcache import KVCache
-from pyimp.sparse.sparse_attention import every_block, sparse_attention_decode
+from pyimp.kv import merge as kv_merge
+from pyimp.attention.attend import attention_decode, attention_prefill
+from pyimp.kv.cache import KVCache
+from pyimp.attention.attend import every_block, sparse_attention_decode
 from test_kv_policy import _run, llama  # noqa: F401  (the policy tests' model and runner)
 from tools.write_synthetic_gguf import prompt_ids as _ids
 
@@ -355,7 +355,7 @@ def test_engine_refusals(llama, kw, msg):
 
 
 def test_cli_flag_errors_are_one_line(llama):
-    r = subprocess.run([sys.executable, "-m", "pyimp.cli", llama, "-p", "hi", "-n", "1",
+    r = subprocess.run([sys.executable, "-m", "pyimp.cli.run", llama, "-p", "hi", "-n", "1",
                         "--kv-merge", "2"], capture_output=True, text=True)
     assert r.returncode == 2 and "--kv-merge must be in" in r.stderr
     assert "Traceback" not in r.stderr

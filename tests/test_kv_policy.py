@@ -12,18 +12,11 @@ from hypothesis import strategies as st
 from conftest import count_sparse_steps, prefill_path
 
 import pyimp
-from pyimp import attention
-from pyimp.kv_policy import (
-    PolicyOptions,
-    h2o_keep,
-    pool1d,
-    snapkv_keep,
-    streaming_keep,
-    target_size,
-    window_keep,
-)
-from pyimp.kvcache import KVCache
-from pyimp.statefile import StateFileError
+from pyimp.attention import attend as attention
+from pyimp.kv.policy import (PolicyOptions, h2o_keep, pool1d, snapkv_keep, streaming_keep,
+                             target_size, window_keep)
+from pyimp.kv.cache import KVCache
+from pyimp.kv.statefile import StateFileError
 from tools.write_synthetic_gguf import SynthSpec, write
 from tools.write_synthetic_gguf import prompt_ids as _ids
 
@@ -683,7 +676,7 @@ def test_neighbours_keep_the_tokens_beside_a_heavy_one():
     """One heavy token (a key's first digit) among filler heavy hitters: plain h2o keeps it and
     the filler's; with 2 neighbours the free slots go to the positions within 2 of it first,
     then the next centres (own score first, later slot first)."""
-    from pyimp.kv_policy import h2o_keep
+    from pyimp.kv.policy import h2o_keep
     pos = np.arange(64)
     score = np.zeros(64)
     score[30] = 10.0                            # the attended digit
@@ -705,7 +698,7 @@ def test_neighbours_keep_the_tokens_beside_a_heavy_one():
 
 
 def test_maxpool_neighbours_are_positions_not_slots():
-    from pyimp.kv_policy import maxpool1d
+    from pyimp.kv.policy import maxpool1d
     s = np.array([0.0, 5.0, 0.0, 0.0, 1.0])
     assert maxpool1d(s, 1).tolist() == [5.0, 5.0, 5.0, 1.0, 1.0]
     assert maxpool1d(s, 0).tolist() == s.tolist()
@@ -719,7 +712,7 @@ def test_neighbour_keeping_property(case, budget_extra, radius):
     """maxpool1d equals the brute-force max over held positions within R; every dropped free
     slot ranks no higher than any kept one; a kept free slot whose own score beats every
     dropped slot's pooled score has all its held neighbours (within R positions) kept."""
-    from pyimp.kv_policy import h2o_keep, maxpool1d
+    from pyimp.kv.policy import h2o_keep, maxpool1d
     n, B, sinks, recent, seed = case
     rng = np.random.default_rng(seed)
     budget = sinks + max(recent, B) + budget_extra

@@ -12,9 +12,9 @@ import pyimp
 from pyimp import ops
 from conftest import count_sparse_steps, prefill_path
 
-from pyimp.attention import attention_decode, attention_prefill
-from pyimp.kvcache import QUANT_TYPES, KVCache, QuantizedKV
-from pyimp.sparse.sparse_attention import sparse_attention_decode
+from pyimp.attention.attend import attention_decode, attention_prefill
+from pyimp.kv.cache import QUANT_TYPES, KVCache, QuantizedKV
+from pyimp.attention.attend import sparse_attention_decode
 from tools.write_synthetic_gguf import SynthSpec, write
 from tools.write_synthetic_gguf import prompt_ids as _ids
 
@@ -308,7 +308,7 @@ def test_float_stores_hold_numpys_conversion_at_the_paged_slots(t, n, splits, sc
 def test_kv_write_check_is_the_numpy_bounds(k, v, lim_k, lim_v):
     """KVCache.write's one-pass check (kvcache._within) against its NumPy statement: every
     value strictly inside the store's limit (f16: |x| < 65520, f32: finite), NaN refused."""
-    from pyimp.kvcache import _within
+    from pyimp.kv.cache import _within
     k, v = np.array(k, np.float32), np.array(v, np.float32)
 
     def ok(x, lim):

@@ -78,7 +78,7 @@ def test_decode_qblocks_equals_gguf(qtype, data):
     (the scalar path), is bit-identical to gguf's dequantization, from any block and into any
     output offset; blocks carry random bytes (every quant and fifth-bit pattern) and fp16
     scales / mins of every magnitude and sign."""
-    from pyimp.sparse.importance import fp16_lut
+    from pyimp.attention.importance import fp16_lut
     from pyimp.testing import strategies as S
     raw, n = data.draw(S.quant_rows(qtype.name, max_rows=2, max_blocks=4))
     ref = gq.dequantize(raw, qtype).reshape(-1)

@@ -3,9 +3,8 @@ importance on attended tokens only; attention recall."""
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from pyimp.attention import attention_decode
-from pyimp.sparse.sparse_attention import (block_partial, merge_partials,
-                                           sparse_attention_decode)
+from pyimp.attention.attend import attention_decode
+from pyimp.attention.attend import block_partial, merge_partials, sparse_attention_decode
 
 
 @st.composite

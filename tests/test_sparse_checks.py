@@ -4,11 +4,12 @@ would otherwise give silent garbage)."""
 import numpy as np
 import pytest
 
-from pyimp.attention import attention_decode, attention_prefill
+from pyimp.attention.attend import attention_decode, attention_prefill
 from pyimp.sparse.anchors import AnchorType, compute_anchors
-from pyimp.sparse.importance import decay_importance, importance_update, importance_update_blocks
+from pyimp.attention.importance import (decay_importance, importance_update,
+                                        importance_update_blocks)
 from pyimp.sparse.retrieval import RetrievalType, block_scores, retrieve_blocks, select_blocks, set_scores
-from pyimp.sparse.sparse_attention import sparse_attention_decode
+from pyimp.attention.attend import sparse_attention_decode
 
 Hkv, G, B, D, n = 2, 2, 4, 8, 14
 Hq, NB, n_lb = Hkv * G, 5, 4

@@ -2,9 +2,9 @@
 import numpy as np
 from hypothesis import given, settings, strategies as st
 
-from pyimp.sparse.importance import (FP16_MAX, FP16_STALL, PARALLEL_MIN_WORK, decay_importance,
-                                     encode_fp16, fp16_lut, importance_update,
-                                     importance_update_blocks)
+from pyimp.attention.importance import (FP16_MAX, FP16_STALL, PARALLEL_MIN_WORK, decay_importance,
+                                        encode_fp16, fp16_lut, importance_update,
+                                        importance_update_blocks)
 
 
 def test_fp16_lut_is_exact():

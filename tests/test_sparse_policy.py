@@ -11,11 +11,11 @@ import numpy as np
 import pytest
 
 import pyimp
-import pyimp.sparse_policy as policy
-from pyimp.kvcache import KVCache
+import pyimp.sparse.policy as policy
+from pyimp.kv.cache import KVCache
 from pyimp.sparse import AnchorType, compute_anchors
-from pyimp.sparse.importance import decay_importance
-from pyimp.sparse_policy import SparseOptions, SparseState
+from pyimp.attention.importance import decay_importance
+from pyimp.sparse.policy import SparseOptions, SparseState
 from tools.write_synthetic_gguf import SynthSpec, prompt_ids, write
 
 B = 4            # block length of every engine here
@@ -364,7 +364,7 @@ import pyimp
 eng = pyimp.load({str(model)!r}, n_ctx=64, block_len={B}, sparse=True, topk=1, track=True)
 eng.eval(list(range(3, 30)))
 eng.eval([5])
-from pyimp.plotting import sparse_heatmap
+from pyimp.cli.plotting import sparse_heatmap
 sparse_heatmap(eng.sparse, {str(out)!r}, len(eng.tokens))
 assert matplotlib.get_backend() == "svg", matplotlib.get_backend()
 assert "matplotlib.pyplot" not in sys.modules
@@ -404,7 +404,7 @@ def test_device_path_refuses_cpu_only_selection(kw, flag):
     """The device path selects a fixed top-k by the anchors: a recall target or another
     selection mode there would be silently ignored, so it is refused, naming the flag."""
     from pyimp.engine import EngineOptions
-    from pyimp.sparse_policy import SparseOptions
+    from pyimp.sparse.policy import SparseOptions
     opts = EngineOptions(device="cuda", sparse=SparseOptions(enabled=True, **kw))
     with pytest.raises(ValueError, match=f"{flag} runs on the CPU only"):
         opts.validate()

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 import pyimp
 from conftest import count_sparse_steps
-from pyimp.cli import main
-from pyimp import state as state_mod
-from pyimp.statefile import StateFileError, read_state, write_state
+from pyimp.cli.run import main
+from pyimp.kv import state as state_mod
+from pyimp.kv.statefile import StateFileError, read_state, write_state
 from tools.write_synthetic_gguf import SynthSpec, write
 from tools.write_synthetic_gguf import prompt_ids as _ids
 

@@ -1,4 +1,4 @@
-"""pyimp.statefile: round trips, detection of every truncation and bit flip (in every codec's
+"""pyimp.kv.statefile: round trips, detection of every truncation and bit flip (in every codec's
 payloads), atomic writes, files of the first release's codecs, and the refusals at write
 time."""
 from __future__ import annotations
@@ -15,8 +15,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from pyimp import statefile
-from pyimp.statefile import Rotary, StateFileError, read_header, read_state, write_state
+from pyimp.kv import statefile
+from pyimp.kv.statefile import Rotary, StateFileError, read_header, read_state, write_state
 
 DTYPES = [np.float16, np.float32, np.uint8, np.int8, np.uint16, np.int32, np.int64, np.uint32]
 
@@ -579,7 +579,7 @@ def test_bad_level_is_refused(tmp_path, level):
 _TERM_CHILD = r"""
 import sys, threading, time
 import numpy as np
-from pyimp import statefile
+from pyimp.kv import statefile
 real = statefile._encode
 first = threading.Lock()       # arrays are encoded on several threads: announce only once
 def encode(*args):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from pyimp.tokenize_cli import main
+from pyimp.cli.tokenize import main
 
 
 def test_default_model_and_model_flag(gemma_path, capsys):
@@ -32,7 +32,7 @@ def test_input_beyond_the_limit_is_one_error(gemma_path, capsys, monkeypatch, tm
     is one line naming it and the limit."""
     import io
 
-    import pyimp.cli_common as cli_common
+    import pyimp.cli.common as cli_common
     monkeypatch.setattr(cli_common, "MAX_PROMPT_BYTES", 1024)
     with pytest.raises(SystemExit) as e:
         main([gemma_path, "-f", "/dev/zero", "--ids"])

@@ -512,7 +512,7 @@ def test_spm_reference_merge_matches_sentencepiece(gemma):
 # pyimp-tokenize
 
 def test_cli_output(gemma, gemma_path, capsys):
-    from pyimp.tokenize_cli import main
+    from pyimp.cli.tokenize import main
     assert main([gemma_path, "-p", "Hello world"]) == 0
     assert capsys.readouterr().out == "     2 -> '<bos>'\n  9259 -> 'Hello'\n  1902 -> ' world'\n"
     assert main([gemma_path, "-p", "Hi<start_of_turn>", "--ids", "--parse-special", "--no-bos"]) == 0
@@ -523,7 +523,7 @@ def test_cli_output(gemma, gemma_path, capsys):
 
 
 def test_cli_file_and_bytes(gemma, gemma_path, tmp_path, capsys):
-    from pyimp.tokenize_cli import main
+    from pyimp.cli.tokenize import main
     f = tmp_path / "prompt.txt"
     f.write_bytes("naïve \\n text\n".encode() + b"\xe4\xb8")
     assert main([gemma_path, "-f", str(f), "--ids", "--no-escape"]) == 0
@@ -544,7 +544,7 @@ def test_cli_file_and_bytes(gemma, gemma_path, tmp_path, capsys):
     (["{gemma}", "-p", "x", "-f", "y"], "not allowed with argument"),
 ])
 def test_cli_user_errors(gemma_path, capsys, args, needle):
-    from pyimp.tokenize_cli import main
+    from pyimp.cli.tokenize import main
     args = [a.format(pyproject=os.path.join(ROOT, "pyproject.toml"), gemma=gemma_path) for a in args]
     with pytest.raises(SystemExit) as e:
         main(args)
@@ -554,7 +554,7 @@ def test_cli_user_errors(gemma_path, capsys, args, needle):
 
 
 def test_cli_imports_no_numba(vocab_dir):
-    code = ("import sys; from pyimp.tokenize_cli import main; main([sys.argv[1], '-p', 'hi', '--ids']); "
+    code = ("import sys; from pyimp.cli.tokenize import main; main([sys.argv[1], '-p', 'hi', '--ids']); "
             "assert 'numba' not in sys.modules, 'numba imported'")
     r = subprocess.run([sys.executable, "-c", code, _fixture_path(vocab_dir, "llama-spm")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)

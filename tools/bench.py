@@ -142,8 +142,8 @@ def worker(engine: str, model: str, ctx: int, n_decode: int, threads: int, numer
     extra = {}
     if engine == "pyimp":
         from pyimp.engine import Engine, EngineOptions
-        from pyimp.warmup import numba_cache_has_kernels
-        from pyimp.sparse_policy import SparseOptions
+        from pyimp.runtime.warmup import numba_cache_has_kernels
+        from pyimp.sparse.policy import SparseOptions
         # a run that compiles its kernels (in warmup, before the timings) is no warm run all the
         # same: LLVM's memory counts in its peak RSS, about 200 MB for Gemma
         extra["compiled"] = numba_cache_has_kernels() is False
@@ -200,8 +200,8 @@ def _thread_env(threads: int) -> dict:
 
 
 def _pyimp_env(threads: int) -> dict:
-    """:func:`_thread_env` with pyimp's thread-pool defaults (pyimp.runtime)."""
-    from pyimp.runtime import configure_process
+    """:func:`_thread_env` with pyimp's thread-pool defaults (pyimp.runtime.process)."""
+    from pyimp.runtime.process import configure_process
     env = _thread_env(threads)
     configure_process(env)
     return env
@@ -226,7 +226,7 @@ def _spawn(engine, model, ctx, n_decode, threads, numerics, sparse_budget=0.0, s
 
 def tinyllama_path(n_ctx: int = 2048) -> str:
     """The synthetic TinyLlama-1.1B-shaped Q4_0 model (written into the cache once)."""
-    from pyimp.default_model import cache_dir
+    from pyimp.runtime.default_model import cache_dir
     from tools.write_synthetic_gguf import PRESETS, SynthSpec, write
     suffix = "" if n_ctx == 2048 else f"-ctx{n_ctx}"
     p = cache_dir() / f"synthetic-tinyllama-1.1b-q4_0{suffix}.gguf"
@@ -355,7 +355,7 @@ _RUN_CLI = ("import atexit, runpy, sys\n"
             "from tools.bench import peak_rss_mb\n"
             "atexit.register(lambda: print(f'PEAK_RSS_MB {peak_rss_mb()}', file=sys.stderr))\n"
             "sys.argv = ['pyimp-run'] + sys.argv[1:]\n"
-            "runpy.run_module('pyimp.cli', run_name='__main__')\n")
+            "runpy.run_module('pyimp.cli.run', run_name='__main__')\n")
 
 
 def startup(model: str, threads: int, cold: bool) -> tuple[float, float]:
@@ -556,7 +556,7 @@ def main(argv=None) -> int:
         return 0
     import tempfile
 
-    from pyimp.default_model import default_model_path
+    from pyimp.runtime.default_model import default_model_path
     paths = {"gemma": str(default_model_path())}
     if "tinyllama" in a.models:
         paths["tinyllama"] = tinyllama_path()

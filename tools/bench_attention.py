@@ -59,8 +59,8 @@ def main(argv=None) -> None:
 
     import numba
 
-    from pyimp.attention import attention_decode, sparse_attention_decode
-    from pyimp.importance import fp16_lut
+    from pyimp.attention.attend import attention_decode, sparse_attention_decode
+    from pyimp.attention.importance import fp16_lut
     from pyimp.sparse.anchors import AnchorType, block_spans, compute_anchors
     from pyimp.sparse.retrieval import RetrievalType, retrieve_blocks
 
@@ -126,6 +126,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from pyimp.runtime import configure_process
+    from pyimp.runtime.process import configure_process
     configure_process()   # before the first parallel kernel starts OpenMP
     main()

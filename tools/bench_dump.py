@@ -35,7 +35,7 @@ def dumped(engine, ids, steps: int, path: str) -> tuple[float, float, int]:
 
 
 def main(argv=None) -> int:
-    from pyimp.runtime import configure_process
+    from pyimp.runtime.process import configure_process
     configure_process()
     from pyimp.engine import Engine, EngineOptions
 
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     p.add_argument("--numerics", choices=("fp32", "ggml"), default="fp32")
     args = p.parse_args(argv)
     if args.model is None:
-        from pyimp.default_model import default_model_path
+        from pyimp.runtime.default_model import default_model_path
         args.model = str(default_model_path())
     eng = Engine(args.model, EngineOptions(n_ctx=256, numerics=args.numerics))
     eng.warmup()

@@ -14,7 +14,7 @@ an empty Numba cache, then first call in a fresh process that loads the cache.
     python -m tools.bench_kernels [--model PATH] [--threads 2] [--reps 15]
 
 ``--model`` defaults to the default model (Gemma 3 270M Q4_K_M, written into the
-cache by ``pyimp.default_model``). A model that cannot be read is an error, not a
+cache by ``pyimp.runtime.default_model``). A model that cannot be read is an error, not a
 silently shorter table; ``--no-real`` times the synthetic matrices only. Types the
 model holds no matrix of are listed as synthetic-only.
 """
@@ -39,7 +39,7 @@ def resolve_model(path: str | None) -> str:
     """The GGUF to time: ``path``, else the default model. SystemExit with one line when
     it is missing or cannot be provided."""
     if path is None:
-        from pyimp.default_model import DefaultModelError, default_model_path
+        from pyimp.runtime.default_model import DefaultModelError, default_model_path
         try:
             return str(default_model_path())
         except DefaultModelError as e:
@@ -292,6 +292,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from pyimp.runtime import configure_process
+    from pyimp.runtime.process import configure_process
     configure_process()   # before the first parallel kernel starts OpenMP (workers inherit it)
     raise SystemExit(main())

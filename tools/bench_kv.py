@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from pyimp.runtime import configure_process
+from pyimp.runtime.process import configure_process
 
 # (label, pyimp options, llama.cpp (type_k, type_v, rotation) or None). llama.cpp rotates
 # quantized K/V by a Hadamard transform by default (head dims that are a multiple of 64): K
@@ -179,7 +179,7 @@ def main(argv=None) -> int:
     configs = [c for c in CONFIGS if c[0] not in skip]
 
     import pyimp
-    from pyimp.default_model import default_model_path
+    from pyimp.runtime.default_model import default_model_path
     from tools.bench import cpu_model, read_bandwidth
     model = str(default_model_path())
     tok_engine = pyimp.load(None, n_ctx=64)

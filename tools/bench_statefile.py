@@ -20,7 +20,7 @@ bytes, and encoding / decoding speed in MB/s of raw bytes over all its arrays (b
 ``--reps``; one thread). Candidates: plain zstd; byte-plane shuffle + zstd (the state
 file's codec 2); ``delta`` and ``xor`` + shuffle + zstd (each value against the same
 channel's previous row: the difference of the float bit patterns mapped to ordered
-integers, or their XOR); ``pred-f16`` (:mod:`pyimp.floatcodec`, the state file's codec 3)
+integers, or their XOR); ``pred-f16`` (:mod:`pyimp.kv.floatcodec`, the state file's codec 3)
 without and with the keys' RoPE frame (``+rope``); and, where installed, blosc2
 (SHUFFLE / BITSHUFFLE / SHUFFLE+BYTEDELTA filters with ZSTD, one thread) and, for uint8
 planes, an order-0 ANS coder (``constriction``) whose model is the plane's own byte
@@ -60,8 +60,8 @@ def _prefill(kv_type: str, n_tokens: int) -> dict[str, np.ndarray]:
     """The sections of the state of the default model after a prefill of ``n_tokens`` of
     pydoc text, and per layer the keys' RoPE frame (``theta.<il>``, ``pairs.<il>``)."""
     import pyimp
-    from pyimp import state
-    from pyimp.statefile import read_state
+    from pyimp.kv import state
+    from pyimp.kv.statefile import read_state
     from tools.eval_sparse import pydoc_text
     eng = pyimp.load(None, n_ctx=n_tokens + 64, kv_type=kv_type, track=True)
     toks = [eng.cfg.bos_id] + eng.tokenize(pydoc_text(), add_bos=False)[:n_tokens - 1]
@@ -124,7 +124,7 @@ class Kind:
 
 def data_kinds(arrays: dict[str, np.ndarray]) -> list[Kind]:
     """Every data kind benchmarked."""
-    from pyimp.floatcodec import Rotary
+    from pyimp.kv.floatcodec import Rotary
     L = int(arrays["n_layer"])
     frames = []
     for il in range(L):
@@ -245,7 +245,7 @@ def zstd_codecs(levels: list[int]) -> list[Codec]:
 
 
 def pred_codecs() -> list[Codec]:
-    from pyimp import floatcodec
+    from pyimp.kv import floatcodec
 
     def dec(s: bytes, like: np.ndarray) -> np.ndarray:
         def fail(reason):
@@ -306,7 +306,7 @@ def all_codecs(zstd_levels: list[int], blosc_levels: list[int]) -> list[Codec]:
     codecs = [Codec("raw", lambda a, f: a.tobytes(),
                     lambda s, like: np.frombuffer(s, like.dtype).reshape(like.shape).copy())]
     for make, args, lib in ((zstd_codecs, (zstd_levels,), "zstandard"),
-                            (pred_codecs, (), "pyimp.floatcodec"),
+                            (pred_codecs, (), "pyimp.kv.floatcodec"),
                             (blosc2_codecs, (blosc_levels,), "blosc2"),
                             (ans_codec, (), "constriction")):
         try:
@@ -355,8 +355,8 @@ def measure(kind: Kind, codec: Codec, reps: int) -> tuple[float, float, float] |
 def end_to_end(arrays: dict[str, np.ndarray], reps: int) -> None:
     """write_state / read_state of the f16 state of a dense engine (tokens, positions, K,
     V) as Engine.save_state writes it."""
-    from pyimp.floatcodec import Rotary
-    from pyimp.statefile import read_state, write_state
+    from pyimp.kv.floatcodec import Rotary
+    from pyimp.kv.statefile import read_state, write_state
     L = int(arrays["n_layer"])
     keep = ("tokens", "pos.", "k.", "v.")          # a dense engine's state (no importance)
     named = {k: v for k, v in arrays.items() if k.startswith(keep)}
@@ -399,7 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-end-to-end", action="store_true", help="skip the write/read_state row")
     args = p.parse_args(argv)
 
-    from pyimp.runtime import configure_process
+    from pyimp.runtime.process import configure_process
     configure_process()
     arrays = load_arrays(args.data, args.save_data, args.tokens)
     codecs = all_codecs([int(x) for x in args.zstd_levels.split(",")],

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.model:
         runs.append((os.path.basename(a.model), a.model))
     else:
-        from pyimp.default_model import default_model_path
+        from pyimp.runtime.default_model import default_model_path
         runs.append(("gemma-3-270m", str(default_model_path())))
     if a.bpe:
         from tools.fetch_vocab_fixtures import fixtures_dir

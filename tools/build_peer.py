@@ -111,7 +111,7 @@ def target_flags(name: str) -> set[str]:
 
 def target_dir(name: str) -> Path:
     """Where ``--target NAME`` installs its build: a folder to put first on PYTHONPATH."""
-    from pyimp.default_model import cache_dir
+    from pyimp.runtime.default_model import cache_dir
     return cache_dir() / f"peer-{name}"
 
 
@@ -137,7 +137,7 @@ def installed_stamp(into: Path | None = None) -> dict | None:
 def wheel_dir(args: str) -> Path:
     """The folder under pyimp's cache that holds the wheel built with CMAKE_ARGS ``args``: one
     folder per version and flags, so a wheel is reused only for the build it came from."""
-    from pyimp.default_model import cache_dir
+    from pyimp.runtime.default_model import cache_dir
     key = hashlib.sha256(f"{VERSION} {args}".encode()).hexdigest()[:16]
     return cache_dir() / "peer-wheels" / f"{VERSION}-{key}"
 

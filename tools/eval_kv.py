@@ -35,7 +35,7 @@ share of the baseline's (each prompt's own: the passkeys' lengths differ; no evi
 f >= q). ``+rot`` rotates K and V (``--kv-rotate``) before they are quantized.
 
 A policy name may carry options: ``+mergeCOS`` merges near-duplicate tokens at that cosine
-(``--kv-merge``, :mod:`pyimp.kv_merge`) before the policy evicts (``full+merge0.9`` merges
+(``--kv-merge``, :mod:`pyimp.kv.merge`) before the policy evicts (``full+merge0.9`` merges
 only: one task, its memory is what the merge leaves); ``+depthR`` shrinks the budget with
 depth over the layers that evict (``--kv-depth-ratio``); ``+recentN`` sets h2o's and
 streaming's recent window (``--kv-recent``); ``+obsW`` adds h2o's observation-window term
@@ -144,7 +144,7 @@ def parse_policy(name: str) -> tuple[str, dict]:
 def parse_kv(spec: str) -> tuple[str, str, bool]:
     """A KV cache spec of the grid: ``"f16"``, ``"q8_0"`` (K and V), ``"q8_0/q4_0"`` (K / V),
     with ``+rot`` for the Hadamard rotation (--kv-rotate) -> (type_k, type_v, rotate)."""
-    from pyimp.kvcache import FLOAT_TYPES, QUANT_TYPES
+    from pyimp.kv.cache import FLOAT_TYPES, QUANT_TYPES
     body, sep, rot = spec.partition("+")
     if sep and rot != "rot":
         raise ValueError(f"kv type {spec!r}: the only suffix is +rot (the Hadamard rotation)")
@@ -363,7 +363,7 @@ def budget_floor(policy: str, obs_window: int, keep: int = 4, block_len: int = 3
     """The smallest per-layer budget ``policy`` accepts (:meth:`PolicyOptions.min_budget`:
     every layer's budget must exceed the sinks plus the larger of its recent window and a
     block), plus two tokens of margin."""
-    from pyimp.kv_policy import PolicyOptions
+    from pyimp.kv.policy import PolicyOptions
     base, opts = parse_policy(policy)
     o = PolicyOptions(base, budget=1, keep=keep, recent=opts.get("kv_recent", 0),
                       obs_window=obs_window, depth_ratio=opts.get("kv_depth_ratio", 1.0))
@@ -719,7 +719,7 @@ def main(argv=None) -> int:
         return 2
     from dask.distributed import Client, LocalCluster
 
-    from pyimp.default_model import default_model_path
+    from pyimp.runtime.default_model import default_model_path
     model = os.path.abspath(args.model or default_model_path())
     os.makedirs(args.out, exist_ok=True)
     workdir = os.path.abspath(args.workdir or os.path.join(args.out, "work"))

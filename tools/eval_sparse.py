@@ -189,7 +189,7 @@ class PrefixRunner:
 
     def warmup(self) -> float:
         """Compile dense and sparse kernels (empty cache needed); returns seconds."""
-        from pyimp.sparse_policy import SparseOptions, SparseState
+        from pyimp.sparse.policy import SparseOptions, SparseState
         t0 = time.perf_counter()
         eng = self.engine
         eng.warmup()
@@ -198,7 +198,7 @@ class PrefixRunner:
 
     def prefill(self, ids: Sequence[int]) -> np.ndarray:
         """Reset, prefill ``ids`` with dense attention; returns float32[1, V] last-token logits."""
-        from pyimp.sparse_policy import SparseOptions, SparseState
+        from pyimp.sparse.policy import SparseOptions, SparseState
         eng = self.engine
         eng.reset()
         eng.policy = None        # no sliding-window trim: each config rewinds to the prefix
@@ -212,7 +212,7 @@ class PrefixRunner:
 
     def use(self, config: SparseConfig | None) -> None:
         """Rewind to the prefix and switch to ``config`` (None = dense)."""
-        from pyimp.sparse_policy import SparseOptions, SparseState
+        from pyimp.sparse.policy import SparseOptions, SparseState
         eng = self.engine
         eng.cache.truncate(self.n_prefix)
         del eng.tokens[self.n_prefix:]
@@ -692,7 +692,7 @@ def main(argv=None) -> int:
     if a.model:
         path = a.model
     else:
-        from pyimp.default_model import default_model_path
+        from pyimp.runtime.default_model import default_model_path
         path = str(default_model_path())
 
     n_ctx = a.ctx + a.steps
@@ -746,6 +746,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from pyimp.runtime import configure_process
+    from pyimp.runtime.process import configure_process
     configure_process()   # before the first parallel kernel starts OpenMP
     sys.exit(main())

@@ -1,10 +1,10 @@
 """Write the embedded default model (Gemma 3 270M Q4_K_M) into the cache and print its path.
 
-The same as the ``pyimp-fetch-model`` console script (pyimp/fetch_model.py).
+The same as the ``pyimp-fetch-model`` console script (pyimp/cli/fetch_model.py).
 """
 import sys
 
-from pyimp.fetch_model import main
+from pyimp.cli.fetch_model import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,7 +34,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from pyimp.default_model import cache_dir
+from pyimp.runtime.default_model import cache_dir
 
 PACKAGE = "llama-cpp-python"
 VERSION = "0.3.36"

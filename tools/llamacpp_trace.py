@@ -8,7 +8,7 @@ ggml's ne). For debugging numerics against pyimp's forward pass.
     t = trace("model.gguf", [1, 2, 3], names=("Qcur-0", "kqv_out-0"))
 
 As a program it writes a greedy run (prefill + N decode steps) as a tensor dump in
-pyimp-dump's format and names (:mod:`pyimp.dump`), for ``pyimp-compare``; flash attention off,
+pyimp-dump's format and names (:mod:`pyimp.trace.dump`), for ``pyimp-compare``; flash attention off,
 the prefill one ubatch::
 
     python -m tools.llamacpp_trace MODEL -p PROMPT --steps N -o OUT.gguf [--follow PYIMP_DUMP]
@@ -120,7 +120,7 @@ def trace_run(path: str, tokens, steps: int = 0, follow=None, kv_type: str = "f3
     """Greedy run of ``tokens`` through llama.cpp: the prefill as one ubatch, then ``steps``
     decode steps, each fed the argmax of the previous logits or, with ``follow`` (one id per
     step), that id. Returns ({dump name: float32 array}, the ids fed per step): dump names as
-    :mod:`pyimp.dump` (``Qcur-0#2@1``), in emission order; ``keep(name)`` filters."""
+    :mod:`pyimp.trace.dump` (``Qcur-0#2@1``), in emission order; ``keep(name)`` filters."""
     import llama_cpp as L
 
     from tools.llamacpp_peer import _KV, _quiet
@@ -188,7 +188,7 @@ def trace_run(path: str, tokens, steps: int = 0, follow=None, kv_type: str = "f3
 
 def _steps_ordered(out: dict) -> dict:
     """inp_tokens@s first in its step, everything else as emitted."""
-    from pyimp.dump import split_name
+    from pyimp.trace.dump import split_name
     steps: dict = {}
     for name, arr in out.items():
         steps.setdefault(split_name(name)[3], []).append((name, arr))
@@ -230,7 +230,7 @@ def _error(msg: str) -> int:
 
 
 def main(argv=None) -> int:
-    from pyimp.cli_common import Parser, int_at_least
+    from pyimp.cli.common import Parser, int_at_least
     p = Parser(prog="python -m tools.llamacpp_trace",
                 description="Write llama.cpp's named intermediate tensors of a greedy run as a "
                             "pyimp tensor dump (GGUF; compare with pyimp-compare).")
@@ -249,8 +249,8 @@ def main(argv=None) -> int:
     p.add_argument("-t", "--threads", type=int_at_least(1, "--threads"), default=2)
     args = p.parse_args(argv)
 
-    from pyimp import dump
-    from pyimp.cli_common import read_prompt
+    from pyimp.trace import dump
+    from pyimp.cli.common import read_prompt
     try:
         import llama_cpp  # noqa: F401
     except ImportError:

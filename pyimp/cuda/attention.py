@@ -1,4 +1,4 @@
-"""CUDA twins of :mod:`pyimp.attn_kernels`: paged decode and prefill attention over the ggml
+"""CUDA twins of :mod:`pyimp.attention.kernels`: paged decode and prefill attention over the ggml
 layout, block-sparse decode over a selection, and the importance updates they feed.
 
 Operands are device arrays in the CPU layouts (docs/kvcache.md section 2): ``kc`` ``[Hkv][NB][B*D]``

@@ -3,7 +3,7 @@
 
 **Formats.** ``"float"`` (f16 or f32 arrays ``[Hkv][NB][B*D]``; the array's dtype types the
 kernel) and the ggml block types ``q8_0``, ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1`` stored exactly
-as the host cache stores them (:mod:`pyimp.kvcache`): ``data`` uint8 ``[Hkv][NB][bytes]``, token
+as the host cache stores them (:mod:`pyimp.kv.cache`): ``data`` uint8 ``[Hkv][NB][bytes]``, token
 t's D values along head_dim at bytes ``[t*RB, (t+1)*RB)`` of its block's row (``RB = D/32 *
 block bytes``; K, and V in the ``"token"`` layout, the only V layout on the device), plus the
 float32 *tail* ``[Hkv][B*D]`` holding the block being filled (K token-major ``t*D + d``, V
@@ -43,7 +43,7 @@ from numba.core.types import float16
 
 from loaders.quantize import BLOCK_BYTES, CODES
 
-from ..kvcache import QUANT_TYPES, QuantizedKV
+from ..kv.cache import QUANT_TYPES, QuantizedKV
 from . import device
 from .ops import mul_rn
 
@@ -54,14 +54,14 @@ _1 = np.float32(1.0)
 _HALF = np.float32(0.5)
 _127 = np.float32(127.0)
 _NAN = np.float32(np.nan)
-# the host cache refuses |x| >= 65520 for the types with fp16 scales (pyimp.kvcache._FINITE_LIMIT)
+# the host cache refuses |x| >= 65520 for the types with fp16 scales (pyimp.kv.cache._FINITE_LIMIT)
 _LIMIT = np.float32(65520.0)
 
 
 # ---------------------------------------------------------------- the quantized operand
 
 class DeviceQuantizedKV:
-    """One layer's quantized K or V on the device (the twin of :class:`pyimp.kvcache.QuantizedKV`).
+    """One layer's quantized K or V on the device (the twin of :class:`pyimp.kv.cache.QuantizedKV`).
 
     ``data`` uint8 ``[Hkv][NB][bytes]`` and ``tail`` float32 ``[Hkv][B*D]`` are device arrays,
     ``tail_block`` the physical block the tail stands for (-1: none). ``shape`` is the float
@@ -90,7 +90,7 @@ class DeviceQuantizedKV:
                    q.tail_block, q.head_dim, q.block_len)
 
     def host(self) -> QuantizedKV:
-        """A host copy (:class:`pyimp.kvcache.QuantizedKV`: dequantization, the references)."""
+        """A host copy (:class:`pyimp.kv.cache.QuantizedKV`: dequantization, the references)."""
         return QuantizedKV(self.side, self.kv_type, device.to_host(self.data),
                            device.to_host(self.tail), self.tail_block, self.head_dim,
                            self.block_len, True)

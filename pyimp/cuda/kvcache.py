@@ -1,6 +1,6 @@
 """The paged KV cache on the device: :class:`DeviceKVCache`.
 
-Same geometry and bookkeeping as :class:`pyimp.kvcache.KVCache` (block table, sequence
+Same geometry and bookkeeping as :class:`pyimp.kv.cache.KVCache` (block table, sequence
 lengths, slot positions, the block pool, checkpoints and truncation are the host class's own
 code, kept on the host); only the K/V storage lives on the device, in the same layout and under
 the same names: ``k_cache_fp16_`` / ``v_cache_fp16_`` for f16, ``k_cache_f32_`` /
@@ -40,7 +40,7 @@ from numba import cuda, float32
 
 from loaders.quantize import BLOCK_BYTES, CODES
 
-from ..kvcache import QUANT_TYPES, KVCache, as_float
+from ..kv.cache import QUANT_TYPES, KVCache, as_float
 from . import device
 from .kvblocks import DeviceQuantizedKV, quantize_block, readers
 
@@ -250,7 +250,7 @@ class DeviceKVCache(KVCache):
         return self.layer("v", layer, seq)
 
     def host_layer(self, side: str, layer: int, seq: int = 0):
-        """A host copy of a layer's side: a float array, or a :class:`pyimp.kvcache.QuantizedKV`."""
+        """A host copy of a layer's side: a float array, or a :class:`pyimp.kv.cache.QuantizedKV`."""
         c = self.layer(side, layer, seq)
         return c.host() if isinstance(c, DeviceQuantizedKV) else device.to_host(c)
 

@@ -723,7 +723,7 @@ def retrieve_blocks(q, anchor, block_table, n_ctx: int, block_len: int, n_kv_hea
 
 def decay_importance(importance, block_table, n_ctx: int, decay) -> None:
     """Scale every valid entry by ``decay`` (``new = decay*old``), in place (twin of
-    :func:`pyimp.importance.decay_importance`): importance float16 ``[NB][B][Hq]``,
+    :func:`pyimp.attention.importance.decay_importance`): importance float16 ``[NB][B][Hq]``,
     block_table int32, the first ``n_ctx`` tokens. decay == 1 touches nothing."""
     NB, B, Hq = _arr("importance", importance, (np.float16,), 3, "[NB][B][Hq]")
     if not 0.0 < float(decay) <= 1.0:

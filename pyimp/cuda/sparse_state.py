@@ -1,6 +1,6 @@
 """The sparse path's state on the device: :class:`DeviceSparseState`.
 
-The decisions are :class:`pyimp.sparse_policy.SparseState`'s own (which layers run sparse,
+The decisions are :class:`pyimp.sparse.policy.SparseState`'s own (which layers run sparse,
 lead layers, ``token_step`` reuse, when anchors are stale); only the buffers and the kernels
 move to the device:
 
@@ -22,7 +22,7 @@ from numba import cuda
 
 from ..sparse import AnchorType
 from ..sparse.anchors import group_shared
-from ..sparse_policy import AnchorBuffer, SparseState
+from ..sparse.policy import AnchorBuffer, SparseState
 from . import attention, device
 from . import sparse as dsparse
 
@@ -210,7 +210,7 @@ class DeviceSparseState(SparseState):
     def decode_attention(self, il: int, q, n_ctx: int, scale: float, window: int, out,
                          sparse: bool | None = None) -> None:
         """Attention of the device query q ``[1, Hq, D]`` of layer il into out ``[1, Hq, D]``;
-        ``sparse`` as :meth:`pyimp.sparse_policy.SparseState.decode_attention`."""
+        ``sparse`` as :meth:`pyimp.sparse.policy.SparseState.decode_attention`."""
         o, c = self.opts, self.cache
         kc, vc, bt = c.k_layer(il), c.v_layer(il), c.bt_dev
         imp = self.importance_dev[il]

@@ -41,8 +41,9 @@ from __future__ import annotations
 import numpy as np
 
 from loaders import jit
-from pyimp import attn_kernels, checks
-from pyimp.attn_kernels import f32_to_half_bits, half_bits_to_f32, load_f32
+from pyimp.attention import kernels as attn_kernels, checks
+from loaders.half import f32_to_half_bits, half_bits_to_f32
+from pyimp.attention.kernels import load_f32
 from pyimp.choices import AnchorType
 
 jit.kernel_module(__file__, attn_kernels)
@@ -226,7 +227,7 @@ def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_vali
     """(Re)compute the anchors of the given physical blocks, in place.
 
     k_cache: float16/float32 [Hkv][NB][B*D] or a quantized K layer
-    (:class:`pyimp.kvcache.QuantizedKV`: anchors come from the dequantized keys); blocks: int [n] physical ids
+    (:class:`pyimp.kv.cache.QuantizedKV`: anchors come from the dequantized keys); blocks: int [n] physical ids
     (distinct); n_valid: int [n] valid tokens of each block (0..B);
     anchor: float16 [NB][A][Ha][D], rows ``blocks`` written, ``Ha`` = Hq or (shared
     types) Hkv, see the module docstring; importance: float16 [NB][B][Hq], required
@@ -235,7 +236,7 @@ def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_vali
     """
     if backend not in ("numba", "numpy"):
         raise ValueError(f"backend must be 'numba' or 'numpy', got {backend!r}")
-    from pyimp.kvcache import QuantizedKV
+    from pyimp.kv.cache import QuantizedKV
     quantized = isinstance(k_cache, QuantizedKV)
     if not quantized:
         checks.array("k_cache", k_cache, checks.KV_DTYPES, 3, layout="[Hkv][NB][B*D]")

@@ -46,11 +46,12 @@ import numpy as np
 from numba import prange
 
 from loaders import jit
-from pyimp import attn_kernels, checks
-from pyimp.attn_kernels import FM as _FM, lane_dot, lane_sum, load_f32, prefetch
+from pyimp.attention import kernels as attn_kernels, checks
+from loaders.half import lane_dot, lane_sum
+from pyimp.attention.kernels import FM as _FM, load_f32, prefetch
 from pyimp.choices import RetrievalType
 from pyimp.sparse.anchors import AnchorType, anchor_slots, group_shared
-from pyimp.importance import fp16_lut
+from pyimp.attention.importance import fp16_lut
 
 jit.kernel_module(__file__, attn_kernels)
 

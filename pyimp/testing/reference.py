@@ -24,8 +24,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from loaders import quants_k, quants_legacy
-from pyimp.attention import attention_decode_ref, attention_prefill_ref, sparse_attention_decode_ref
-from pyimp.importance import importance_update_blocks_ref, importance_update_ref
+from pyimp.attention.attend import attention_decode_ref, attention_prefill_ref, sparse_attention_decode_ref
+from pyimp.attention.importance import importance_update_blocks_ref, importance_update_ref
 from pyimp.sparse.anchors import AnchorType
 from pyimp.sparse.anchors import compute_anchors as _compute_anchors
 from pyimp.sparse.retrieval import RetrievalType, block_scores_ref, select_blocks_ref

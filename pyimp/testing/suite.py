@@ -237,7 +237,7 @@ def _attention_tol(q, k_cache, v_cache, bt, n, scale, D):
     (exp, the running max rescale and the sum), and every score error delta moves each
     probability by at most 2 delta relatively; the output is a convex combination of values,
     so its error is at most max|V| times the probability error."""
-    from pyimp.attention import gather_kv
+    from pyimp.attention.attend import gather_kv
     K, V = gather_kv(k_cache.astype(np.float32), v_cache.astype(np.float32), bt, n, D)
     ds = _scores_bound(q.reshape(-1, D), K.reshape(-1, D), scale, D)
     p_err = (n + 16) * 2 * U32 + 2 * ds

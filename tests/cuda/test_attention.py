@@ -7,10 +7,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pyimp.attention import attention_decode_ref, attention_prefill_ref
+from pyimp.attention.attend import attention_decode_ref, attention_prefill_ref
 from pyimp.cuda import attention as CA
 from pyimp.cuda import device
-from pyimp.sparse.sparse_attention import add_block_mass, sparse_attention_decode_ref
+from pyimp.attention.attend import add_block_mass, sparse_attention_decode_ref
 
 # f32 sums over at most a few hundred terms in another order than NumPy's, exp of the GPU
 # (or the simulator's NumPy) against NumPy's: outputs agree to ~1e-6 relative; 2e-5 absolute on

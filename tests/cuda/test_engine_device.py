@@ -157,7 +157,7 @@ def _device_run(path, ids, steps, **kw):
 @pytest.fixture
 def selections(monkeypatch):
     """Every sparse step's selection, per engine run: (layer, n_ctx, each set's blocks)."""
-    from pyimp.sparse_policy import DecodeStats
+    from pyimp.sparse.policy import DecodeStats
     seen = []
     add = DecodeStats.add
 

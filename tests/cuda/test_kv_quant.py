@@ -4,7 +4,7 @@ does, and every attention / anchor kernel over quantized layers matches the NumP
 its CPU twin is tested against.
 
 Quantized K needs a head dim that is a multiple of 32: D = 32 here (the smallest), B = 4,
-a few blocks. Host layers come from :class:`pyimp.kvcache.KVCache` (written in chunks so the
+a few blocks. Host layers come from :class:`pyimp.kv.cache.KVCache` (written in chunks so the
 last block sits in the float tail) and are uploaded with ``DeviceQuantizedKV.from_host``.
 """
 import numpy as np
@@ -14,15 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from loaders.quantize import quantize_rows
-from pyimp.attention import attention_decode_ref, attention_prefill_ref
+from pyimp.attention.attend import attention_decode_ref, attention_prefill_ref
 from pyimp.cuda import attention as CA
 from pyimp.cuda import device, kvblocks
 from pyimp.cuda import sparse as cs
 from pyimp.cuda.kvcache import DeviceKVCache
-from pyimp.kvcache import QUANT_TYPES, KVCache, QuantizedKV, as_float
+from pyimp.kv.cache import QUANT_TYPES, KVCache, QuantizedKV, as_float
 from pyimp.sparse import AnchorType, compute_anchors
 from pyimp.sparse.anchors import group_shared
-from pyimp.sparse.sparse_attention import add_block_mass, sparse_attention_decode_ref
+from pyimp.attention.attend import add_block_mass, sparse_attention_decode_ref
 
 QTYPES = sorted(QUANT_TYPES)
 D, B = 32, 4

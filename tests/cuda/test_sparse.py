@@ -14,7 +14,8 @@ from numba import cuda
 
 from pyimp.cuda import device
 from pyimp.cuda import sparse as cs
-from pyimp.sparse import AnchorType, RetrievalType, compute_anchors, decay_importance
+from pyimp.attention.importance import decay_importance
+from pyimp.sparse import AnchorType, RetrievalType, compute_anchors
 from pyimp.sparse.anchors import _round_down_f16, _round_up_f16, group_shared
 from pyimp.sparse.retrieval import (
     n_candidates,

@@ -12,8 +12,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from loaders import quants
-from pyimp import attention as _att
-from pyimp import importance as _imp
+from pyimp.attention import attend as _att
+from pyimp.attention import importance as _imp
 from pyimp.sparse import anchors as _anc
 from pyimp.sparse import retrieval as _ret
 

@@ -14,7 +14,7 @@ PROG = "pyimp-fetch-model"
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     p.parse_args(argv)
-    from .default_model import DefaultModelError, default_model_path
+    from ..runtime.default_model import DefaultModelError, default_model_path
     try:
         path = default_model_path()
     except DefaultModelError as e:

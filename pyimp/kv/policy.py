@@ -1,7 +1,7 @@
 """KV eviction policies: which cached tokens each layer keeps (``--kv-policy``).
 
 After every forward the engine asks :class:`KVPolicy` which slots each layer keeps and
-compacts the layer (:meth:`pyimp.kvcache.KVCache.compact`: the kept slots move to the
+compacts the layer (:meth:`pyimp.kv.cache.KVCache.compact`: the kept slots move to the
 front in order, emptied blocks return to the layer's pool, keys keep the RoPE of their
 positions, ``importance_`` moves with its tokens).
 
@@ -77,7 +77,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .choices import KV_POLICIES as POLICIES
+from ..choices import KV_POLICIES as POLICIES
 
 PYRAMID_BETA = 20          # PyramidKV's ratio of the largest to the smallest layer budget
 
@@ -312,7 +312,7 @@ class KVPolicy:
                  merger=None):
         opts.validate()
         self.opts, self.cfg, self.cache, self.sparse = opts, cfg, cache, sparse
-        self.merger = merger             # a pyimp.kv_merge.KVMerger, run between trim and policy
+        self.merger = merger             # a pyimp.kv.merge.KVMerger, run between trim and policy
         # trim_windows False (llama.cpp's --swa-full): sliding-window layers keep every token,
         # so any prefix of the cache can be reused
         self.windows = [cfg.sliding_window if cfg.is_swa(il) and trim_windows else 0

@@ -22,7 +22,7 @@ Each representative r absorbs its members S (r included):
 - its ``importance_`` becomes the sum of its members' (clamped to the fp16 maximum), its
   position stays its own (keys keep the RoPE they were cached with).
 
-Absorbed slots are dropped by :meth:`pyimp.kvcache.KVCache.compact` (blocks left empty go
+Absorbed slots are dropped by :meth:`pyimp.kv.cache.KVCache.compact` (blocks left empty go
 back to the pool). Never merged: the sinks (the first ``keep`` positions) and the newest
 block's tokens (the one being filled, or the last full one when the count is a multiple of
 the block length: it holds the current token). A quantized cache drops a multiple of the

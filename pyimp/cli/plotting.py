@@ -9,7 +9,7 @@ import numpy as np
 
 
 def sparse_heatmap(state, path, n_ctx: int) -> None:
-    """Draw ``state``'s (a :class:`pyimp.sparse_policy.SparseState`) importance_ summed over
+    """Draw ``state``'s (a :class:`pyimp.sparse.policy.SparseState`) importance_ summed over
     heads per layer x token, and the block selections over time, to ``path`` (a file name or a
     binary file; the format is matplotlib's ``savefig.format`` for a file object)."""
     try:

@@ -1,4 +1,4 @@
-"""What a sparse state's decode steps did, kept beside it: the observers of :class:`pyimp.sparse_policy.SparseState`.
+"""What a sparse state's decode steps did, kept beside it: the observers of :class:`pyimp.sparse.policy.SparseState`.
 
 The state decides which blocks each layer attends and keeps the anchors fresh; it
 tells the observers attached to it what it did, through one small interface
@@ -126,7 +126,7 @@ class SparseRecorder(SparseObserver):
 def sparse_report(stats: DecodeStats, *, enabled: bool, sparse_layers, steps: int,
                   nbytes: dict) -> dict:
     """Recall per layer and head, attended fraction, buffer sizes in bytes (see
-    :meth:`pyimp.sparse_policy.SparseState.report`)."""
+    :meth:`pyimp.sparse.policy.SparseState.report`)."""
     st = stats
     layers = {}
     for il in sparse_layers:

@@ -13,7 +13,7 @@ Buffers (allocated once in :class:`KVCache`; ``L`` layers, ``Hkv`` kv heads,
 **Slots and positions.** Attention kernels work in *slot* space: slot s of a
 layer is row ``s % B`` of physical block ``table[s // B]``, and slots are in
 position order. A layer that never dropped a token has slot == position. An
-eviction policy (:mod:`pyimp.kv_policy`) or the sliding-window trim drops
+eviction policy (:mod:`pyimp.kv.policy`) or the sliding-window trim drops
 tokens with :meth:`KVCache.compact`: the kept slots move, in order, to the
 front (whole leading blocks just leave the table), emptied blocks return to the
 layer's pool, and ``slot_pos`` keeps each token's original position. Keys keep
@@ -65,15 +65,14 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 from gguf import quants as gguf_quants
 
-from loaders import jit, quantize
+from loaders import half, jit, quantize
+from loaders.half import f32_to_half_bits
 from loaders.quantize import BLOCK_BYTES, CODES, quantize_block
 
-from . import attn_kernels
-from .attn_kernels import f32_to_half_bits
-from .choices import FLOAT_KV_TYPES, KV_TYPES, QUANT_KV_TYPES
-from .ops import NonFiniteError
+from ..choices import FLOAT_KV_TYPES, KV_TYPES, QUANT_KV_TYPES
+from ..ops import NonFiniteError
 
-jit.kernel_module(__file__, quantize, attn_kernels)
+jit.kernel_module(__file__, quantize, half)
 
 # the types' names: pyimp.choices; here what each is stored as
 FLOAT_TYPES = {t: np.dtype(f"float{t[1:]}").type for t in FLOAT_KV_TYPES}    # f16: np.float16
@@ -301,7 +300,7 @@ class KVCache:
         self.k_store = getattr(self, buffer_name("k", type_k))
         self.v_store = getattr(self, buffer_name("v", type_v))
         # per physical slot, the log of how many tokens the slot stands for (merged slots,
-        # :mod:`pyimp.kv_merge`), added to its score by every attention kernel; None until
+        # :mod:`pyimp.kv.merge`), added to its score by every attention kernel; None until
         # merging is enabled
         self.lmul: np.ndarray | None = None
 
@@ -512,7 +511,7 @@ class KVCache:
     def write_slots(self, layer: int, slots: np.ndarray, k: np.ndarray, v: np.ndarray,
                     seq: int = 0) -> None:
         """Overwrite the keys and values of held slots ``slots`` (int, any order) with k, v
-        float32 [n, Hkv, D] (merged slots, :mod:`pyimp.kv_merge`). A quantized side quantizes
+        float32 [n, Hkv, D] (merged slots, :mod:`pyimp.kv.merge`). A quantized side quantizes
         each row into its block (K and token-layout V keep one row per token), or writes it to
         the float tail when the slot is the tail block's; V stored by channel cannot (its
         rows span 32 tokens): ValueError."""

@@ -3,7 +3,7 @@ help), the flags of the option dataclasses (from their fields' metadata, :mod:`p
 and the options built back from them, the model argument, the prompt file reader and its size
 limit, exit codes.
 
-``pyimp-run`` (:mod:`pyimp.cli`), ``pyimp-dump`` (:mod:`pyimp.dump`), ``pyimp-compare`` and
+``pyimp-run`` (:mod:`pyimp.cli.run`), ``pyimp-dump`` (:mod:`pyimp.trace.dump`), ``pyimp-compare`` and
 ``pyimp-tokenize`` import these; this module imports none of them, nor the engine.
 """
 from __future__ import annotations
@@ -174,14 +174,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def model_path(args: argparse.Namespace) -> str:
     """The model :func:`add_model_args` parsed, or the embedded default model's path (written to
     the cache on first use). Raises ValueError for two different models, and
-    :class:`pyimp.default_model.DefaultModelError` when the default model cannot be provided."""
+    :class:`pyimp.runtime.default_model.DefaultModelError` when the default model cannot be provided."""
     if args.model and args.model_opt and args.model != args.model_opt:
         raise ValueError(f"two models given ({args.model_opt} and {args.model}): use -m/--model "
                          f"or the first argument")
     model = args.model_opt or args.model
     if model:
         return model
-    from .default_model import default_model_path
+    from ..runtime.default_model import default_model_path
     return str(default_model_path())
 
 
@@ -208,7 +208,7 @@ def read_capped(fh, name: str) -> bytes:
     """The bytes of the binary stream ``fh`` (called ``name`` in messages), at most
     :data:`MAX_PROMPT_BYTES` of them: a regular file over the limit is refused by its size,
     any other stream after reading one byte more than the limit (PromptTooLarge)."""
-    from .memory import fmt_bytes
+    from ..runtime.memory import fmt_bytes
     cap = MAX_PROMPT_BYTES
     too_large = PromptTooLarge(f"{name}: more than the {fmt_bytes(cap)} a prompt may have "
                                f"({cap} bytes)")

@@ -51,7 +51,7 @@ def writable(name: str, a: np.ndarray) -> None:
 
 def kv_cache(k_cache, v_cache) -> tuple[int, int, int]:
     """(Hkv, NB, B*D) of a layer's K and V caches (float arrays or quantized layers)."""
-    from pyimp.kvcache import QuantizedKV
+    from pyimp.kv.cache import QuantizedKV
     shape = None
     for name, c, side, lay in (("k_cache", k_cache, "k", "[Hkv][NB][B*D]"),
                                ("v_cache", v_cache, "v", "[Hkv][NB][D*B]")):

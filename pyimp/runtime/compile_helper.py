@@ -15,14 +15,14 @@ from __future__ import annotations
 import json
 import sys
 
-from .parallel_compile import CLAIM_WAIT_S, Claims, decode_linears, start  # noqa: F401  (re-exported)
+from .parallel_compile import CLAIM_WAIT_S, Claims, decode_linears, start
 
 
 def main(argv=None) -> int:
     import numpy as np
 
-    from .engine import Engine, EngineOptions
-    from .runtime import configure_process
+    from ..engine import Engine, EngineOptions
+    from .process import configure_process
     configure_process()
     spec = json.loads((argv or sys.argv[1:])[0])
     block_len = spec["block_len"]

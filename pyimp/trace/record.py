@@ -3,8 +3,8 @@
 The recorder the forward's taps call while a trace runs (:class:`Recorder`: llama.cpp's tensor
 names, repeats and steps, llama.cpp's order), the run itself (:func:`run_trace`), the memory a
 trace will hold (:func:`estimate_bytes`), and the GGUF file format (:func:`write`,
-:func:`read`). Names and format are documented in :mod:`pyimp.dump`, the ``pyimp-dump``
-command built on this module; ``pyimp-compare`` (:mod:`pyimp.compare`) reads the files.
+:func:`read`). Names and format are documented in :mod:`pyimp.trace.dump`, the ``pyimp-dump``
+command built on this module; ``pyimp-compare`` (:mod:`pyimp.trace.compare`) reads the files.
 The engine calls into this module; it imports nothing of the engine.
 """
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 VERSION = 1
-KEY = "pyimp.dump."
-FORMAT_ARCH = "pyimp.dump"
+KEY = "pyimp.trace.dump."
+FORMAT_ARCH = "pyimp.trace.dump"
 
 # llama.cpp's emission order of the names pyimp produces, per architecture (read off real
 # traces, see the module docstring). Names a model does not produce (biases) are skipped.
@@ -251,7 +251,7 @@ def estimate_bytes(engine, n_prompt: int, steps: int, keep=None) -> int:
     total += steps * sum(nb for name, nb in _forward_taps(engine, 1) if kept_in_decode(name))
     sp = engine.sparse
     if sp is not None:
-        from .sparse.retrieval import n_sets
+        from ..sparse.retrieval import n_sets
         B, cfg = engine.cache.block_len, engine.cfg
         blocks0 = -(-n_prompt // B)                              # blocks held after the prefill
         blocks_dec = _ceil_sum(n_prompt + steps, B) - _ceil_sum(n_prompt, B)

@@ -1,7 +1,7 @@
 """Compiling the kernels in two processes: the engine's side.
 
 On a first run (:meth:`pyimp.engine.Engine.warmup` with ``compile_helper=True``, as
-``pyimp-run`` does) the engine starts the compile helper (:mod:`pyimp.compile_helper`, a process
+``pyimp-run`` does) the engine starts the compile helper (:mod:`pyimp.runtime.compile_helper`, a process
 of its own: :func:`start`), which compiles the decode attention (the largest kernel) while the
 engine's process compiles the prefill kernels; then both compile the weight types' decode
 matvecs, the helper from the first type a forward reaches, the engine from the last, each type
@@ -81,7 +81,7 @@ def start(engine, claims: str) -> subprocess.Popen | None:
     if os.environ.get("NUMBA_DISABLE_JIT") == "1":
         return None
     try:
-        return subprocess.Popen([sys.executable, "-m", "pyimp.compile_helper", json.dumps(spec)],
+        return subprocess.Popen([sys.executable, "-m", "pyimp.runtime.compile_helper", json.dumps(spec)],
                                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
     except OSError:

@@ -1,6 +1,6 @@
 """A lossless predictive codec for float16 arrays of tokens x channels (KV-cache planes).
 
-:mod:`pyimp.statefile` uses it as codec ``pred-f16`` for float16 sections. An array is
+:mod:`pyimp.kv.statefile` uses it as codec ``pred-f16`` for float16 sections. An array is
 read as ``H`` independent planes ``[T][D]``: the last axis holds channels, the one before
 it tokens (rows), the others are flattened into planes (a 1-d array is one plane of one
 channel). Each value is coded, row by row, from a prediction made of values already

@@ -5,13 +5,13 @@ Layer-slice buffers (docs/kvcache.md section 2), as the engine passes them:
 - ``k_cache`` ``[Hkv][NB][B*D]``: row t of a block is the key of token t.
 - ``v_cache`` ``[Hkv][NB][D*B]``: transposed, channel d of token t at ``[d*B + t]``.
 - float16 (kernels get ``.view(np.uint16)`` plus the fp16 table), float32, or a
-  quantized layer (:class:`pyimp.kvcache.QuantizedKV`, read block by block by the
+  quantized layer (:class:`pyimp.kv.cache.QuantizedKV`, read block by block by the
   kernels; the NumPy references dequantize it first). K and V types may differ.
 - ``block_table`` int32 ``[NB_logical]``: slot block -> physical block; slot s
   is row ``s % B`` of block ``block_table[s // B]``. Slots are in position
   order; ``positions`` (int32, slot -> position, None: slot == position) gives
-  the positions of a compacted layer (see :mod:`pyimp.kvcache`).
-- ``importance`` float16 ``[NB][B][Hq]`` (optional), see :mod:`pyimp.importance`.
+  the positions of a compacted layer (see :mod:`pyimp.kv.cache`).
+- ``importance`` float16 ``[NB][B][Hq]`` (optional), see :mod:`pyimp.attention.importance`.
 
 Query head h reads kv head ``h // G`` with ``G = Hq // Hkv``. Masks: a query at
 position ``p_q`` sees keys ``p_k <= p_q``, and with ``window > 0`` only keys with
@@ -20,7 +20,7 @@ slots before its own from the first visible one (:func:`first_visible`). Softmax
 multiplies the scores. Each kernel returns the log-sum-exp of the scaled,
 masked scores per row and head (for recall diagnostics).
 
-Each public function dispatches to the Numba kernels of :mod:`pyimp.attn_kernels`
+Each public function dispatches to the Numba kernels of :mod:`pyimp.attention.kernels`
 (``backend="numba"``, default) or to the NumPy reference beside it
 (``backend="numpy"``). Decode is the block-list decode kernel
 (:func:`decode_over_blocks`): dense decode runs it with every block of the window selected
@@ -48,10 +48,11 @@ import functools
 
 import numpy as np
 
-from pyimp import attn_kernels as K
-from pyimp import checks
-from pyimp.importance import fp16_lut, importance_update, importance_update_blocks, kernel_view
-from pyimp.kvcache import as_float
+from pyimp.attention import kernels as K
+from pyimp.attention import checks
+from pyimp.attention.importance import (fp16_lut, importance_update, importance_update_blocks,
+                                        kernel_view)
+from pyimp.kv.cache import as_float
 
 PREFILL_TILE = 16  # query rows sharing one pass over the keys
 # prompt chunks whose rows see this many slots on average take the tiled prefill (matrix
@@ -239,7 +240,7 @@ def sparse_attention_decode_ref(q, k_cache, v_cache, block_table, n_ctx, scale, 
 
 def check_args(q, k_cache, v_cache, block_table, n_ctx, window, out, importance, pos0=None,
                nsplit=None, decay=1.0, sel=None, cnt=None, bias=None) -> None:
-    """Shapes, dtypes and block ids of an attention call (see :mod:`pyimp.checks`); a
+    """Shapes, dtypes and block ids of an attention call (see :mod:`pyimp.attention.checks`); a
     prefill passes ``pos0`` (then n_ctx is pos0 + the query rows), a sparse decode its selection."""
     Hkv, NB, BD = checks.kv_cache(k_cache, v_cache)
     Hq, D = checks.query("q", q, Hkv, BD, rows=pos0 is not None)
@@ -286,7 +287,7 @@ def no_bias(block_len: int) -> np.ndarray:
 def decode_over_blocks(q, k_cache, v_cache, block_table, n_ctx, scale, window, sel, cnt, out,
                        importance=None, decay=1.0, nsplit=None, min_blocks=4,
                        bias=None) -> np.ndarray:
-    """Run :func:`pyimp.attn_kernels.decode_blocks` on checked arguments and add the attended
+    """Run :func:`pyimp.attention.kernels.decode_blocks` on checked arguments and add the attended
     probabilities to ``importance`` (if given); returns lse float32 [Hq]. nsplit None: enough
     splits of at least ``min_blocks`` blocks to keep every thread busy. ``bias``: float32
     [NB][B] score bias per physical slot (merged slots), or None."""
@@ -336,11 +337,11 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     out: float32 [T, Hq, D], written. window: 0 = global, else keys with
     p_q - p_k < window. importance: float16 [NB][B][Hq] or None; when given,
     the probabilities of query rows at absolute positions >= ``obs_start`` are
-    summed per key and added (old*decay + new, see pyimp.importance).
+    summed per key and added (old*decay + new, see pyimp.attention.importance).
     For an observation window of the last W prompt rows pass
     ``obs_start = max(0, prompt_len - W)`` (a position) to every chunk of that prompt
     (``obs_start=0``: every row counts). ``bias``: float32 [NB][B] added to the score of the
-    key in each physical slot (merged slots' log-multiplicity, :mod:`pyimp.kv_merge`), or
+    key in each physical slot (merged slots' log-multiplicity, :mod:`pyimp.kv.merge`), or
     None. Returns float32 [T, Hq] log-sum-exp.
     """
     check_args(q, k_cache, v_cache, block_table, None, window, out, importance, pos0=pos0,
@@ -377,10 +378,10 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
 
 
 def _prefill_tiled(q, kc, vc, bt, s0, scale, rlo, lut, out, row_m, row_l, B, bias=None) -> None:
-    """The prefill of :func:`pyimp.attn_kernels.prefill` (same arguments and outputs) as
+    """The prefill of :func:`pyimp.attention.kernels.prefill` (same arguments and outputs) as
     online softmax over tiles: per kv head and chunk of ``ROW_CHUNK`` query rows, the slots
     those rows see are gathered ``KEY_CHUNK`` at a time as float32
-    (:func:`pyimp.attn_kernels.gather_tile`, the cache's own block loads), and the scores
+    (:func:`pyimp.attention.kernels.gather_tile`, the cache's own block loads), and the scores
     ``S = (scale q) K^T`` of the rows' G query heads and the update
     ``o = o e^(m - m') + e^(S - m') V`` are two matrix products (BLAS), the softmax between them
     NumPy passes. Scratch is bounded by the chunk sizes, not the context. Row i (slot s0 + i)
@@ -463,14 +464,14 @@ def sparse_attention_decode(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndar
     """Decode attention of one query (position n_ctx - 1) over the selected blocks.
 
     q: float32 [Hq, D]; k_cache/v_cache: float16 or float32 [Hkv][NB][B*D] /
-    [Hkv][NB][D*B], or a quantized layer (:class:`pyimp.kvcache.QuantizedKV`); block_table: int32 [NB_logical]; sel, cnt: see module
+    [Hkv][NB][D*B], or a quantized layer (:class:`pyimp.kv.cache.QuantizedKV`); block_table: int32 [NB_logical]; sel, cnt: see module
     docstring; out: float32 [Hq, D], written. importance: float16 [NB][B][Hq]
     or None, receives the probabilities of the attended tokens (with
     ``decay != 1`` every valid token is decayed, unattended ones gain 0).
     recall: also run dense attention and return the attention recall, the
     fraction of the dense softmax mass inside the selected blocks (float32
     [Hq], 1.0 = lossless). ``bias``: float32 [NB][B] added to the score of each physical
-    slot (the log-multiplicity of merged slots, :mod:`pyimp.kv_merge`), or None.
+    slot (the log-multiplicity of merged slots, :mod:`pyimp.kv.merge`), or None.
     Returns (lse float32 [Hq], recall or None).
     """
     check_args(q, k_cache, v_cache, block_table, n_ctx, window, out, importance, nsplit=nsplit,

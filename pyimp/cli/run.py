@@ -20,13 +20,12 @@ import threading
 import time
 import warnings
 
-from .capabilities import CAPABILITIES
-# EXIT_USAGE, PromptTooLarge, read_capped: re-exported (pyimp.cli has always offered them)
-from .cli_common import (EXIT_ERROR, EXIT_USAGE, MAX_PROMPT_BYTES, HelpFormatter,  # noqa: F401
-                         Parser, PromptTooLarge, add_model_args, add_option_flags, float_in,
-                         int_at_least, model_path, options_from_args, quiet_stdout, read_capped,
-                         read_prompt)
-from .options import EngineOptions, SparseOptions
+from ..capabilities import CAPABILITIES
+# EXIT_USAGE, PromptTooLarge, read_capped: re-exported (pyimp.cli.run has always offered them)
+from .common import (EXIT_ERROR, EXIT_USAGE, MAX_PROMPT_BYTES, HelpFormatter, Parser,
+                     PromptTooLarge, add_model_args, add_option_flags, float_in, int_at_least,
+                     model_path, options_from_args, quiet_stdout, read_capped, read_prompt)
+from ..options import EngineOptions, SparseOptions
 
 
 def _non_empty(s: str) -> str:
@@ -69,7 +68,7 @@ def flag_conflict(args: argparse.Namespace) -> str | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
+    from .. import __version__
     p = Parser(prog="pyimp-run", formatter_class=HelpFormatter,
                 description="Generate text with a GGUF model (llama, gemma3).")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -145,7 +144,7 @@ def _summary(engine) -> str:
                     sorted(info["bytes_by_type"].items(), key=lambda kv: -kv[1]))
     n = info["n_params"]
     size = f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
-    from .memory import fmt_bytes
+    from ..runtime.memory import fmt_bytes
     buf = engine.buffer_bytes
     mem = f"KV cache {fmt_bytes(buf['kv'])}" + \
         (f", importance + anchors {fmt_bytes(buf['sparse'])}" if buf["sparse"] else "")
@@ -300,12 +299,12 @@ def _print_report(r: dict, sparse_on: bool, err) -> None:
 def run(args: argparse.Namespace) -> int:
     from loaders.gguf_file import GGUFError
 
-    from .cuda import DeviceUnavailable
-    from .default_model import DefaultModelError
-    from .engine import Engine
-    from .kvcache import ContextFullError
-    from .ops import NonFiniteError
-    from .sampling import SamplingParams
+    from ..cuda import DeviceUnavailable
+    from ..runtime.default_model import DefaultModelError
+    from ..engine import Engine
+    from ..kv.cache import ContextFullError
+    from ..ops import NonFiniteError
+    from ..sampling import SamplingParams
 
     if args.prompt_cache and not CAPABILITIES[args.device].prompt_cache:
         return _error("--prompt-cache needs the KV cache on the host: run it with --device cpu")
@@ -346,8 +345,8 @@ def run(args: argparse.Namespace) -> int:
     cached = args.prompt_cache is not None and os.path.exists(args.prompt_cache)
     if cached:
         # the file's header against this engine's model and options, before anything compiles
-        from .state import check as check_state
-        from .statefile import StateFileError
+        from ..kv.state import check as check_state
+        from ..kv.statefile import StateFileError
         try:
             check_state(engine, args.prompt_cache)
         except (StateFileError, OSError) as e:
@@ -463,7 +462,7 @@ def _reason(e: BaseException) -> str:
 
 
 def _state_read_error(path: str, e: Exception) -> str:
-    from .statefile import StateFileError
+    from ..kv.statefile import StateFileError
     if isinstance(e, StateFileError):
         return str(e)
     return f"cannot read prompt cache {path}: {_reason(e)}"
@@ -491,7 +490,7 @@ def _check_prompt_cache(path: str, read_only: bool) -> str | None:
 
 
 def main(argv=None) -> int:
-    from .runtime import configure_process, numba_env_error
+    from ..runtime.process import configure_process, numba_env_error
     configure_process()   # before NumPy / Numba start threads
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -1,4 +1,4 @@
-"""``pyimp-compare A B``: tensor by tensor, where two tensor dumps (:mod:`pyimp.dump`) differ.
+"""``pyimp-compare A B``: tensor by tensor, where two tensor dumps (:mod:`pyimp.trace.dump`) differ.
 
 A and B are pyimp dumps (``pyimp-dump``) or llama.cpp traces (``python -m
 tools.llamacpp_trace``), paired by name (``<llama.cpp name>[#k]@step``). Per paired tensor:
@@ -9,7 +9,7 @@ tools.llamacpp_trace``), paired by name (``<llama.cpp name>[#k]@step``). Per pai
     cos      a.b / (|a| |b|)
 
 Integer tensors (token ids, block selections) are compared by exact equality. The first
-divergent tensor is the first in A's graph order (its ``pyimp.dump.order``) whose shape
+divergent tensor is the first in A's graph order (its ``pyimp.trace.dump.order``) whose shape
 differs, whose NMSE exceeds ``--nmse`` or, for integers, whose values differ. Tensors present
 in one file only are listed (grouped by name, e.g. llama.cpp's ``kq`` which pyimp does not
 produce) and are no divergence. A warning names dumps of different models (their
@@ -64,13 +64,13 @@ def metrics(a: np.ndarray, b: np.ndarray) -> dict:
 
 
 def _trim(shape) -> tuple:
-    from .trace import ggml_shape
+    from .record import ggml_shape
     return ggml_shape(shape)
 
 
 def _group(names) -> list:
     """[(base name, count)] of a list of dump names (``kq-3#1@2`` counts under ``kq``)."""
-    from .trace import split_name
+    from .record import split_name
     counts: dict = {}
     for n in names:
         parts = split_name(n)
@@ -101,7 +101,7 @@ def input_difference(a, b) -> str | None:
 
 
 def compare(a, b, threshold: float = DEFAULT_NMSE) -> dict:
-    """Compare two :class:`pyimp.dump.Dump` objects; the result ``--json`` prints."""
+    """Compare two :class:`pyimp.trace.dump.Dump` objects; the result ``--json`` prints."""
     rows = []
     first = None
     only_a = [n for n in a.order if n not in b]
@@ -228,8 +228,8 @@ def _threshold(s: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-    from .cli_common import HelpFormatter, Parser
+    from .. import __version__
+    from ..cli.common import HelpFormatter, Parser
     p = Parser(prog="pyimp-compare", formatter_class=HelpFormatter,
                 description="Compare two tensor dumps (pyimp-dump, tools.llamacpp_trace): NMSE, "
                             "max abs / relative error and cosine per tensor, and the first tensor "
@@ -238,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("a", metavar="A", help="tensor dump (its graph order decides 'first')")
     p.add_argument("b", metavar="B", help="tensor dump")
     p.add_argument("--nmse", type=_threshold, default=DEFAULT_NMSE,
-                   help="divergence threshold on the NMSE (see pyimp.compare's documentation "
+                   help="divergence threshold on the NMSE (see pyimp.trace.compare's documentation "
                         "for why this default)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--diverged-only", action="store_true",
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from . import trace
+    from . import record as trace
     args = build_parser().parse_args(argv)
     try:
         a = trace.read(args.a)
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
             print(format_table(res, args.diverged_only))
         sys.stdout.flush()
     except BrokenPipeError:
-        from .cli_common import quiet_stdout
+        from ..cli.common import quiet_stdout
         quiet_stdout()
     return 0
 

@@ -55,9 +55,9 @@ def _piece_text(piece: bytes) -> tuple[str, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from . import cli_common
-    from .cli_common import PromptTooLarge, read_capped
-    from .runtime import configure_process
+    from . import common as cli_common
+    from .common import PromptTooLarge, read_capped
+    from ..runtime.process import configure_process
     configure_process()
     p = _Parser(prog=PROG, description="Print the token ids of a text for a GGUF vocabulary "
                                        "(same ids as llama.cpp's llama-tokenize).")
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"two models given ({a.model_opt} and {a.model}): use -m/--model or the first argument")
     model = a.model_opt or a.model
     if model is None:
-        from .default_model import DefaultModelError, default_model_path
+        from ..runtime.default_model import DefaultModelError, default_model_path
         try:
             model = str(default_model_path())
         except DefaultModelError as e:

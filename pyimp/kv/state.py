@@ -1,6 +1,6 @@
 """Saved engine state: prompt-cache files (``--prompt-cache``, :meth:`Engine.save_state`).
 
-A state file is a :mod:`pyimp.statefile` container (checksummed sections, entropy coded,
+A state file is a :mod:`pyimp.kv.statefile` container (checksummed sections, entropy coded,
 written atomically). Its header holds::
 
     format "pyimp-kv-state", version 3 (version 2 files load too)
@@ -59,7 +59,7 @@ import numpy as np
 
 from loaders.quantize import BLOCK_BYTES, CODES
 
-from .kvcache import FLOAT_TYPES, QUANT_TYPES
+from .cache import FLOAT_TYPES, QUANT_TYPES
 from .statefile import Rotary, StateFileError, read_header, read_state, write_state
 
 FORMAT = "pyimp-kv-state"
@@ -197,7 +197,7 @@ def save(engine, path: str | os.PathLike) -> dict:
             arrays[f"importance.{il}"] = sp.importance_[il, tables[il]]
         for il in sp.anchor_.layers:
             arrays[f"anchor.{il}"] = sp.anchor_.storage(il)[tables[il]]
-    if c.lmul is not None:           # merged slots' log-multiplicities (pyimp.kv_merge)
+    if c.lmul is not None:           # merged slots' log-multiplicities (pyimp.kv.merge)
         for il in range(c.n_layer):
             arrays[f"lmul.{il}"] = np.ascontiguousarray(c.lmul[il, tables[il]])
     header = {"format": FORMAT, "version": VERSION, "model": engine.file.fingerprint(),

@@ -8,7 +8,7 @@ kernel is built from four steps, each one function here:
    ``vb`` ``[D*B]`` channel-major, or token-major for token-row quantized V). This
    is the only place that knows how a cached block is stored: fp16 bits, float32,
    or a quantized layer given as the tuple ``(data, tail, meta)`` of
-   :class:`pyimp.kvcache.QuantizedKV` (the block
+   :class:`pyimp.kv.cache.QuantizedKV` (the block
    being filled read from the float tail, every other block decoded in place by
    the per-type block decoders of :mod:`loaders.quantize`; no dequantized copy).
 2. **attend**: :func:`attend_block` folds one block into a running partial
@@ -34,9 +34,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from loaders import half, jit, quantize, quants, quants_legacy
-# f32_to_half_bits: pyimp.kvcache and pyimp.sparse take the conversions from here
-from loaders.half import (_fpext_half, f32_to_half_bits, fma16, half_bits_to_f32,  # noqa: F401
-                          hsum16, lane_dot, lane_dot_rows, lane_sum)
+from loaders.half import (_fpext_half, f32_to_half_bits, fma16, half_bits_to_f32, hsum16,
+                          lane_dot, lane_dot_rows, lane_sum)
 from loaders.quantize import decode_qblocks
 from loaders.quants_legacy import _bits_f32
 
@@ -135,7 +134,7 @@ def load_keys(kc, kvh, pb, t0, t1, D, kb, lut):
 
 @overload(load_keys)
 def _load_keys_ov(kc, kvh, pb, t0, t1, D, kb, lut):
-    if isinstance(kc, types.BaseTuple):   # quantized: (data, tail, meta), see pyimp.kvcache
+    if isinstance(kc, types.BaseTuple):   # quantized: (data, tail, meta), see pyimp.kv.cache
         def impl(kc, kvh, pb, t0, t1, D, kb, lut):
             data, tail, meta = kc
             if pb == meta[0]:
@@ -724,7 +723,7 @@ def decode_blocks(q, kc, vc, bt, n_ctx, scale, window, lut, sel, cnt, nsplit, ou
     a set (G heads with one set per kv head or fewer, one head per set otherwise). With ``store``,
     probs [Hq, K, B] receives P of token t of the k-th block of h's set (0 outside the masks).
     ``bias``: float32 [NB][B] added to the score of the token in each physical slot (merged
-    slots' log-multiplicity, :mod:`pyimp.kv_merge`), or shape (0, B): none.
+    slots' log-multiplicity, :mod:`pyimp.kv.merge`), or shape (0, B): none.
 
     Two kernels share this contract, and a call compiles only the one it runs (each is most of
     a first run's compile time): fp16 stores with B a multiple of 16 and a unit of 1, 2, 4 or 8

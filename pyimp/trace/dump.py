@@ -4,7 +4,7 @@
 decode steps) with a recorder on the forward's taps; :func:`write` stores what it recorded as
 a GGUF file (``gguf.GGUFWriter``), so any GGUF reader opens it. ``tools/llamacpp_trace.py``
 writes llama.cpp's own intermediates (its ``cb_eval`` callback) in the same format, and
-``pyimp-compare`` (:mod:`pyimp.compare`) pairs the two by name::
+``pyimp-compare`` (:mod:`pyimp.trace.compare`) pairs the two by name::
 
     pyimp-dump -p "The capital of France is" --steps 4 -o pyimp.gguf
     python -m tools.llamacpp_trace MODEL -p "..." --steps 4 -o llama.gguf --follow pyimp.gguf
@@ -18,7 +18,7 @@ architecture (``attn_norm-3``: ``<name>-<layer>``; ``embd``, ``result_output``: 
 ``@s`` the step: 0 the prefill, 1..N the decode steps. ``Qcur-0@0`` is the first ``Qcur``
 of layer 0 in the prefill (the projection), ``Qcur-0#2@0`` the third (after RoPE),
 ``l_out-17@3`` layer 17's output in decode step 3. The order of the tensors (metadata
-``pyimp.dump.order``) is llama.cpp's emission order (read off real traces of both
+``pyimp.trace.dump.order``) is llama.cpp's emission order (read off real traces of both
 architectures with ``tools.llamacpp_trace.trace(names=None)``; :data:`LAYER_ORDER`).
 
 llama (per layer, ``-<il>`` after each name)::
@@ -74,24 +74,24 @@ File format
 GGUF, one tensor per name: float32 (float16 for importance_ and anchor_, int32 for token ids and
 selections), shapes in ggml order (ne: GGUFWriter reverses NumPy's [T, E] to ne [E, T]) with
 trailing ones dropped as ``ggml_n_dims`` does, so a decode step's one-row [1, E] is ne [E] in both
-producers. Metadata (``general.architecture`` is ``pyimp.dump``)::
+producers. Metadata (``general.architecture`` is ``pyimp.trace.dump``)::
 
-    pyimp.dump.version            uint32  1
-    pyimp.dump.producer           string  "pyimp" or "llama.cpp"
-    pyimp.dump.model_fingerprint  string  GGUFFile.fingerprint() of the model
-    pyimp.dump.prompt             string  the prompt text ("" when token ids were given)
-    pyimp.dump.steps              uint32  decode steps run (the file has steps 0..steps)
-    pyimp.dump.numerics           string  pyimp: "fp32" / "ggml"; llama.cpp: "llama.cpp"
-    pyimp.dump.architecture       string  the model's architecture (llama, gemma3)
-    pyimp.dump.kv_type            string  K/V cache types ("f16", "f32/f16", ...)
-    pyimp.dump.order              [string] tensor names in graph order
+    pyimp.trace.dump.version            uint32  1
+    pyimp.trace.dump.producer           string  "pyimp" or "llama.cpp"
+    pyimp.trace.dump.model_fingerprint  string  GGUFFile.fingerprint() of the model
+    pyimp.trace.dump.prompt             string  the prompt text ("" when token ids were given)
+    pyimp.trace.dump.steps              uint32  decode steps run (the file has steps 0..steps)
+    pyimp.trace.dump.numerics           string  pyimp: "fp32" / "ggml"; llama.cpp: "llama.cpp"
+    pyimp.trace.dump.architecture       string  the model's architecture (llama, gemma3)
+    pyimp.trace.dump.kv_type            string  K/V cache types ("f16", "f32/f16", ...)
+    pyimp.trace.dump.order              [string] tensor names in graph order
 
 ``--layers``, ``--tensors`` and ``--steps`` limit what is written: layer filters keep tensors
 without a layer (embd, result_*); ``inp_tokens`` is always written; a ``--tensors`` glob (fnmatch, repeatable) matches
 the full name or the name without its ``@s``. The prefill is one forward (one llama.cpp ubatch):
 the batch size is raised to the prompt length. A trace is held in memory until it is written:
 its size (:func:`estimate_bytes`, from the model's shapes, the filters and the steps) with the KV
-cache is checked against the available memory (:mod:`pyimp.memory`) before the run, and a dump
+cache is checked against the available memory (:mod:`pyimp.runtime.memory`) before the run, and a dump
 that does not fit is refused with one line.
 """
 from __future__ import annotations
@@ -103,11 +103,11 @@ import re
 import sys
 import warnings
 
-from .capabilities import devices_with
-# the recorder and the file format (pyimp.trace), re-exported under the names documented above
-from .trace import (FORMAT_ARCH, KEY, LAYER_ORDER, NOT_PRODUCED, POST, PRE,  # noqa: F401
-                    VERSION, Dump, DumpError, Recorder, Trace, estimate_bytes, ggml_shape, read,
-                    run_trace, split_name, unstepped, write)
+from ..capabilities import devices_with
+# the recorder and the file format (pyimp.trace.record), re-exported under the names documented above
+from .record import (FORMAT_ARCH, KEY, LAYER_ORDER, NOT_PRODUCED, POST, PRE, VERSION, Dump,
+                     DumpError, Recorder, Trace, estimate_bytes, ggml_shape, read, run_trace,
+                     split_name, unstepped, write)
 
 
 # ------------------------------------------------------------------ CLI
@@ -138,15 +138,15 @@ def _glob(s: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from . import __version__
-    from .cli_common import (MAX_PROMPT_BYTES, HelpFormatter, Parser, add_model_args,
-                             add_option_flags, int_at_least)
-    from .options import EngineOptions, SparseOptions
+    from .. import __version__
+    from ..cli.common import (MAX_PROMPT_BYTES, HelpFormatter, Parser, add_model_args,
+                              add_option_flags, int_at_least)
+    from ..options import EngineOptions, SparseOptions
 
     p = Parser(prog="pyimp-dump", formatter_class=HelpFormatter,
                 description="Write every named intermediate tensor of a greedy run (prefill + "
                             "--steps decode steps) to a GGUF file, under llama.cpp's graph names "
-                            "(see pyimp.dump's documentation; compare with pyimp-compare).")
+                            "(see pyimp.trace.dump's documentation; compare with pyimp-compare).")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_model_args(p)
     src = p.add_mutually_exclusive_group()
@@ -226,13 +226,13 @@ def _error(msg: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from loaders.gguf_file import GGUFError
 
-    from .cli_common import model_path, read_prompt
-    from .default_model import DefaultModelError
-    from .cli_common import options_from_args
-    from .engine import Engine
-    from .memory import check_fits
-    from .ops import NonFiniteError
-    from .options import EngineOptions
+    from ..cli.common import model_path, read_prompt
+    from ..runtime.default_model import DefaultModelError
+    from ..cli.common import options_from_args
+    from ..engine import Engine
+    from ..runtime.memory import check_fits
+    from ..ops import NonFiniteError
+    from ..options import EngineOptions
 
     out = args.output
     folder = os.path.dirname(os.path.abspath(out))
@@ -280,7 +280,7 @@ def run(args: argparse.Namespace) -> int:
         if args.tensors and all(n.startswith("inp_tokens@") for n in tr.tensors):
             return _error(f"--tensors {' '.join(args.tensors)}: matches no tensor of this model "
                           f"(names look like l_out-0@0, Qcur-0#1@0, result_output@1; see "
-                          f"pydoc pyimp.dump), nothing written")
+                          f"pydoc pyimp.trace.dump), nothing written")
         tr.meta["prompt"] = prompt
         tr.write(out)
     except (NonFiniteError, ValueError) as e:
@@ -296,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv=None) -> int:
-    from .runtime import configure_process
+    from ..runtime.process import configure_process
     configure_process()
     args = build_parser().parse_args(argv)
     try:

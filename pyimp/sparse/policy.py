@@ -34,8 +34,8 @@ token since the selection are attended. Sliding-window layers and
 ``dense_layers`` stay dense.
 
 What the decode steps did (statistics, recall, the selections kept for traces and
-heatmaps) is recorded by observers the state notifies (:mod:`pyimp.sparse_stats`);
-pyimp-run draws the heatmap (:mod:`pyimp.plotting`).
+heatmaps) is recorded by observers the state notifies (:mod:`pyimp.sparse.stats`);
+pyimp-run draws the heatmap (:mod:`pyimp.cli.plotting`).
 """
 from __future__ import annotations
 
@@ -43,17 +43,16 @@ from collections import deque
 
 import numpy as np
 
-from .attention import decode_over_blocks, every_block, sparse_attention_decode
-from .importance import decay_importance
-from .kvcache import KVCache, QuantizedKV
-from .options import SparseOptions
-from .sparse import AnchorType, RetrievalType, compute_anchors, retrieve_blocks
-from .sparse.anchors import block_anchors, group_shared, min_anchor_num
-from .sparse.retrieval import (block_center_logits, n_sets, recent_blocks, retrieve_unchecked,
-                               select_blocks, select_for_recall)
-from .sparse.select_modes import LayerKeys, block_max, pattern_scores
-from .sparse_stats import (CallbackObserver, DecodeStats, SparseObserver,  # noqa: F401 (re-exported)
-                           SparseRecorder, sparse_report)
+from ..attention.attend import decode_over_blocks, every_block, sparse_attention_decode
+from ..attention.importance import decay_importance
+from ..kv.cache import KVCache, QuantizedKV
+from ..options import SparseOptions
+from . import AnchorType, RetrievalType, compute_anchors, retrieve_blocks
+from .anchors import block_anchors, group_shared, min_anchor_num
+from .retrieval import (block_center_logits, n_sets, recent_blocks, retrieve_unchecked,
+                        select_blocks, select_for_recall)
+from .select_modes import LayerKeys, block_max, pattern_scores
+from .stats import CallbackObserver, DecodeStats, SparseObserver, SparseRecorder, sparse_report
 
 # decode steps whose block selections the state's recorder keeps (per sparse layer) for heatmaps
 # and reports; older ones are dropped so that a long --report / track run stays bounded in memory
@@ -173,7 +172,7 @@ class AnchorBuffer:
 class SparseState:
     """Importance matrix, anchors and block selection for one engine's cache.
 
-    What the decode steps did is kept by observers (:mod:`pyimp.sparse_stats`) the state
+    What the decode steps did is kept by observers (:mod:`pyimp.sparse.stats`) the state
     notifies: ``recorder``, a :class:`SparseRecorder` (statistics, the latest selections for
     traces, the selection history for heatmaps), is attached at construction when
     :meth:`records` says so; ``observe(callback)`` and :meth:`add_observer` attach more.
@@ -231,7 +230,7 @@ class SparseState:
 
     # ------------------------------------------------------------- observers
     def add_observer(self, observer: SparseObserver) -> None:
-        """Notify ``observer`` (:class:`pyimp.sparse_stats.SparseObserver`) from now on."""
+        """Notify ``observer`` (:class:`pyimp.sparse.stats.SparseObserver`) from now on."""
         self._observers.append(observer)
         self._selection_observers = [ob for ob in self._observers if ob.wants_selections]
         self._measure_recall = any(ob.measure_recall for ob in self._observers)
@@ -627,7 +626,7 @@ class SparseState:
     # -------------------------------------------------------------- report
     def report(self) -> dict:
         """Recall per layer and head, attended fraction, buffer sizes in bytes
-        (:func:`pyimp.sparse_stats.sparse_report` over the recorder's statistics).
+        (:func:`pyimp.sparse.stats.sparse_report` over the recorder's statistics).
 
         ``mode`` says whether any layer ran sparse: without ``enabled`` it is
         "tracking only" and ``sparse_layers`` is empty (every layer attended densely).

@@ -69,7 +69,7 @@ Codecs (the element bytes are always the little-endian, C-order bytes of the arr
 - ``shuffle-zstd`` (2): the element bytes regrouped into ``itemsize`` byte planes (all
   elements' byte 0, then all byte 1, ...), then one zstd frame of that, as above.
 - ``pred-f16`` (3, float16 sections only): the predictive codec of
-  :mod:`pyimp.floatcodec` (its payload layout is documented there): the array read as
+  :mod:`pyimp.kv.floatcodec` (its payload layout is documented there): the array read as
   planes of rows x channels (last axis), each value coded from a linear prediction on
   the previous row and the row's earlier channels (with a rotary frame for keys that
   carry RoPE, and repeated rows predicted by the row they repeat), entropy coded with

@@ -12,8 +12,8 @@ import numpy as np
 
 from loaders import quants
 
-from . import ops
-from .attention import decode_over_blocks, every_block
+from .. import ops
+from ..attention.attend import decode_over_blocks, every_block
 
 # seconds a small kernel takes to come from Numba's cache at most (warm ~3 ms; compiling ~0.2 s)
 COLD_LOAD_S = 0.05
@@ -76,7 +76,7 @@ def check_numba() -> None:
 
 def compile_decode_attention(engine) -> None:
     """Compile (or load) the decode attention kernels of this cache's types: one call over a
-    zero token in layer 0, then the cache is empty again. :mod:`pyimp.compile_helper` runs it
+    zero token in layer 0, then the cache is empty again. :mod:`pyimp.runtime.compile_helper` runs it
     first, so that the largest kernel starts compiling at once."""
     if engine.tokens:
         raise RuntimeError("compile_decode_attention needs an empty cache")
@@ -97,7 +97,7 @@ def run(engine, compile_helper: bool = False) -> float:
     """Compile (or load from cache) every kernel of prefill and decode; returns seconds.
 
     With ``compile_helper``, when the kernels are not in Numba's cache (a first run), a second
-    process (:mod:`pyimp.compile_helper`) compiles the decode attention into the cache while
+    process (:mod:`pyimp.runtime.compile_helper`) compiles the decode attention into the cache while
     this one compiles the prefill kernels, the two share out the decode matvecs, then this
     one loads the helper's kernels: two cores compile in about half the time of one."""
     t0 = time.perf_counter()

@@ -37,8 +37,8 @@ import numpy as np
 from numba import prange
 
 from loaders import jit
-from pyimp import attn_kernels, checks
-from pyimp.attn_kernels import f32_to_half_bits, half_bits_to_f32
+from pyimp.attention import kernels as attn_kernels, checks
+from loaders.half import f32_to_half_bits, half_bits_to_f32
 
 jit.kernel_module(__file__, attn_kernels)
 
@@ -49,8 +49,8 @@ PARALLEL_MIN_WORK = 1 << 16  # entries below which the update kernels run single
 
 def kernel_view(cache):
     """A KV cache layer as kernels take it: fp16 travels as uint16 bits, float32 as it is, a
-    quantized layer (:class:`pyimp.kvcache.QuantizedKV`) as its (data, tail, meta) tuple."""
-    from pyimp.kvcache import QuantizedKV
+    quantized layer (:class:`pyimp.kv.cache.QuantizedKV`) as its (data, tail, meta) tuple."""
+    from pyimp.kv.cache import QuantizedKV
     if isinstance(cache, QuantizedKV):
         return cache.operand()
     if cache.dtype == np.float16:
