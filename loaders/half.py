@@ -16,16 +16,16 @@ from numba.extending import intrinsic
 
 from . import jit
 
-_X86_64 = platform.machine().lower() in ("x86_64", "amd64")
+X86_64 = platform.machine().lower() in ("x86_64", "amd64")
 # the features Numba compiles for (NUMBA_CPU_NAME / NUMBA_CPU_FEATURES honoured), not the host's
-_FEATURES = jit.target_features()
+FEATURES = jit.target_features()
 
 # fp16 <-> fp32 conversions in hardware: IR fpext / fptrunc of half. An x86 target without
 # F16C (NUMBA_CPU_NAME=generic, a portable cache, compiles for baseline x86-64) has no such
 # instruction: LLVM calls a runtime helper that Numba's JIT does not provide, and the process
 # crashed on its first KV write. There the conversions are integer IR (_half_to_float_soft,
 # _float_to_half_soft: the same values, tested against NumPy on every fp16 pattern).
-HALF_IN_HARDWARE = not _X86_64 or "f16c" in _FEATURES
+HALF_IN_HARDWARE = not X86_64 or "f16c" in FEATURES
 
 
 def _splat(ty, value):
@@ -80,7 +80,7 @@ def _float_to_half_soft(builder, f):
     return builder.trunc(builder.or_(o, sign), llvm_ir.IntType(16))
 
 
-def _fpext_half(builder, hv):
+def fpext_half(builder, hv):
     """fp16 bits (i16 or <N x i16>) -> float values: fpext where the target converts in
     hardware (HALF_IN_HARDWARE), else :func:`_half_to_float_soft`."""
     if not HALF_IN_HARDWARE:
@@ -100,7 +100,7 @@ def half_bits_to_f32(typingctx, h):
     sig = types.float32(types.uint16)
 
     def codegen(context, builder, signature, args):
-        return _fpext_half(builder, args[0])
+        return fpext_half(builder, args[0])
 
     return sig, codegen
 
@@ -140,7 +140,7 @@ def fma16(typingctx, o, oo, a, ao, b, bo):
             if aryty.dtype == types.uint16:
                 hv = builder.load(builder.bitcast(p, llvm_ir.VectorType(llvm_ir.IntType(16), 16).as_pointer()),
                                   align=2)
-                return _fpext_half(builder, hv), None
+                return fpext_half(builder, hv), None
             fp = builder.bitcast(p, vf.as_pointer())
             return builder.load(fp, align=4), fp
         ov, po = operand(0)
@@ -175,7 +175,7 @@ def _load_lanes(builder, ptr, is_half, idx, n):
         ety = llvm_ir.IntType(16) if is_half else llvm_ir.FloatType()
         v = builder.load(builder.bitcast(at, llvm_ir.VectorType(ety, n).as_pointer()),
                          align=2 if is_half else 4)
-    return _fpext_half(builder, v) if is_half else v
+    return fpext_half(builder, v) if is_half else v
 
 
 def _hsum16_ir(builder, v):
@@ -369,7 +369,7 @@ def lane_dot_rows(typingctx, a, r0, nr, b, bo, n, out, oo, ostride, scale):
     return sig, codegen
 
 
-def _fma32(a, b, c):
+def fma32(a, b, c):
     """float32 fma(a, b, c) elementwise in NumPy: the product of two float32 is exact in float64
     and one float64 add then rounds (a second rounding to float32 could differ from a single
     one only in rare ties, none of which the tests' fixed data meet)."""
@@ -394,14 +394,14 @@ def lane_dot_ref(a, b=None, rows=False):
     if rows:
         acc = np.zeros(16, np.float32)
         for c in range(n16):
-            acc = _fma32(a[16 * c:16 * c + 16], b[16 * c:16 * c + 16], acc)
+            acc = fma32(a[16 * c:16 * c + 16], b[16 * c:16 * c + 16], acc)
         s = _hsum16_ref(acc)
     else:
         acc = np.zeros((4, 16), np.float32)
         for c in range(n16):
             j = c % 4 if c < n16 // 4 * 4 else 0
-            acc[j] = _fma32(a[16 * c:16 * c + 16], b[16 * c:16 * c + 16], acc[j])
+            acc[j] = fma32(a[16 * c:16 * c + 16], b[16 * c:16 * c + 16], acc[j])
         s = _hsum16_ref((acc[0] + acc[1]) + (acc[2] + acc[3]))
     for i in range(16 * n16, n):
-        s = _fma32(a[i:i + 1], b[i:i + 1], np.array([s], np.float32))[0]
+        s = fma32(a[i:i + 1], b[i:i + 1], np.array([s], np.float32))[0]
     return np.float32(s)

@@ -181,7 +181,7 @@ def specialize(namespace: dict, name: str, params: str, call: str, **options):
     jitted with :func:`njit` (``options``), and return it. ``call`` is one statement,
     typically a generic driver applied to a type's decoder, e.g.
     ``specialize(globals(), "_matvec_q4_0", "raw, x, out, f16",
-    "_matvec_blocks(raw, x, out, f16, _head_d, _pair_q4_0, 18, False)", parallel=True)``.
+    "_matvec_blocks(raw, x, out, f16, head_d, pair_q4_0, 18, False)", parallel=True)``.
     The cache entry is keyed by ``name``; tracebacks show the module's file at line 1."""
     if not name.isidentifier() or name in namespace:
         raise ValueError(f"specialize: {name!r} is not a new identifier of {namespace.get('__name__')}")

@@ -13,7 +13,7 @@ where ``x / d`` is ``x * id`` with ``id = 1 / d`` (0 when d is 0), all in float3
 are stored as fp16 (round to nearest even). Byte layouts: :mod:`loaders.quants_legacy`.
 
 (ggml's CPU backend converts Q8_0 *activations* with a SIMD routine that rounds half to
-even and scales by ``127 / amax``; that one lives in ``quants_legacy._quantize_act_q8``.
+even and scales by ``127 / amax``; that one lives in ``quants_legacy.quantize_act_q8``.
 The reference quantizer here is the one ``gguf`` and ggml's ``quantize_row_*_ref`` share.)
 
 ``quantize_block(code, x, xo, w, wo)`` writes the block of x[xo:xo+32] at w[wo:] for the
@@ -31,10 +31,10 @@ from numba import prange
 
 from . import jit, quants_legacy
 from .ggml_types import type_size
-from .quants_legacy import (_deq_q4_0, _deq_q4_1, _deq_q5_0, _deq_q5_1, _deq_q8_0,
-                            _f32_to_f16_bits, _head_d, _head_d_qh, _head_dm, _head_dm_qh,
-                            _pair_q4_0, _pair_q4_1, _pair_q5_0, _pair_q5_1, _pair_q8_0, _u16, _u32,
-                            _weight)
+from .quants_legacy import (deq_q4_0, deq_q4_1, deq_q5_0, deq_q5_1, deq_q8_0,
+                            f32_to_f16_bits, head_d, head_d_qh, head_dm, head_dm_qh,
+                            pair_q4_0, pair_q4_1, pair_q5_0, pair_q5_1, pair_q8_0, load_u16, load_u32,
+                            q_weight)
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -52,7 +52,7 @@ _HALF = np.float32(0.5)
 
 @jit.njit(inline="always")
 def _put_f16(w, o, f):
-    h = _f32_to_f16_bits(f)
+    h = f32_to_f16_bits(f)
     w[o] = np.uint8(h & 0xFF)
     w[o + 1] = np.uint8(h >> 8)
 
@@ -183,8 +183,8 @@ def _decode(w, wo, nb, bsz, out, oo, step, f16, head, pair, has_min):
         base = oo + b * 32 * step
         for j in range(16):
             lo, hi = pair(w, o, aux, j)
-            out[base + j * step] = _weight(d, m, lo, has_min)
-            out[base + (j + 16) * step] = _weight(d, m, hi, has_min)
+            out[base + j * step] = q_weight(d, m, lo, has_min)
+            out[base + (j + 16) * step] = q_weight(d, m, hi, has_min)
 
 
 # --------------------------------------------------------------------------------------
@@ -197,19 +197,19 @@ def _decode(w, wo, nb, bsz, out, oo, step, f16, head, pair, has_min):
 def _decode_contiguous(code, w, wo, nb, out, oo, f16):
     if code == 0:
         for b in range(nb):
-            _deq_q8_0(w, wo + b * 34, f16, out, oo + b * 32)
+            deq_q8_0(w, wo + b * 34, f16, out, oo + b * 32)
     elif code == 1:
         for b in range(nb):
-            _deq_q4_0(w, wo + b * 18, f16, out, oo + b * 32)
+            deq_q4_0(w, wo + b * 18, f16, out, oo + b * 32)
     elif code == 2:
         for b in range(nb):
-            _deq_q4_1(w, wo + b * 20, f16, out, oo + b * 32)
+            deq_q4_1(w, wo + b * 20, f16, out, oo + b * 32)
     elif code == 3:
         for b in range(nb):
-            _deq_q5_0(w, wo + b * 22, f16, out, oo + b * 32)
+            deq_q5_0(w, wo + b * 22, f16, out, oo + b * 32)
     else:
         for b in range(nb):
-            _deq_q5_1(w, wo + b * 24, f16, out, oo + b * 32)
+            deq_q5_1(w, wo + b * 24, f16, out, oo + b * 32)
 
 
 @jit.njit(inline="always")
@@ -222,15 +222,15 @@ def decode_qblocks(code, w, wo, nb, out, oo, step, f16):
         _decode_contiguous(code, w, wo, nb, out, oo, f16)
         return
     if code == 0:
-        _decode(w, wo, nb, 34, out, oo, step, f16, _head_d, _pair_q8_0, False)
+        _decode(w, wo, nb, 34, out, oo, step, f16, head_d, pair_q8_0, False)
     elif code == 1:
-        _decode(w, wo, nb, 18, out, oo, step, f16, _head_d, _pair_q4_0, False)
+        _decode(w, wo, nb, 18, out, oo, step, f16, head_d, pair_q4_0, False)
     elif code == 2:
-        _decode(w, wo, nb, 20, out, oo, step, f16, _head_dm, _pair_q4_1, True)
+        _decode(w, wo, nb, 20, out, oo, step, f16, head_dm, pair_q4_1, True)
     elif code == 3:
-        _decode(w, wo, nb, 22, out, oo, step, f16, _head_d_qh, _pair_q5_0, False)
+        _decode(w, wo, nb, 22, out, oo, step, f16, head_d_qh, pair_q5_0, False)
     else:
-        _decode(w, wo, nb, 24, out, oo, step, f16, _head_dm_qh, _pair_q5_1, True)
+        _decode(w, wo, nb, 24, out, oo, step, f16, head_dm_qh, pair_q5_1, True)
 
 
 @jit.njit(parallel=True)

@@ -86,7 +86,7 @@ def _fp32_products() -> str:
     the BLAS cannot say which kernels it runs (OpenBLAS's own AVX-512 kernels ran those
     products at 335-509 GFLOP/s there)."""
     core = blas_core()
-    if "avx512f" in quants_legacy._FEATURES and core is not None and core.lower() not in BLAS_AVX512_CORES:
+    if "avx512f" in quants_legacy.FEATURES and core is not None and core.lower() not in BLAS_AVX512_CORES:
         return "gemm"
     return "blas"
 
@@ -239,8 +239,23 @@ class ThreadChoice:
             self.parallel = min(par) < min(serial)
 
 
-# the thread choices of matvec calls, by (type, weight shape, numerics)
-_MATVEC_THREADS: dict[tuple, ThreadChoice] = {}
+# every thread choice of this process, by what decides a call's cost (see thread_choice)
+_THREAD_CHOICES: dict[tuple, ThreadChoice] = {}
+
+
+def thread_choice(key: tuple) -> ThreadChoice:
+    """The process's one :class:`ThreadChoice` for calls of ``key``: a kernel and what decides
+    its cost (a matvec: ``("matvec", type, weight shape, numerics)``). Calls that cost the same
+    share one choice, so the 18 layers of a model time their matrices once, not 18 times."""
+    choice = _THREAD_CHOICES.get(key)
+    if choice is None:
+        choice = _THREAD_CHOICES.setdefault(key, ThreadChoice())     # atomic: one per key
+    return choice
+
+
+def matvec_key(qtype, shape: tuple, numerics: str) -> tuple:
+    """The :func:`thread_choice` key of a matvec of a ``qtype`` weight of raw ``shape``."""
+    return ("matvec", qtype if type(qtype) in _EXACT_INT else QT(qtype), tuple(shape), numerics)
 
 
 def available_types() -> frozenset[QT]:
@@ -362,10 +377,7 @@ def matvec(raw: np.ndarray, qtype: int, n: int, x: np.ndarray, numerics: str = "
         raise ValueError(f"x must be float32[{n}], got shape {x.shape}")
     res = _out(out, (r.shape[0],))
     # serial or parallel as measured for this type, shape and numerics (see ThreadChoice)
-    key = (qtype if type(qtype) in _EXACT_INT else QT(qtype), r.shape, numerics)
-    choice = _MATVEC_THREADS.get(key)
-    if choice is None:
-        choice = _MATVEC_THREADS[key] = ThreadChoice()
+    choice = thread_choice(matvec_key(qtype, r.shape, numerics))
     if numerics == "fp32":
         choice.run(k.matvec, r, x, res)
     else:

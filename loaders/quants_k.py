@@ -105,10 +105,10 @@ from numba.extending import intrinsic
 
 from . import jit, quants_legacy
 from .ggml_types import TypeKernels, type_size
-from .quants_legacy import (_I32, _X86_64, I8_DOT, PREFETCH_BYTES, WIDE_STEPS, _ROW_CHUNKS, _far_pair,
-                            _fma32, _hsum8, _i8, _stack_f32,
-                            _I8T as _I8, _group_row, _lanes_sum32, _prefetch,
-                            _quant_kernels, _u16, _v, ir_fma, ir_lane_sums, ir_ptr, ir_splat)
+from .quants_legacy import (I32, X86_64, I8_DOT, PREFETCH_BYTES, WIDE_STEPS, ROW_CHUNKS, far_pair,
+                            fma32, hsum8, as_i8, stack_f32,
+                            I8T as _I8, group_row, lanes_sum32, prefetch_at,
+                            quant_kernels, load_u16, vector_of, ir_fma, ir_lane_sums, ir_ptr, ir_splat)
 
 jit.kernel_module(__file__, quants_legacy)
 
@@ -298,7 +298,7 @@ def _head_q2_k(q, f16, sc, mn):
         v = np.int32(q[s])
         sc[s] = v & 15
         mn[s] = v >> 4
-    return f16[_u16(q, 80)], f16[_u16(q, 82)]
+    return f16[load_u16(q, 80)], f16[load_u16(q, 82)]
 
 
 @jit.njit(inline="always")
@@ -314,7 +314,7 @@ def _head_q3_k(q, f16, sc, mn):
         lo = (np.int32(q[96 + (s & 7)]) >> (4 * (s >> 3))) & 15
         hi = (np.int32(q[104 + (s & 3)]) >> (2 * (s >> 2))) & 3
         sc[s] = (lo | (hi << 4)) - 32
-    return f16[_u16(q, 108)], _F32_0
+    return f16[load_u16(q, 108)], _F32_0
 
 
 @jit.njit(inline="always")
@@ -338,7 +338,7 @@ def _head_q4_k(q, f16, sc, mn):
         mn[g] = np.int32(q[8 + g]) & 63
         sc[4 + g] = (np.int32(q[12 + g]) & 15) | ((np.int32(q[4 + g]) >> 6) << 4)
         mn[4 + g] = (np.int32(q[12 + g]) >> 4) | ((np.int32(q[8 + g]) >> 6) << 4)
-    return f16[_u16(q, 0)], f16[_u16(q, 2)]
+    return f16[load_u16(q, 0)], f16[load_u16(q, 2)]
 
 
 @jit.njit(inline="always")
@@ -366,8 +366,8 @@ def _quad_q5_k(q, j, b, stored):
 @jit.njit(inline="always")
 def _head_q6_k(q, f16, sc, mn):
     for s in range(16):
-        sc[s] = _i8(q[192 + s])
-    return f16[_u16(q, 208)], _F32_0
+        sc[s] = as_i8(q[192 + s])
+    return f16[load_u16(q, 208)], _F32_0
 
 
 @jit.njit(inline="always")
@@ -531,7 +531,7 @@ def _emit_mac_sub16(context, builder, xty, xb, j, quants, scv, aty, acc):
     without.)"""
     vf16 = ir.VectorType(ir.FloatType(), 16)
     sel = ir.VectorType(ir.IntType(32), 32)
-    if _X86_64:                 # each scale a broadcast load (see above)
+    if X86_64:                 # each scale a broadcast load (see above)
         slot = cgutils.alloca_once(builder, vf16)
         builder.store(scv, slot)
         fp = _opaque_ptr(builder, builder.bitcast(slot, ir.FloatType().as_pointer()))
@@ -667,7 +667,7 @@ def _emit_q45k_head(context, builder, qty, q_, off, d_, dmin_):
     byte ``off`` (an i64 IR value) of q_, as two <8 x float> IR values: the eight 6-bit (scale,
     min) pairs decoded from bytes 4-15 as <8 x i32> vectors (the scalar head took as long as
     the block's 256 products)."""
-    v8 = ir.VectorType(_I32, 8)
+    v8 = ir.VectorType(I32, 8)
     vf8 = ir.VectorType(ir.FloatType(), 8)
     vb16 = ir.VectorType(ir.IntType(8), 16)
     head = builder.load(ir_ptr(context, builder, qty, q_, off, vb16), align=1)
@@ -707,7 +707,7 @@ def _opaque_ptr(builder, p):
 def _load_splat(builder, fp, i):
     """float fp[i] in every lane of a <16 x float> (fp an opaque float*, :func:`_opaque_ptr`):
     on x86-64 a broadcast load, folded into the instruction that takes it."""
-    return ir_splat(builder, builder.load(builder.gep(fp, [ir.Constant(_I32, i)]), align=4),
+    return ir_splat(builder, builder.load(builder.gep(fp, [ir.Constant(I32, i)]), align=4),
                     ir.VectorType(ir.FloatType(), 16))
 
 
@@ -723,7 +723,7 @@ def _store_head(context, builder, qty, w_, o_, d_, dmin_, hp):
     vf8 = ir.VectorType(ir.FloatType(), 8)
     scales, mins = _emit_q45k_head(context, builder, qty, w_, o_, d_, dmin_)
     builder.store(scales, builder.bitcast(hp, vf8.as_pointer()), align=4)
-    builder.store(mins, builder.bitcast(builder.gep(hp, [ir.Constant(_I32, 8)]), vf8.as_pointer()), align=4)
+    builder.store(mins, builder.bitcast(builder.gep(hp, [ir.Constant(I32, 8)]), vf8.as_pointer()), align=4)
 
 
 @intrinsic
@@ -762,7 +762,7 @@ def _q4k_step_ahead(typingctx, w, o, on, dn, dminn, xb, xo, xs, xso, acc, accm, 
         vf8 = ir.VectorType(ir.FloatType(), 8)
         hp = _ahead_ptr(context, builder, hty, h_)
         spl = [_load_splat(builder, hp, k) for k in range(8)]
-        mins = builder.load(builder.bitcast(builder.gep(hp, [ir.Constant(_I32, 8)]), vf8.as_pointer()), align=4)
+        mins = builder.load(builder.bitcast(builder.gep(hp, [ir.Constant(I32, 8)]), vf8.as_pointer()), align=4)
         xsv = builder.load(ir_ptr(context, builder, xsty, xs_, xso_, vf8), align=4)
         mp = ir_ptr(context, builder, mty, accm_, ir.Constant(i64, 0), vf8)
         builder.store(builder.fadd(builder.load(mp, align=4), builder.fmul(mins, xsv)), mp, align=4)
@@ -825,7 +825,7 @@ def _dequantize_k(raw, out, f16, head, quad, bsz, sub):
     rows = raw.shape[0]
     nb = out.shape[1] // QK_K
     st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
-    nchunk = min(rows, _ROW_CHUNKS)
+    nchunk = min(rows, ROW_CHUNKS)
     for c in prange(nchunk):
         sc = np.empty(16, np.int32)
         mn = np.zeros(16, np.int32)
@@ -852,35 +852,35 @@ def _dequantize_k(raw, out, f16, head, quad, bsz, sub):
 @jit.njit(inline="always")
 def _vblock_q2k(q, f16, xb, xs, xso, acc, accm):
     """The Q2_K block of :func:`_matvec_k` as vector IR (:func:`_block_q2k`); True: done."""
-    _block_q2k(q, f16[_u16(q, 80)], f16[_u16(q, 82)], xb, xs, xso, acc, accm)
+    _block_q2k(q, f16[load_u16(q, 80)], f16[load_u16(q, 82)], xb, xs, xso, acc, accm)
     return True
 
 
 @jit.njit(inline="always")
 def _vblock_q3k(q, f16, xb, xs, xso, acc, accm):
     """The Q3_K block of :func:`_matvec_k` as vector IR (:func:`_block_q3k`); True: done."""
-    _block_q3k(q, f16[_u16(q, 108)], xb, acc)
+    _block_q3k(q, f16[load_u16(q, 108)], xb, acc)
     return True
 
 
 @jit.njit(inline="always")
 def _vblock_q4k(q, f16, xb, xs, xso, acc, accm):
     """The Q4_K block of :func:`_matvec_k` as vector IR (:func:`_block_q4k`); True: done."""
-    _block_q4k(q, f16[_u16(q, 0)], f16[_u16(q, 2)], xb, xs, xso, acc, accm)
+    _block_q4k(q, f16[load_u16(q, 0)], f16[load_u16(q, 2)], xb, xs, xso, acc, accm)
     return True
 
 
 @jit.njit(inline="always")
 def _vblock_q5k(q, f16, xb, xs, xso, acc, accm):
     """The Q5_K block of :func:`_matvec_k` as vector IR (:func:`_block_q5k`); True: done."""
-    _block_q5k(q, f16[_u16(q, 0)], f16[_u16(q, 2)], xb, xs, xso, acc, accm)
+    _block_q5k(q, f16[load_u16(q, 0)], f16[load_u16(q, 2)], xb, xs, xso, acc, accm)
     return True
 
 
 @jit.njit(inline="always")
 def _vblock_q6k(q, f16, xb, xs, xso, acc, accm):
     """The Q6_K block of :func:`_matvec_k` as vector IR (:func:`_block_q6k`); True: done."""
-    _block_q6k(q, f16[_u16(q, 208)], xb, acc)
+    _block_q6k(q, f16[load_u16(q, 208)], xb, acc)
     return True
 
 
@@ -923,21 +923,21 @@ def _matvec_k(raw, raw1, raw2, x, out, f16, head, quad, bsz, sub, has_min, vbloc
     :func:`_vblock_none`: the scalar loop (the reference the vector IR is tested against).
     ``perm``: the lanes hold a sub-block's elements in permuted order (:func:`_lane`); the
     vector IR block reads x permuted likewise, once per call. The rows
-    are a group's (raw, raw1, raw2 one after another: quants_legacy._group_row)."""
+    are a group's (raw, raw1, raw2 one after another: quants_legacy.group_row)."""
     rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
     nb = x.shape[0] // QK_K
     st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
     nsub = 8 * st
     xs = _xsums(x, sub) if has_min else np.zeros(0, np.float32)   # only the min terms read them
     xv = _permute_blocks(x, K_LANE_ELEMENT) if perm else x                          # the vector IR's activations
-    nchunk = min(rows, _ROW_CHUNKS)
+    nchunk = min(rows, ROW_CHUNKS)
     for c in prange(nchunk):
         sc = np.empty(16, np.int32)
         mn = np.zeros(16, np.int32)
-        acc = _stack_f32(32)                  # in registers across the blocks (_stack_f32)
-        accm = _stack_f32(16)[:nsub]          # min terms, one lane per sub-block position
+        acc = stack_f32(32)                  # in registers across the blocks (stack_f32)
+        accm = stack_f32(16)[:nsub]          # min terms, one lane per sub-block position
         for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
-            w = _group_row(raw, raw1, raw2, r)
+            w = group_row(raw, raw1, raw2, r)
             acc[:] = 0
             accm[:] = 0
             for i in range(nb):
@@ -958,16 +958,16 @@ def _matvec_k(raw, raw1, raw2, x, out, f16, head, quad, bsz, sub, has_min, vbloc
                             q0, q1, q2, q3 = quad(q, j, b, False)
                             ln = _lane(b, perm)
                             if wfirst:
-                                a = _fma32(a0 * q0, xb[128 * j + b], acc[ln])
-                                a = _fma32(a1 * q1, xb[128 * j + 32 + b], a)
-                                a = _fma32(a2 * q2, xb[128 * j + 64 + b], a)
-                                acc[ln] = _fma32(a3 * q3, xb[128 * j + 96 + b], a)
+                                a = fma32(a0 * q0, xb[128 * j + b], acc[ln])
+                                a = fma32(a1 * q1, xb[128 * j + 32 + b], a)
+                                a = fma32(a2 * q2, xb[128 * j + 64 + b], a)
+                                acc[ln] = fma32(a3 * q3, xb[128 * j + 96 + b], a)
                             else:
-                                a = _fma32(a0, q0 * xb[128 * j + b], acc[ln])
-                                a = _fma32(a1, q1 * xb[128 * j + 32 + b], a)
-                                a = _fma32(a2, q2 * xb[128 * j + 64 + b], a)
-                                acc[ln] = _fma32(a3, q3 * xb[128 * j + 96 + b], a)
-            out[r] = _lanes_sum32(acc) - (accm.sum() if has_min else _F32_0)
+                                a = fma32(a0, q0 * xb[128 * j + b], acc[ln])
+                                a = fma32(a1, q1 * xb[128 * j + 32 + b], a)
+                                a = fma32(a2, q2 * xb[128 * j + 64 + b], a)
+                                acc[ln] = fma32(a3, q3 * xb[128 * j + 96 + b], a)
+            out[r] = lanes_sum32(acc) - (accm.sum() if has_min else _F32_0)
 
 
 @jit.njit(inline="always")
@@ -980,24 +980,24 @@ def _matvec_q4k_ahead(raw, raw1, raw2, x, out, f16, bsz):
     nb = x.shape[0] // QK_K
     xs = _xsums(x, 32)
     xv = _permute_blocks(x, K_LANE_ELEMENT)
-    nchunk = min(rows, _ROW_CHUNKS)
+    nchunk = min(rows, ROW_CHUNKS)
     for c in prange(nchunk):
-        acc = _stack_f32(32)                  # in registers across the blocks (_stack_f32)
-        accm = _stack_f32(8)
-        ahead = _stack_f32(16)                # the next block's scales and mins
+        acc = stack_f32(32)                  # in registers across the blocks (stack_f32)
+        accm = stack_f32(8)
+        ahead = stack_f32(16)                # the next block's scales and mins
         for r in range(c * rows // nchunk, (c + 1) * rows // nchunk):
-            w = _group_row(raw, raw1, raw2, r)
+            w = group_row(raw, raw1, raw2, r)
             acc[:] = 0
             accm[:] = 0
             if nb == 0:                       # rows of no elements: no head to read
                 out[r] = _F32_0
                 continue
-            _q4k_head_ahead(w, 0, f16[_u16(w, 0)], f16[_u16(w, 2)], ahead)
+            _q4k_head_ahead(w, 0, f16[load_u16(w, 0)], f16[load_u16(w, 2)], ahead)
             for i in range(nb):
                 on = min(i + 1, nb - 1) * bsz
-                _q4k_step_ahead(w, i * bsz, on, f16[_u16(w, on)], f16[_u16(w, on + 2)], xv, i * QK_K,
+                _q4k_step_ahead(w, i * bsz, on, f16[load_u16(w, on)], f16[load_u16(w, on + 2)], xv, i * QK_K,
                                 xs, 8 * i, acc, accm, ahead)
-            out[r] = _lanes_sum32(acc) - accm.sum()
+            out[r] = lanes_sum32(acc) - accm.sum()
 
 
 @jit.njit(inline="always")
@@ -1011,7 +1011,7 @@ def _matmul_ggml_k(raw, yd, yf, ybs, out, f16, head, quad, bsz, sub, nmin, off):
     m, nb = yd.shape
     per = 2 if nmin == 8 else (4 if nmin == 4 else 16)  # 16-element bsums per min lane
     st = 2 if sub == 16 else 1  # sub-blocks per 32 elements (no division: it costs in the loops)
-    nchunk = min(rows, _ROW_CHUNKS)
+    nchunk = min(rows, ROW_CHUNKS)
     for c in prange(nchunk):
         acc = np.empty((m, 8), np.float32)
         accm = np.empty((m, 4), np.float32)
@@ -1046,9 +1046,9 @@ def _matmul_ggml_k(raw, yd, yf, ybs, out, f16, head, quad, bsz, sub, nmin, off):
                         for t in range(per * k, per * (k + 1)):
                             pm += np.int64(mn[t if st == 2 else t >> 1]) * np.int64(bs[t])
                         if nmin == 8:
-                            acc[a, k] = _fma32(dmin, np.float32(pm), acc[a, k])
+                            acc[a, k] = fma32(dmin, np.float32(pm), acc[a, k])
                         else:
-                            accm[a, k] = _fma32(dmin, np.float32(pm), accm[a, k])
+                            accm[a, k] = fma32(dmin, np.float32(pm), accm[a, k])
                     _block_lanes(wf, yf[a, i * QK_K:(i + 1) * QK_K], tmp, lanes)
                     d = dy * dw
                     for k in range(8):
@@ -1056,14 +1056,14 @@ def _matmul_ggml_k(raw, yd, yf, ybs, out, f16, head, quad, bsz, sub, nmin, off):
                         if off:
                             lk -= np.float64(off) * np.float64(np.int64(bs[2 * k]) * sc[2 * k]
                                                                + np.int64(bs[2 * k + 1]) * sc[2 * k + 1])
-                        acc[a, k] = _fma32(d, np.float32(lk), acc[a, k])
+                        acc[a, k] = fma32(d, np.float32(lk), acc[a, k])
             for a in range(m):
                 if nmin == 4:
-                    out[a, r] = _hsum8(acc[a]) + ((accm[a, 0] + accm[a, 2]) + (accm[a, 1] + accm[a, 3]))
+                    out[a, r] = hsum8(acc[a]) + ((accm[a, 0] + accm[a, 2]) + (accm[a, 1] + accm[a, 3]))
                 elif nmin == 1:
-                    out[a, r] = _hsum8(acc[a]) + accm[a, 0]
+                    out[a, r] = hsum8(acc[a]) + accm[a, 0]
                 else:
-                    out[a, r] = _hsum8(acc[a])
+                    out[a, r] = hsum8(acc[a])
 
 
 # ------------------------------------------------------------------ ggml numerics on SIMD integer dot products
@@ -1092,7 +1092,7 @@ def _k_lanes_codegen(kind: int, use_vnni: bool, nrows: int):
         else:
             qty, aty, _, scty, lty = signature.args[:5]
             q_, a_, ao_, sc_, l_ = args[:5]
-        v32, v8 = _v(_I8, 32), _v(_I32, 8)
+        v32, v8 = vector_of(_I8, 32), vector_of(I32, 8)
         c = lambda ty, vals: ir.Constant(ty, vals)         # noqa: E731
         ao64 = builder.sext(ao_, _I64) if ao_.type.width < 64 else ao_
 
@@ -1111,7 +1111,7 @@ def _k_lanes_codegen(kind: int, use_vnni: bool, nrows: int):
                                          wraparound=False)
             return builder.load(builder.bitcast(p, v32.as_pointer()), align=1)
 
-        scv = ld(scty, sc_, c(_I64, 0), _v(_I32, 16))
+        scv = ld(scty, sc_, c(_I64, 0), vector_of(I32, 16))
         groups = []                           # (unsigned quants, group index)
         if k6:
             for j in range(2):
@@ -1224,18 +1224,18 @@ def _k_pre(bs, ydi, dmw, sc, mn, lanes, lo, accm, mo, acc, ao, kind):
         dmin = (-ydi) * dmw                  # into the quant lanes, before them (nmin 8)
         for k in range(8):
             pm = mn[2 * k] * np.int32(bs[2 * k]) + mn[2 * k + 1] * np.int32(bs[2 * k + 1])
-            acc[ao + k] = _fma32(dmin, np.float32(pm), acc[ao + k])
+            acc[ao + k] = fma32(dmin, np.float32(pm), acc[ao + k])
     elif kind == 5:
         pm = np.int32(0)
         for t in range(16):
             pm += mn[t >> 1] * np.int32(bs[t])
-        accm[mo] = _fma32((-ydi) * dmw, np.float32(pm), accm[mo])
+        accm[mo] = fma32((-ydi) * dmw, np.float32(pm), accm[mo])
     else:
         dmin = (-ydi) * dmw
         for k in range(4):
             pm = (mn[2 * k] * (np.int32(bs[4 * k]) + np.int32(bs[4 * k + 1]))
                   + mn[2 * k + 1] * (np.int32(bs[4 * k + 2]) + np.int32(bs[4 * k + 3])))
-            accm[mo + k] = _fma32(dmin, np.float32(pm), accm[mo + k])
+            accm[mo + k] = fma32(dmin, np.float32(pm), accm[mo + k])
 
 
 @jit.njit(inline="always")
@@ -1243,7 +1243,7 @@ def _k_post(ydi, dw, lanes, lo, acc, ao):
     """After the lane sums: acc[ao:ao+8] takes d * lanes[lo:lo+8], one fma a lane."""
     d = ydi * dw
     for k in range(8):
-        acc[ao + k] = _fma32(d, np.float32(lanes[lo + k]), acc[ao + k])
+        acc[ao + k] = fma32(d, np.float32(lanes[lo + k]), acc[ao + k])
 
 
 @jit.njit(inline="always")
@@ -1280,7 +1280,7 @@ def _matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, bsz, kind, vnni):
     m, nb = yd.shape
     half = (rows + 1) // 2
     for p in prange(half):
-        r0, r1 = _far_pair(p, half, rows)
+        r0, r1 = far_pair(p, half, rows)
         sc0 = np.zeros(16, np.int32)
         mn0 = np.zeros(16, np.int32)
         sc1 = np.zeros(16, np.int32)
@@ -1290,8 +1290,8 @@ def _matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, bsz, kind, vnni):
         accm = np.zeros(8 * m, np.float32)
         for i in range(nb):
             o = i * bsz
-            _prefetch(raw[r0], o + PREFETCH_BYTES)
-            _prefetch(raw[r1], o + PREFETCH_BYTES)
+            prefetch_at(raw[r0], o + PREFETCH_BYTES)
+            prefetch_at(raw[r1], o + PREFETCH_BYTES)
             q0 = raw[r0, o:o + bsz]
             q1 = raw[r1, o:o + bsz]
             dw0, dmw0 = _k_head(q0, f16, sc0, mn0, kind)
@@ -1315,7 +1315,7 @@ def _matmul_ggml_k_i8(raw, yd, yq, ybs, out, f16, bsz, kind, vnni):
         for a in range(m):
             for t in range(2):
                 r = r0 if t == 0 else r1
-                v = _hsum8(acc[16 * a + 8 * t:16 * a + 8 * t + 8])
+                v = hsum8(acc[16 * a + 8 * t:16 * a + 8 * t + 8])
                 e = 8 * a + 4 * t
                 if kind == 4:
                     v += (accm[e] + accm[e + 2]) + (accm[e + 1] + accm[e + 3])
@@ -1408,7 +1408,7 @@ AHEAD = frozenset({QT.Q4_K}) if WIDE_STEPS else frozenset()
 def _k_kernels(qtype: QT, head: str, quad: str, bsz: int, sub: int, nmin: int, off: int) -> TypeKernels:
     """A K type's kernels; ggml activations are Q8_K blocks."""
     dec = f"{head}, {quad}, {bsz}, {sub}"
-    return _quant_kernels(globals(), qtype, QT.Q8_K, _ggml_act,
+    return quant_kernels(globals(), qtype, QT.Q8_K, _ggml_act,
                           f"_dequantize_k(raw, out, f16, {dec})",
                           f"_matvec_q4k_ahead(raw, raw1, raw2, x, out, f16, {bsz})" if qtype in AHEAD else
                           f"_matvec_k(raw, raw1, raw2, x, out, f16, {dec}, {nmin > 0}, "

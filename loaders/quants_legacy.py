@@ -55,7 +55,7 @@ from . import half, jit
 from .ggml_types import TypeKernels, type_size
 # the target's architecture and the features Numba compiles for (NUMBA_CPU_NAME /
 # NUMBA_CPU_FEATURES honoured), not the host's
-from .half import _FEATURES, _X86_64, fma16, half_bits_to_f32
+from .half import FEATURES, X86_64, fma16, half_bits_to_f32
 
 jit.kernel_module(__file__, half)
 
@@ -73,7 +73,7 @@ _F32_127 = np.float32(127.0)
 
 
 @intrinsic
-def _fma32(typingctx, a, b, c):
+def fma32(typingctx, a, b, c):
     """float32 fused multiply-add a * b + c with a single rounding (llvm.fma.f32)."""
     sig = types.float32(types.float32, types.float32, types.float32)
 
@@ -98,7 +98,7 @@ def _f32_bits(typingctx, a):
 
 
 @intrinsic
-def _bits_f32(typingctx, a):
+def bits_f32(typingctx, a):
     """uint32 bit pattern -> float32."""
     sig = types.float32(types.uint32)
 
@@ -112,15 +112,15 @@ def _bits_f32(typingctx, a):
 # int64, and LLVM then vectorizes a block's decode 8 lanes wide (64-bit lanes) or not at all;
 # these compute in i32 and return int32, so a block decodes 8-16 lanes per instruction and
 # the float conversion is a 32-bit one (Q5_0 fp32 matvec +30%, Q8_0 +25% on real rows).
-_I32 = ir.IntType(32)
+I32 = ir.IntType(32)
 
 
 def _arg_i32(builder, ty, v):
     """An integer argument as i32 (truncated, or extended by its signedness)."""
     if ty.bitwidth > 32:
-        return builder.trunc(v, _I32)
+        return builder.trunc(v, I32)
     if ty.bitwidth < 32:
-        return builder.sext(v, _I32) if ty.signed else builder.zext(v, _I32)
+        return builder.sext(v, I32) if ty.signed else builder.zext(v, I32)
     return v
 
 
@@ -131,7 +131,7 @@ def _s8(typingctx, u):
 
     def codegen(context, builder, signature, args):
         b = args[0] if args[0].type.width == 8 else builder.trunc(args[0], ir.IntType(8))
-        return builder.sext(b, _I32)
+        return builder.sext(b, I32)
 
     return sig, codegen
 
@@ -144,8 +144,8 @@ def _nibbles(typingctx, u, off):
     def codegen(context, builder, signature, args):
         v = _arg_i32(builder, signature.args[0], args[0])
         o = _arg_i32(builder, signature.args[1], args[1])
-        lo = builder.and_(v, ir.Constant(_I32, 15))
-        hi = builder.lshr(builder.and_(v, ir.Constant(_I32, 255)), ir.Constant(_I32, 4))
+        lo = builder.and_(v, ir.Constant(I32, 15))
+        hi = builder.lshr(builder.and_(v, ir.Constant(I32, 255)), ir.Constant(I32, 4))
         return context.make_tuple(builder, signature.return_type, (builder.sub(lo, o), builder.sub(hi, o)))
 
     return sig, codegen
@@ -159,15 +159,15 @@ def _q5(typingctx, u, qh, j, off):
 
     def codegen(context, builder, signature, args):
         v, h, k, o = (_arg_i32(builder, t, a) for t, a in zip(signature.args, args))
-        c1, c4 = ir.Constant(_I32, 1), ir.Constant(_I32, 4)
+        c1, c4 = ir.Constant(I32, 1), ir.Constant(I32, 4)
 
         def bit(s):
-            set_ = builder.icmp_unsigned("!=", builder.and_(h, builder.shl(c1, s)), ir.Constant(_I32, 0))
-            return builder.select(set_, ir.Constant(_I32, 16), ir.Constant(_I32, 0))
+            set_ = builder.icmp_unsigned("!=", builder.and_(h, builder.shl(c1, s)), ir.Constant(I32, 0))
+            return builder.select(set_, ir.Constant(I32, 16), ir.Constant(I32, 0))
 
-        lo = builder.or_(builder.and_(v, ir.Constant(_I32, 15)), bit(k))
-        hi = builder.or_(builder.lshr(builder.and_(v, ir.Constant(_I32, 255)), c4),
-                         bit(builder.add(k, ir.Constant(_I32, 16))))
+        lo = builder.or_(builder.and_(v, ir.Constant(I32, 15)), bit(k))
+        hi = builder.or_(builder.lshr(builder.and_(v, ir.Constant(I32, 255)), c4),
+                         bit(builder.add(k, ir.Constant(I32, 16))))
         return context.make_tuple(builder, signature.return_type, (builder.sub(lo, o), builder.sub(hi, o)))
 
     return sig, codegen
@@ -232,7 +232,7 @@ def ir_u4_weights(context, builder, sig_args, args):
 
 
 # the widest vector an x86 register ("x" constraint) holds on that target, in bits
-_X86_VECTOR_BITS = 512 if "avx512f" in _FEATURES else 256 if "avx" in _FEATURES else 128
+_X86_VECTOR_BITS = 512 if "avx512f" in FEATURES else 256 if "avx" in FEATURES else 128
 
 
 def ir_opaque(builder, v):
@@ -244,7 +244,7 @@ def ir_opaque(builder, v):
     t = v.type
     el, n = (t.element, t.count) if isinstance(t, ir.VectorType) else (t, 1)
     bits = n * (el.width if isinstance(el, ir.IntType) else 32 if isinstance(el, ir.FloatType) else 64)
-    if not _X86_64 or bits > _X86_VECTOR_BITS:
+    if not X86_64 or bits > _X86_VECTOR_BITS:
         return v
     asm = ir.InlineAsm(ir.FunctionType(v.type, [v.type]), "", "=x,0")
     return builder.call(asm, [v])
@@ -269,7 +269,7 @@ def ir_u4_groups(context, builder, sig_args, args):
     It replaced a step that unpacked the qs words by shifts in a permuted lane order (x
     permuted once a call) and made each weight by a convert and a multiply. Compiled for
     znver3, one core of an AMD EPYC znver4, 4096 x 2048 matrices, cycles a block (with the
-    scale's index by one load, :func:`_u16`): Q4_0 7.2 -> 6.5, Q4_1 7.9 -> 5.9, Q5_0 10.5 ->
+    scale's index by one load, :func:`load_u16`): Q4_0 7.2 -> 6.5, Q4_1 7.9 -> 5.9, Q5_0 10.5 ->
     9.1, Q5_1 12.3 -> 9.3; two threads, Gemma 3 270M's Q5_0 ffn_gate 13.5 -> 14.9 GB/s.
     Far row pairs of it ran slower (Q4_0, two threads, 19.6 -> 16.5 GB/s), and so did bit 4 by
     an arithmetic shift and an and-not in place of the blend (Q5_0 9.1 -> 10.0 cycles)."""
@@ -394,7 +394,7 @@ def _fma_u4x32_wide(typingctx, w, wo, qh, d, m, off, x, xo, acc):
 
 
 @jit.njit(inline="always")
-def _f32_to_f16_bits(f):
+def f32_to_f16_bits(f):
     """float32 -> IEEE half bits, round to nearest even (as F16C ``vcvtps2ph`` and NumPy)."""
     b = np.uint32(_f32_bits(np.float32(f)))
     sign = np.uint32((b >> 16) & 0x8000)
@@ -435,33 +435,33 @@ def _f32_to_bf16_bits(f):
 
 
 @jit.njit(inline="always")
-def _i8(u):
+def as_i8(u):
     """uint8 byte -> signed value (int32)."""
     v = np.int32(u)
     return v - ((v & 0x80) << 1)
 
 
 @intrinsic
-def _u16(typingctx, w, o):
+def load_u16(typingctx, w, o):
     """Little-endian uint16 at byte offset o of a uint8 row (no bounds check), as int32: one
     16-bit load (Numba's targets are little-endian), where the two bytes' loads, shift and OR
     stayed four instructions (LLVM did not merge them). Every block type's fp16 scale index."""
     def codegen(context, builder, signature, args):
         o = context.cast(builder, args[1], signature.args[1], types.intp)
         p = ir_ptr(context, builder, signature.args[0], args[0], o, ir.IntType(16))
-        return builder.zext(builder.load(p, align=1), _I32)
+        return builder.zext(builder.load(p, align=1), I32)
     return types.int32(w, o), codegen
 
 
 @jit.njit(inline="always")
-def _u32(w, o):
+def load_u32(w, o):
     """Little-endian uint32 at byte offset o of a uint8 row."""
     return (np.uint32(w[o]) | (np.uint32(w[o + 1]) << 8)
             | (np.uint32(w[o + 2]) << 16) | (np.uint32(w[o + 3]) << 24))
 
 
 @jit.njit(inline="always")
-def _hsum8(a):
+def hsum8(a):
     """ggml hsum_float_8 order: ((a0+a4)+(a2+a6)) + ((a1+a5)+(a3+a7))."""
     r0 = a[4] + a[0]
     r1 = a[5] + a[1]
@@ -489,7 +489,7 @@ def _reduce16(a, o):
 
 
 @jit.njit(inline="always")
-def _lanes_sum32(acc):
+def lanes_sum32(acc):
     """Sum of 32 float32 lane accumulators, pairwise (fixed order)."""
     for w in (16, 8, 4, 2, 1):
         for k in range(w):
@@ -503,14 +503,14 @@ def _lanes_sum32(acc):
 
 
 @jit.njit(parallel=True)
-def _quantize_act_q8(x, out, with_sum):
+def quantize_act_q8(x, out, with_sum):
     """x: float32[m, n] -> Q8_0 (with_sum False) or Q8_1 (True) blocks in out: uint8[m, bytes]."""
     _quantize_act_q8_rows(x, out, with_sum)
 
 
 @jit.njit
 def _quantize_act_q8_serial(x, out, with_sum):
-    """_quantize_act_q8 on the calling thread (one decode row: no thread-pool launch)."""
+    """quantize_act_q8 on the calling thread (one decode row: no thread-pool launch)."""
     _quantize_act_q8_rows(x, out, with_sum)
 
 
@@ -530,7 +530,7 @@ def _quantize_act_q8_rows(x, out, with_sum):
             d = amax / _F32_127
             inv = _F32_127 / amax if amax != _F32_0 else _F32_0
             o = b * bsz
-            hd = _f32_to_f16_bits(d)
+            hd = f32_to_f16_bits(d)
             out[i, o] = np.uint8(hd & 0xFF)
             out[i, o + 1] = np.uint8(hd >> 8)
             isum = 0
@@ -540,7 +540,7 @@ def _quantize_act_q8_rows(x, out, with_sum):
                 isum += q
                 out[i, o + oq + k] = np.uint8(q & 0xFF)
             if with_sum:
-                hs = _f32_to_f16_bits(np.float32(d * np.float32(isum)))
+                hs = f32_to_f16_bits(np.float32(d * np.float32(isum)))
                 out[i, o + 2] = np.uint8(hs & 0xFF)
                 out[i, o + 3] = np.uint8(hs >> 8)
 
@@ -556,7 +556,7 @@ def _encode_elems(x, out, encode):
 
 @jit.njit(parallel=True)
 def _convert_act_f16(x, out):
-    _encode_elems(x, out, _f32_to_f16_bits)
+    _encode_elems(x, out, f32_to_f16_bits)
 
 
 @jit.njit(parallel=True)
@@ -579,7 +579,7 @@ def _quantize_act_blocks(x: np.ndarray, with_sum: bool) -> np.ndarray:
     if x.shape[1] % 32:
         raise ValueError(f"{name} activations need n % 32 == 0, got n={x.shape[1]}")
     out = np.empty((x.shape[0], x.shape[1] // 32 * bsz), dtype=np.uint8)
-    (_quantize_act_q8_serial if x.shape[0] == 1 else _quantize_act_q8)(x, out, with_sum)
+    (_quantize_act_q8_serial if x.shape[0] == 1 else quantize_act_q8)(x, out, with_sum)
     return out
 
 
@@ -641,66 +641,66 @@ def _elem_f16(h, k, f16):
 
 @jit.njit(inline="always")
 def _elem_bf16(h, k, f16):
-    return _bits_f32(np.uint32(h[k]) << 16)
+    return bits_f32(np.uint32(h[k]) << 16)
 
 
 @jit.njit(inline="always")
-def _head_d(w, o, f16):
+def head_d(w, o, f16):
     """Q4_0 / Q8_0: d: f16."""
-    return f16[_u16(w, o)], _F32_0, np.uint32(0)
+    return f16[load_u16(w, o)], _F32_0, np.uint32(0)
 
 
 @jit.njit(inline="always")
-def _head_dm(w, o, f16):
+def head_dm(w, o, f16):
     """Q4_1: d: f16 | m: f16."""
-    return f16[_u16(w, o)], f16[_u16(w, o + 2)], np.uint32(0)
+    return f16[load_u16(w, o)], f16[load_u16(w, o + 2)], np.uint32(0)
 
 
 @jit.njit(inline="always")
-def _head_d_qh(w, o, f16):
+def head_d_qh(w, o, f16):
     """Q5_0: d: f16 | qh: u32."""
-    return f16[_u16(w, o)], _F32_0, _u32(w, o + 2)
+    return f16[load_u16(w, o)], _F32_0, load_u32(w, o + 2)
 
 
 @jit.njit(inline="always")
-def _head_dm_qh(w, o, f16):
+def head_dm_qh(w, o, f16):
     """Q5_1: d: f16 | m: f16 | qh: u32."""
-    return f16[_u16(w, o)], f16[_u16(w, o + 2)], _u32(w, o + 4)
+    return f16[load_u16(w, o)], f16[load_u16(w, o + 2)], load_u32(w, o + 4)
 
 
 @jit.njit(inline="always")
-def _pair_q4_0(w, o, aux, j):
+def pair_q4_0(w, o, aux, j):
     """qs: u8[16] at o+2: low nibbles are q[0:16], high nibbles q[16:32]; minus 8."""
     return _nibbles(w[o + 2 + j], 8)
 
 
 @jit.njit(inline="always")
-def _pair_q4_1(w, o, aux, j):
+def pair_q4_1(w, o, aux, j):
     """qs: u8[16] at o+4, nibbles as Q4_0, unsigned."""
     return _nibbles(w[o + 4 + j], 0)
 
 
 @jit.njit(inline="always")
-def _pair_q5_0(w, o, qh, j):
+def pair_q5_0(w, o, qh, j):
     """qs: u8[16] at o+6, the fifth bit of q[k] is bit k of qh; minus 16."""
     return _q5(w[o + 6 + j], qh, j, 16)
 
 
 @jit.njit(inline="always")
-def _pair_q5_1(w, o, qh, j):
+def pair_q5_1(w, o, qh, j):
     """qs: u8[16] at o+8, as Q5_0, unsigned."""
     return _q5(w[o + 8 + j], qh, j, 0)
 
 
 @jit.njit(inline="always")
-def _pair_q8_0(w, o, aux, j):
+def pair_q8_0(w, o, aux, j):
     """qs: i8[32] at o+2."""
     return _s8(w[o + 2 + j]), _s8(w[o + 18 + j])
 
 
 @jit.njit(inline="always")
 def _mac_q8_0(w, o, f16, x, xo, acc):
-    d = f16[_u16(w, o)]
+    d = f16[load_u16(w, o)]
     for j in range(32):
         acc[j] += (d * np.float32(_s8(w[o + 2 + j]))) * x[xo + j]
 
@@ -709,10 +709,10 @@ def _mac_q8_0(w, o, f16, x, xo, acc):
 # 512-bit twins ``_fma_q4_0_wide``: one block at w[o:] into acc (_fma_u4x32, _fma_u4x32_wide)
 # from the block's fields (qs offset, qh, d, m, quant offset) as the table gives them
 _U4_FIELDS = {
-    "q4_0": "o + 2, None, f16[_u16(w, o)], None, 8",
-    "q4_1": "o + 4, None, f16[_u16(w, o)], f16[_u16(w, o + 2)], 0",
-    "q5_0": "o + 6, _u32(w, o + 2), f16[_u16(w, o)], None, 16",
-    "q5_1": "o + 8, _u32(w, o + 4), f16[_u16(w, o)], f16[_u16(w, o + 2)], 0",
+    "q4_0": "o + 2, None, f16[load_u16(w, o)], None, 8",
+    "q4_1": "o + 4, None, f16[load_u16(w, o)], f16[load_u16(w, o + 2)], 0",
+    "q5_0": "o + 6, load_u32(w, o + 2), f16[load_u16(w, o)], None, 16",
+    "q5_1": "o + 8, load_u32(w, o + 4), f16[load_u16(w, o)], f16[load_u16(w, o + 2)], 0",
 }
 for _t, _fields in _U4_FIELDS.items():
     for _suffix, _fma in (("", "_fma_u4x32"), ("_wide", "_fma_u4x32_wide")):
@@ -721,7 +721,7 @@ for _t, _fields in _U4_FIELDS.items():
 
 
 @jit.njit(inline="always")
-def _weight(d, m, q, has_min):
+def q_weight(d, m, q, has_min):
     return d * np.float32(q) + m if has_min else d * np.float32(q)
 
 
@@ -731,7 +731,7 @@ def _weight(d, m, q, has_min):
 # with a constant trip count is fully unrolled by LLVM before its loop vectorizer runs, and
 # the unrolled scalar code is not re-vectorized (Q4_0, Q4_1 and Q8_0 dequantized at 4 G
 # weights/s that way, 5x slower than as vector IR); these emit the block's vector operations
-# directly. Each output is the scalar decoders' float32 value (``head``/``pair``, _weight):
+# directly. Each output is the scalar decoders' float32 value (``head``/``pair``, q_weight):
 # the same integer quant, one exact int -> float conversion, one product d * q and (types
 # with a minimum) one sum.
 # ---------------------------------------------------------------------------------------
@@ -772,28 +772,28 @@ def _u4x32(typingctx, w, wo, qh, d, m, off, out, oo):
 
 
 @jit.njit(inline="always")
-def _deq_q4_0(w, o, f16, out, oo):
-    _u4x32(w, o + 2, None, f16[_u16(w, o)], None, 8, out, oo)
+def deq_q4_0(w, o, f16, out, oo):
+    _u4x32(w, o + 2, None, f16[load_u16(w, o)], None, 8, out, oo)
 
 
 @jit.njit(inline="always")
-def _deq_q4_1(w, o, f16, out, oo):
-    _u4x32(w, o + 4, None, f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, out, oo)
+def deq_q4_1(w, o, f16, out, oo):
+    _u4x32(w, o + 4, None, f16[load_u16(w, o)], f16[load_u16(w, o + 2)], 0, out, oo)
 
 
 @jit.njit(inline="always")
-def _deq_q5_0(w, o, f16, out, oo):
-    _u4x32(w, o + 6, _u32(w, o + 2), f16[_u16(w, o)], None, 16, out, oo)
+def deq_q5_0(w, o, f16, out, oo):
+    _u4x32(w, o + 6, load_u32(w, o + 2), f16[load_u16(w, o)], None, 16, out, oo)
 
 
 @jit.njit(inline="always")
-def _deq_q5_1(w, o, f16, out, oo):
-    _u4x32(w, o + 8, _u32(w, o + 4), f16[_u16(w, o)], f16[_u16(w, o + 2)], 0, out, oo)
+def deq_q5_1(w, o, f16, out, oo):
+    _u4x32(w, o + 8, load_u32(w, o + 4), f16[load_u16(w, o)], f16[load_u16(w, o + 2)], 0, out, oo)
 
 
 @jit.njit(inline="always")
-def _deq_q8_0(w, o, f16, out, oo):
-    _s8x32(w, o + 2, f16[_u16(w, o)], out, oo)
+def deq_q8_0(w, o, f16, out, oo):
+    _s8x32(w, o + 2, f16[load_u16(w, o)], out, oo)
 
 
 # ---------------------------------------------------------------------------------------
@@ -825,7 +825,7 @@ def _mul_add_f16x32(typingctx, acc, h, ho, x, xo):
         hp = ir_ptr(context, builder, hty, args[1], args[2], ir.VectorType(ir.IntType(16), 32))
         xp = ir_ptr(context, builder, xty, args[3], args[4], vf)
         ap = ir_ptr(context, builder, accty, args[0], ir.Constant(ir.IntType(64), 0), vf)
-        w = half._fpext_half(builder, builder.load(hp, align=2))
+        w = half.fpext_half(builder, builder.load(hp, align=2))
         builder.store(builder.fadd(builder.load(ap, align=4), builder.fmul(w, builder.load(xp, align=4))),
                       ap, align=4)
         return context.get_dummy_value()
@@ -854,10 +854,10 @@ def _matvec_elems(h, x, out, f16, elem, mac32):
     ``mac32`` the step over 32 elements (:func:`_mac32_elems` or the type's vector step)."""
     rows, n = h.shape
     n32 = n // 32 * 32
-    nchunk = min(rows, _ROW_CHUNKS)
+    nchunk = min(rows, ROW_CHUNKS)
     for c in prange(nchunk):
         lo, hi = _chunk(c, rows, nchunk)
-        acc = _stack_f32(32)
+        acc = stack_f32(32)
         for r in range(lo, hi):
             hr = h[r]
             acc[:] = 0.0
@@ -865,7 +865,7 @@ def _matvec_elems(h, x, out, f16, elem, mac32):
                 mac32(hr, j0, x, acc, f16, elem)
             for j in range(n32, n):
                 acc[j - n32] += elem(hr, j, f16) * x[j]
-            out[r] = _lanes_sum32(acc)
+            out[r] = lanes_sum32(acc)
 
 
 @jit.njit(inline="always")
@@ -882,7 +882,7 @@ def _dequantize_blocks(raw, out, f16, deq, bsz):
 
 
 @intrinsic
-def _stack_f32(typingctx, n):
+def stack_f32(typingctx, n):
     """A float32[n] scratch array (n a literal) in the calling function's stack frame instead
     of the heap: LLVM then keeps a matvec's lane accumulators in registers across its blocks
     (through heap memory each block's FMA waits on the previous block's store). Valid while
@@ -913,14 +913,14 @@ def _chunk(c, n, nchunk):
     return ci * n // nchunk, (ci + 1) * n // nchunk
 
 
-# a group's unused member (see _group_row): no rows; read-only like the weights as_raw gives,
+# a group's unused member (see group_row): no rows; read-only like the weights as_raw gives,
 # so a one-matrix call and a group's are one specialization
 NO_ROWS = np.empty((0, 0), np.uint8)
 NO_ROWS.flags.writeable = False
 
 
 @jit.njit(inline="always")
-def _group_row(raw, raw1, raw2, r):
+def group_row(raw, raw1, raw2, r):
     """Row r of a group: the rows of raw, then raw1's, then raw2's (matrices of one type and
     row length, read by one call; NO_ROWS for an unused member)."""
     n0 = raw.shape[0]
@@ -938,27 +938,27 @@ def _matvec_blocks(raw, raw1, raw2, x, out, f16, bsz, vec):
     is the type's block step (``_fma_q4_0`` ...: one block's 32 lanes as vector FMAs, one
     rounding per term, lane L element L; ``_mac_q8_0``: Q8_0's product and sum, which LLVM
     vectorizes as written). The rows are those of a group
-    (:func:`_group_row`: raw, raw1, raw2 one after another, out likewise), so matrices that
-    read the same x (a layer's q, k, v) are one call. Work items are _ROW_CHUNKS
-    contiguous row ranges; the accumulators are a _stack_f32 buffer, held in registers (a
+    (:func:`group_row`: raw, raw1, raw2 one after another, out likewise), so matrices that
+    read the same x (a layer's q, k, v) are one call. Work items are ROW_CHUNKS
+    contiguous row ranges; the accumulators are a stack_f32 buffer, held in registers (a
     heap array per row cost as much as the 20 blocks of a 640-wide row, and made every
     block's FMA wait on the previous block's store)."""
     rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
     nb = x.shape[0] // 32
-    nchunk = min(rows, _ROW_CHUNKS)
+    nchunk = min(rows, ROW_CHUNKS)
     for c in prange(nchunk):
         lo, hi = _chunk(c, rows, nchunk)
-        acc = _stack_f32(32)
+        acc = stack_f32(32)
         for r in range(lo, hi):
-            w = _group_row(raw, raw1, raw2, r)
+            w = group_row(raw, raw1, raw2, r)
             acc[:] = 0.0
             for b in range(nb):
                 vec(w, b * bsz, f16, x, b * 32, acc)
-            out[r] = _lanes_sum32(acc)
+            out[r] = lanes_sum32(acc)
 
 
 @jit.njit(inline="always")
-def _far_pair(p, half, rows):
+def far_pair(p, half, rows):
     """Rows of work item p when item p holds rows p and p + half (half = ceil(rows / 2)): an
     odd row count gives the middle row to its item twice (computed twice, written the same)."""
     r0 = np.intp(p)                      # prange's index may be unsigned: uint + int is float
@@ -971,29 +971,29 @@ def _matvec_blocks_far_pairs(raw, raw1, raw2, x, out, f16, bsz, vec):
     """_matvec_blocks with rows r and r + ceil(rows / 2) per step, each prefetched
     PREFETCH_BYTES bytes ahead: the same operations per row (the same bits), two memory streams
     far apart that the hardware prefetchers alone do not keep fed. For the types whose block
-    step is light enough to wait on memory (FAR_PAIR_MATVEC). Work items are _ROW_CHUNKS
+    step is light enough to wait on memory (FAR_PAIR_MATVEC). Work items are ROW_CHUNKS
     ranges of steps, accumulators in registers as in _matvec_blocks; rows of a group as there."""
     rows = raw.shape[0] + raw1.shape[0] + raw2.shape[0]
     nb = x.shape[0] // 32
     half = (rows + 1) // 2
-    nchunk = min(half, _ROW_CHUNKS)
+    nchunk = min(half, ROW_CHUNKS)
     for c in prange(nchunk):
         lo, hi = _chunk(c, half, nchunk)
-        acc0 = _stack_f32(32)
-        acc1 = _stack_f32(32)
+        acc0 = stack_f32(32)
+        acc1 = stack_f32(32)
         for p in range(lo, hi):
-            r0, r1 = _far_pair(p, half, rows)
-            w0 = _group_row(raw, raw1, raw2, r0)
-            w1 = _group_row(raw, raw1, raw2, r1)
+            r0, r1 = far_pair(p, half, rows)
+            w0 = group_row(raw, raw1, raw2, r0)
+            w1 = group_row(raw, raw1, raw2, r1)
             acc0[:] = 0.0
             acc1[:] = 0.0
             for b in range(nb):
-                _prefetch(w0, b * bsz + PREFETCH_BYTES)
-                _prefetch(w1, b * bsz + PREFETCH_BYTES)
+                prefetch_at(w0, b * bsz + PREFETCH_BYTES)
+                prefetch_at(w1, b * bsz + PREFETCH_BYTES)
                 vec(w0, b * bsz, f16, x, b * 32, acc0)
                 vec(w1, b * bsz, f16, x, b * 32, acc1)
-            out[r0] = _lanes_sum32(acc0)
-            out[r1] = _lanes_sum32(acc1)
+            out[r0] = lanes_sum32(acc0)
+            out[r1] = lanes_sum32(acc1)
 
 
 @jit.njit(inline="always")
@@ -1048,7 +1048,7 @@ def _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, head, pair, bsz, has_min, o
             for j in range(nb * 8):
                 alanes[i, j] = (np.int32(aq[i, 4 * j]) + np.int32(aq[i, 4 * j + 1])
                                 + np.int32(aq[i, 4 * j + 2]) + np.int32(aq[i, 4 * j + 3]))
-    nchunk = min(rows, _ROW_CHUNKS)
+    nchunk = min(rows, ROW_CHUNKS)
     for c in prange(nchunk):
         # scratch per chunk of rows, not per row
         qw = np.empty(nb * 32, np.int8)
@@ -1070,14 +1070,14 @@ def _matmul_ggml_blocks(raw, aq, ad, asum, out, f16, head, pair, bsz, has_min, o
                 for b in range(nb):
                     d = dw[b] * ad[i, b]
                     if has_min:
-                        summs = _fma32(mw[b], asum[i, b], summs)
+                        summs = fma32(mw[b], asum[i, b], summs)
                     for lane in range(8):
-                        acc[lane] = _fma32(d, np.float32(isum[8 * b + lane]), acc[lane])
-                out[i, r] = _hsum8(acc) + summs if has_min else _hsum8(acc)
+                        acc[lane] = fma32(d, np.float32(isum[8 * b + lane]), acc[lane])
+                out[i, r] = hsum8(acc) + summs if has_min else hsum8(acc)
 
 
 # prange work items of the ggml block kernels: contiguous row ranges sharing one scratch allocation
-_ROW_CHUNKS = 64
+ROW_CHUNKS = 64
 
 
 # ---------------------------------------------------------------------------------------
@@ -1100,23 +1100,23 @@ _ROW_CHUNKS = 64
 
 # "vnni": VPDPBUSD on 256-bit vectors (AVX-512 VNNI with VL; an AVX-VNNI-only host takes "avx2",
 # the encoding not tried here); "avx2": VPMADDUBSW + VPMADDWD; None: no integer path
-I8_DOT = ("vnni" if "avx512vnni" in _FEATURES and "avx512vl" in _FEATURES
-          else "avx2" if "avx2" in _FEATURES else None)
+I8_DOT = ("vnni" if "avx512vnni" in FEATURES and "avx512vl" in FEATURES
+          else "avx2" if "avx2" in FEATURES else None)
 # prefill tiles on 512-bit vectors (_step8 in _prefill_tile_i8): two activation rows per VPDPBUSD
 # (AVX-512 VNNI on zmm registers, byte shuffles of AVX-512 BW)
-I8_WIDE = I8_DOT == "vnni" and {"avx512f", "avx512bw"} <= _FEATURES
+I8_WIDE = I8_DOT == "vnni" and {"avx512f", "avx512bw"} <= FEATURES
 # hosts with AVX-512 (32 vector registers hold two rows' accumulators and the step's constants):
 # the fp32 matvec of Q4_0 / Q4_1 / Q5_0 / Q5_1 takes the 512-bit block step (_fma_u4x32_wide,
 # table permutes: AVX-512 only) by far row pairs; elsewhere the 256-bit step, one row at a time
 # (tuned on znver3, AVX2)
-WIDE_STEPS = "avx512f" in _FEATURES
+WIDE_STEPS = "avx512f" in FEATURES
 
 
-def _v(t, n):
+def vector_of(t, n):
     return ir.VectorType(t, n)
 
 
-_I8T, _I16T = ir.IntType(8), ir.IntType(16)
+I8T, _I16T = ir.IntType(8), ir.IntType(16)
 
 
 def ir_unpack_u8x32(context, builder, wty, w, wo, qhty, qh, nbits, signed=False):
@@ -1124,20 +1124,20 @@ def ir_unpack_u8x32(context, builder, wty, w, wo, qhty, qh, nbits, signed=False)
     w[wo:] hold element j in the low nibble of byte j and j + 16 in its high one), 5 (those
     nibbles | bit k of the uint32 ``qh`` << 4) or 8 (the 32 int8 at w[wo:] + 128; with
     ``signed``, the int8 themselves, for :func:`ir_lane_sums`' sign trick)."""
-    v32 = _v(_I8T, 32)
+    v32 = vector_of(I8T, 32)
     if nbits == 8:
         q = builder.load(ir_ptr(context, builder, wty, w, wo, v32), align=1)
         return q if signed else builder.xor(q, ir.Constant(v32, [0x80] * 32))
-    q16 = builder.load(ir_ptr(context, builder, wty, w, wo, _v(_I8T, 16)), align=1)
+    q16 = builder.load(ir_ptr(context, builder, wty, w, wo, vector_of(I8T, 16)), align=1)
     # the high nibbles by a 16-bit shift of the 16 bytes (no byte shifts on x86)
-    hi = builder.bitcast(builder.lshr(builder.bitcast(q16, _v(_I16T, 8)),
-                                      ir.Constant(_v(_I16T, 8), [4] * 8)), _v(_I8T, 16))
-    q = builder.shuffle_vector(q16, hi, ir.Constant(_v(_I32, 32), list(range(32))))
+    hi = builder.bitcast(builder.lshr(builder.bitcast(q16, vector_of(_I16T, 8)),
+                                      ir.Constant(vector_of(_I16T, 8), [4] * 8)), vector_of(I8T, 16))
+    q = builder.shuffle_vector(q16, hi, ir.Constant(vector_of(I32, 32), list(range(32))))
     q = builder.and_(q, ir.Constant(v32, [15] * 32))
     if nbits == 5:
         # byte k of the broadcast qh holds bits 8(k//8)..; element k tests bit k % 8
-        h4 = builder.bitcast(_arg_i32(builder, qhty, qh), _v(_I8T, 4))
-        hb = builder.shuffle_vector(h4, h4, ir.Constant(_v(_I32, 32), [k // 8 for k in range(32)]))
+        h4 = builder.bitcast(_arg_i32(builder, qhty, qh), vector_of(I8T, 4))
+        hb = builder.shuffle_vector(h4, h4, ir.Constant(vector_of(I32, 32), [k // 8 for k in range(32)]))
         set_ = builder.icmp_unsigned("!=", builder.and_(hb, ir.Constant(v32, [1 << (k % 8) for k in range(32)])),
                                      ir.Constant(v32, [0] * 32))
         q = builder.or_(q, builder.select(set_, ir.Constant(v32, [16] * 32), ir.Constant(v32, [0] * 32)))
@@ -1150,22 +1150,22 @@ def ir_lane_sums(builder, q, a, c, use_vnni, signed=False):
     in [-127, 127]: the products |q| * (a with q's sign), the same sums, without saturating
     VPMADDUBSW's pair sums."""
     m = builder.module
-    v32, v8 = _v(_I8T, 32), _v(_I32, 8)
+    v32, v8 = vector_of(I8T, 32), vector_of(I32, 8)
     if signed:
         sign = cgutils.get_or_insert_function(m, ir.FunctionType(v32, [v32, v32]), "llvm.x86.avx2.psign.b")
         q, a = builder.call(sign, [q, q]), builder.call(sign, [a, q])
     if use_vnni:
         dp = cgutils.get_or_insert_function(m, ir.FunctionType(v8, [v8, v8, v8]), "llvm.x86.avx512.vpdpbusd.256")
         return builder.call(dp, [c, builder.bitcast(q, v8), builder.bitcast(a, v8)])
-    ubs = cgutils.get_or_insert_function(m, ir.FunctionType(_v(_I16T, 16), [v32, v32]), "llvm.x86.avx2.pmadd.ub.sw")
-    wd = cgutils.get_or_insert_function(m, ir.FunctionType(v8, [_v(_I16T, 16), _v(_I16T, 16)]),
+    ubs = cgutils.get_or_insert_function(m, ir.FunctionType(vector_of(_I16T, 16), [v32, v32]), "llvm.x86.avx2.pmadd.ub.sw")
+    wd = cgutils.get_or_insert_function(m, ir.FunctionType(v8, [vector_of(_I16T, 16), vector_of(_I16T, 16)]),
                                         "llvm.x86.avx2.pmadd.wd")
-    return builder.add(builder.call(wd, [builder.call(ubs, [q, a]), ir.Constant(_v(_I16T, 16), [1] * 16)]), c)
+    return builder.add(builder.call(wd, [builder.call(ubs, [q, a]), ir.Constant(vector_of(_I16T, 16), [1] * 16)]), c)
 
 
 def ir_fma_lanes(context, builder, accty, acc, oo, d, s):
     """acc[oo:oo+8] = fma(splat(d), float32(s), acc[oo:oo+8]) for <8 x i32> s."""
-    vf = _v(ir.FloatType(), 8)
+    vf = vector_of(ir.FloatType(), 8)
     fma = ir_fma(builder, vf)
     ap = ir_ptr(context, builder, accty, acc, oo, vf)
     builder.store(builder.call(fma, [ir_splat(builder, d, vf), builder.sitofp(s, vf), builder.load(ap, align=4)]),
@@ -1173,7 +1173,7 @@ def ir_fma_lanes(context, builder, accty, acc, oo, d, s):
 
 
 @intrinsic
-def _prefetch(typingctx, w, o):
+def prefetch_at(typingctx, w, o):
     """Prefetch (for reading, into every cache level) the byte at offset ``o`` of 1-D array w.
     The address may lie past w's end: it is formed without an in-bounds assumption, and a
     prefetch never faults."""
@@ -1185,9 +1185,9 @@ def _prefetch(typingctx, w, o):
         base = builder.ptrtoint(a.data, i64)
         off = builder.sext(args[1], i64) if args[1].type.width < 64 else args[1]
         ptr = builder.inttoptr(builder.add(base, off), p8)
-        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [p8, _I32, _I32, _I32]),
+        f = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [p8, I32, I32, I32]),
                                            "llvm.prefetch.p0i8")
-        builder.call(f, [ptr, ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)])
+        builder.call(f, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
         return context.get_dummy_value()
 
     return sig, codegen
@@ -1216,8 +1216,8 @@ def _fma_dot2(typingctx, w0, w1, wo, qh0, qh1, bits, a, ao, c, co, d0, d1, acc, 
     def codegen(context, builder, signature, args):
         wty, _, _, qhty, _, _, aty, _, cty, _, _, _, accty, _ = signature.args
         w0_, w1_, wo_, qh0_, qh1_, _, a_, ao_, c_, co_, d0_, d1_, acc_, _ = args
-        av = builder.load(ir_ptr(context, builder, aty, a_, ao_, _v(_I8T, 32)), align=1)
-        cv = builder.load(ir_ptr(context, builder, cty, c_, co_, _v(_I32, 8)), align=4)
+        av = builder.load(ir_ptr(context, builder, aty, a_, ao_, vector_of(I8T, 32)), align=1)
+        cv = builder.load(ir_ptr(context, builder, cty, c_, co_, vector_of(I32, 8)), align=4)
         for k, (w_, qh_, d_) in enumerate(((w0_, qh0_, d0_), (w1_, qh1_, d1_))):
             q = ir_unpack_u8x32(context, builder, wty, w_, wo_, qhty, qh_, nbits, signed)
             ir_fma_lanes(context, builder, accty, acc_, ir.Constant(ir.IntType(64), 8 * k), d_,
@@ -1261,8 +1261,8 @@ def _fma_dot_tile(typingctx, ws, wo, qhs, bits, aq, ad, corr, rows4, b, dws, acc
         for t in range(4):
             i = builder.extract_value(r4_, t)
             i = builder.sext(i, i64) if i.type.width < 64 else i
-            av = builder.load(ptr(aqty, aqa, [i, builder.mul(b64, ir.Constant(i64, 32))], _v(_I8T, 32)), align=1)
-            cv = builder.load(ptr(cty, ca, [i, builder.mul(b64, ir.Constant(i64, 8))], _v(_I32, 8)), align=4)
+            av = builder.load(ptr(aqty, aqa, [i, builder.mul(b64, ir.Constant(i64, 32))], vector_of(I8T, 32)), align=1)
+            cv = builder.load(ptr(cty, ca, [i, builder.mul(b64, ir.Constant(i64, 8))], vector_of(I32, 8)), align=4)
             da = builder.load(cgutils.get_item_pointer(context, builder, adty, ada, [i, b64], wraparound=False))
             for k in range(nrow):
                 ir_fma_lanes(context, builder, accty, acc_, ir.Constant(i64, 8 * (nrow * t + k)),
@@ -1294,13 +1294,13 @@ def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_
     nb = ad.shape[1]
     half = (rows + 1) // 2
     for p in prange(half):
-        r0, r1 = _far_pair(p, half, rows)
+        r0, r1 = far_pair(p, half, rows)
         w0 = raw[r0]
         w1 = raw[r1]
         if m == 1:
-            acc = _stack_f32(16)                # registers across the blocks (_stack_f32)
+            acc = stack_f32(16)                # registers across the blocks (stack_f32)
             acc[:] = 0.0
-            summs = _stack_f32(2)
+            summs = stack_f32(2)
             summs[:] = 0.0
             # a decode step's matvec: quants unpacked in registers, the accumulators at constant
             # addresses (LLVM keeps both fma chains in registers; through the loop over i they
@@ -1309,17 +1309,17 @@ def _matmul_ggml_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has_
             c0 = corr[0]
             for b in range(nb):
                 o = b * bsz
-                _prefetch(w0, o + PREFETCH_BYTES)
-                _prefetch(w1, o + PREFETCH_BYTES)
+                prefetch_at(w0, o + PREFETCH_BYTES)
+                prefetch_at(w1, o + PREFETCH_BYTES)
                 d0, m0, h0 = head(w0, o, f16)
                 d1, m1, h1 = head(w1, o, f16)
                 da = ad[0, b]
                 _fma_dot2(w0, w1, o + qo, h0, h1, bits, a0, b * 32, c0, b * 8, d0 * da, d1 * da, acc, vnni)
                 if has_min:
-                    summs[0] = _fma32(m0, asum[0, b], summs[0])
-                    summs[1] = _fma32(m1, asum[0, b], summs[1])
-            out[0, r0] = _hsum8(acc[0:8]) + summs[0] if has_min else _hsum8(acc[0:8])
-            out[0, r1] = _hsum8(acc[8:16]) + summs[1] if has_min else _hsum8(acc[8:16])
+                    summs[0] = fma32(m0, asum[0, b], summs[0])
+                    summs[1] = fma32(m1, asum[0, b], summs[1])
+            out[0, r0] = hsum8(acc[0:8]) + summs[0] if has_min else hsum8(acc[0:8])
+            out[0, r1] = hsum8(acc[8:16]) + summs[1] if has_min else hsum8(acc[8:16])
             continue
         if p % 2:                        # prefill: four rows per tile, made by the even items
             continue
@@ -1385,8 +1385,8 @@ def _prefill_tile_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has
     nb = ad.shape[1]
     rr = (p0, min(p0 + half, rows - 1), p1, min(p1 + half, rows - 1))
     ws = (raw[rr[0]], raw[rr[1]], raw[rr[2]], raw[rr[3]])
-    acc = _stack_f32(nacc)                      # registers across the blocks (_stack_f32)
-    smin = _stack_f32(nmin)
+    acc = stack_f32(nacc)                      # registers across the blocks (stack_f32)
+    smin = stack_f32(nmin)
     for g in range(0, m, nmin // 4):
         rows_t = act_rows(g, m)
         acc[:] = 0
@@ -1401,14 +1401,14 @@ def _prefill_tile_i8(raw, aq, ad, asum, corr, out, f16, head, bsz, qo, bits, has
             if has_min:
                 for t in range(len(rows_t)):
                     sa = asum[rows_t[t], b]
-                    smin[4 * t] = _fma32(m0, sa, smin[4 * t])
-                    smin[4 * t + 1] = _fma32(m1, sa, smin[4 * t + 1])
-                    smin[4 * t + 2] = _fma32(m2, sa, smin[4 * t + 2])
-                    smin[4 * t + 3] = _fma32(m3, sa, smin[4 * t + 3])
+                    smin[4 * t] = fma32(m0, sa, smin[4 * t])
+                    smin[4 * t + 1] = fma32(m1, sa, smin[4 * t + 1])
+                    smin[4 * t + 2] = fma32(m2, sa, smin[4 * t + 2])
+                    smin[4 * t + 3] = fma32(m3, sa, smin[4 * t + 3])
         for t in range(len(rows_t)):
             for k in range(4):
                 a0 = lanes(t, k)
-                v = _hsum8(acc[a0:a0 + 8])
+                v = hsum8(acc[a0:a0 + 8])
                 out[rows_t[t], rr[k]] = v + smin[4 * t + k] if has_min else v
 
 
@@ -1431,11 +1431,11 @@ def _fma_dot_tile_wide(typingctx, ws, wo, qhs, bits, aq, ad, corr, rows, b, dws,
         wsty, _, qhsty, _, aqty, adty, cty, _, _, _, accty = signature.args
         ws_, wo_, qhs_, _, aq_, ad_, c_, rows_, b_, dws_, acc_ = args
         i64 = ir.IntType(64)
-        vf16 = _v(ir.FloatType(), 16)
-        v16 = _v(_I32, 16)
-        both = ir.Constant(_v(_I32, 64), list(range(32)) * 2)
-        cat64 = ir.Constant(_v(_I32, 64), list(range(64)))
-        cat16 = ir.Constant(_v(_I32, 16), list(range(16)))
+        vf16 = vector_of(ir.FloatType(), 16)
+        v16 = vector_of(I32, 16)
+        both = ir.Constant(vector_of(I32, 64), list(range(32)) * 2)
+        cat64 = ir.Constant(vector_of(I32, 64), list(range(64)))
+        cat16 = ir.Constant(vector_of(I32, 16), list(range(16)))
         q2 = []
         for k in range(nrow):
             q = ir_unpack_u8x32(context, builder, wsty[k], builder.extract_value(ws_, k), wo_, qhsty[k],
@@ -1460,11 +1460,11 @@ def _fma_dot_tile_wide(typingctx, ws, wo, qhs, bits, aq, ad, corr, rows, b, dws,
                 i = builder.extract_value(rows_, t)
                 i = builder.sext(i, i64) if i.type.width < 64 else i
                 avs.append(builder.load(ptr(aqty, aqa, [i, builder.mul(b64, ir.Constant(i64, 32))],
-                                            _v(_I8T, 32)), align=1))
+                                            vector_of(I8T, 32)), align=1))
                 cvs.append(builder.load(ptr(cty, ca, [i, builder.mul(b64, ir.Constant(i64, 8))],
-                                            _v(_I32, 8)), align=4))
+                                            vector_of(I32, 8)), align=4))
                 das.append(ir_splat(builder, builder.load(cgutils.get_item_pointer(
-                    context, builder, adty, ada, [i, b64], wraparound=False)), _v(ir.FloatType(), 8)))
+                    context, builder, adty, ada, [i, b64], wraparound=False)), vector_of(ir.FloatType(), 8)))
             av = builder.bitcast(builder.shuffle_vector(avs[0], avs[1], cat64), v16)
             cv = builder.shuffle_vector(cvs[0], cvs[1], cat16)
             da = builder.shuffle_vector(das[0], das[1], cat16)
@@ -1492,9 +1492,9 @@ def _split_act_i8(xq, bsz, off, aq, ad, asum, corr, f16):
     for i in range(m):
         for b in range(nb):
             o = b * bsz
-            ad[i, b] = f16[_u16(xq[i], o)]
+            ad[i, b] = f16[load_u16(xq[i], o)]
             if oq == 4:
-                asum[i, b] = f16[_u16(xq[i], o + 2)]
+                asum[i, b] = f16[load_u16(xq[i], o + 2)]
             for k in range(32):
                 v = _s8(xq[i, o + oq + k])
                 lowest = min(lowest, v)
@@ -1518,7 +1518,7 @@ def _matmul_ggml_f32(w, xa, out, f16):
     rows, n = w.shape
     npart = n & ~63
     for r in prange(rows):
-        acc = _stack_f32(64)
+        acc = stack_f32(64)
         for i in range(xa.shape[0]):
             s = _ggml_lanes64(w[r], xa[i], npart, acc)
             j = npart
@@ -1527,7 +1527,7 @@ def _matmul_ggml_f32(w, xa, out, f16):
                     s = s + np.float32(w[r, j + k] * xa[i, j + k])
                 j += 16
             for jj in range(j, n):
-                s = _fma32(w[r, jj], xa[i, jj], s)
+                s = fma32(w[r, jj], xa[i, jj], s)
             out[i, r] = s
 
 
@@ -1538,7 +1538,7 @@ def _matmul_ggml_f16(h, ha, out, f16):
     rows, n = h.shape
     npart = n & ~63
     for r in prange(rows):
-        acc = _stack_f32(64)
+        acc = stack_f32(64)
         for i in range(ha.shape[0]):
             s = np.float64(_ggml_lanes64(h[r], ha[i], npart, acc))
             for j in range(npart, n):
@@ -1585,7 +1585,7 @@ def _matmul_ggml_bf16(h, ha, out, f16):
     npart = n & ~63
     for r in prange(rows):
         hr = h[r]
-        acc = _stack_f32(32)
+        acc = stack_f32(32)
         for i in range(ha.shape[0]):
             ar = ha[i]
             acc[:] = 0
@@ -1643,7 +1643,7 @@ def _float_kernels(qtype: QT, elem: str, dtype, mm, mac32: str) -> TypeKernels:
     return _named(t, TypeKernels(dequantize, matvec, qtype, matmul_ggml))
 
 
-def _quant_kernels(ns: dict, qtype: QT, act_type: QT, split_act, deq_call: str, mv_call: str,
+def quant_kernels(ns: dict, qtype: QT, act_type: QT, split_act, deq_call: str, mv_call: str,
                    mm_params: str, mm_call: str) -> TypeKernels:
     """One quantized type's three kernels (``_dequantize_q4_0``, ``_matvec_q4_0``,
     ``_matmul_ggml_q4_0``), specialized in the module of globals ``ns`` from one driver call
@@ -1702,7 +1702,7 @@ def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off
     stays in PORTABLE_GGML (the tests compare the two)."""
     dec = f"{head}, {pair}, {bsz}, {has_min}"
     with_sum = act_type == QT.Q8_1
-    k = _quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
+    k = quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
                        f"_dequantize_blocks(raw, out, f16, _deq_{qtype.name.lower()}, {bsz})",
                        _matvec_call(qtype, WIDE_STEPS),
                        "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
@@ -1810,11 +1810,11 @@ _FLOAT_TYPES = {
 # quants are decoded as q - 16: LLVM vectorizes that signed decode, not the unsigned one),
 # ggml activation type, fp32 matvec block step
 _BLOCK_TYPES = {
-    QT.Q4_0: ("_head_d", "_pair_q4_0", 18, False, 0, QT.Q8_0, "_fma_q4_0"),
-    QT.Q4_1: ("_head_dm", "_pair_q4_1", 20, True, 0, QT.Q8_1, "_fma_q4_1"),
-    QT.Q5_0: ("_head_d_qh", "_pair_q5_0", 22, False, 0, QT.Q8_0, "_fma_q5_0"),
-    QT.Q5_1: ("_head_dm_qh", "_pair_q5_1", 24, True, 16, QT.Q8_1, "_fma_q5_1"),
-    QT.Q8_0: ("_head_d", "_pair_q8_0", 34, False, 0, QT.Q8_0, "_mac_q8_0"),
+    QT.Q4_0: ("head_d", "pair_q4_0", 18, False, 0, QT.Q8_0, "_fma_q4_0"),
+    QT.Q4_1: ("head_dm", "pair_q4_1", 20, True, 0, QT.Q8_1, "_fma_q4_1"),
+    QT.Q5_0: ("head_d_qh", "pair_q5_0", 22, False, 0, QT.Q8_0, "_fma_q5_0"),
+    QT.Q5_1: ("head_dm_qh", "pair_q5_1", 24, True, 16, QT.Q8_1, "_fma_q5_1"),
+    QT.Q8_0: ("head_d", "pair_q8_0", 34, False, 0, QT.Q8_0, "_mac_q8_0"),
 }
 
 KERNELS: dict[QT, TypeKernels] = {

@@ -1,7 +1,7 @@
 """The CPU backend of :func:`pyimp.forward.forward`: NumPy arrays and Numba kernels.
 
 A one-token step (``step.fused``) runs the small ops between the matvecs as fused kernels, in
-place (ops._qk_norm_rope; ops._add_norm, which also makes the next norm), and the matvecs
+place (ops.qk_norm_rope_fused; ops.add_norm_fused, which also makes the next norm), and the matvecs
 that read the same input (q, k, v; gate, up) as grouped calls where their types match: the
 same bits as the separate ops (tests/test_ops_kernels.py, tests/test_engine.py). Otherwise
 every op runs on its own and hands its result to the tap, which records llama.cpp-named
@@ -36,10 +36,6 @@ class CPUForward:
         self.num = engine.options.numerics
         self.eps = engine.cfg.rms_eps
         self.rot = ops.hadamard(engine.cfg.head_dim) if engine.options.kv_rotate else None
-        # (sparse, bit length of bytes read) -> ThreadChoice: layers that read as much share a
-        # serial-or-parallel choice (Gemma 3's 15 sliding-window layers one, not 15: each choice
-        # times its first calls both ways, slow ones included)
-        self.attn_threads: dict = {}
         self.tap = no_tap
 
     def begin(self, step) -> None:
@@ -87,9 +83,9 @@ class CPUForward:
         return step.memo[key]
 
     def _qk_fused(self, il, q, k, cos, sin) -> None:
-        """One token's q / k norms, RoPE and q prescale, in place (ops._qk_norm_rope)."""
+        """One token's q / k norms, RoPE and q prescale, in place (ops.qk_norm_rope_fused)."""
         lw, A = self.W.layers[il], self.A
-        ops._qk_norm_rope(q[0], k[0], lw.attn_q_norm if A.qk_norm else NO_WEIGHT,
+        ops.qk_norm_rope_fused(q[0], k[0], lw.attn_q_norm if A.qk_norm else NO_WEIGHT,
                           lw.attn_k_norm if A.qk_norm else NO_WEIGHT, self.eps, cos[0], sin[0],
                           A.rope_neox, A.qk_norm, np.float32(1.0 / math.sqrt(self.cfg.head_dim)),
                           A.q_prescale)
@@ -132,9 +128,10 @@ class CPUForward:
             n_read = min(n, window or n)                              # keys and values read
             # serial or parallel as measured per doubling of the bytes read
             sparse = bool(step.sparse) and step.sparse[il]
-            choice = self.attn_threads.setdefault(
-                (sparse, int(cache.layer_token_bytes() * n_read).bit_length()),
-                quants.ThreadChoice())
+            # layers that read as much share a choice (Gemma 3's 15 sliding-window layers one,
+            # not 15: each choice times its first calls both ways, slow ones included)
+            choice = quants.thread_choice(("decode_attention", sparse, int(
+                cache.layer_token_bytes() * n_read).bit_length()))
             if sp is not None:
                 choice.run(sp.decode_attention, il, q[0], n, step.kq_scale, window, att[0],
                            sparse)
@@ -166,9 +163,9 @@ class CPUForward:
 
     def _add_norm_fused(self, x, y, post, nxt, h) -> None:
         """x += post-norm(y) (the architecture's post norm, else y itself), h = rms_norm(x) * nxt,
-        for one token (ops._add_norm)."""
+        for one token (ops.add_norm_fused)."""
         A = self.A
-        ops._add_norm(x[0], y[0], post if A.post_norms else NO_WEIGHT, A.post_norms, nxt,
+        ops.add_norm_fused(x[0], y[0], post if A.post_norms else NO_WEIGHT, A.post_norms, nxt,
                       self.eps, h[0])
 
     def residual_attn(self, il, x, o, last, step):

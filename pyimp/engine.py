@@ -251,7 +251,7 @@ class Engine:
         return True
 
     # ----------------------------------------------------------------- API
-    def _check_tokens(self, tokens) -> np.ndarray:
+    def check_tokens(self, tokens) -> np.ndarray:
         arr = inputs.token_ids(tokens, self.cfg.n_vocab)
         room = self.n_ctx - len(self.tokens)
         if arr.size > room:
@@ -269,7 +269,7 @@ class Engine:
         """
         if self.file is None:
             raise _closed()
-        arr = self._check_tokens(tokens)
+        arr = self.check_tokens(tokens)
         if arr.size == 0:
             raise ValueError("no tokens to evaluate")
         bs = self.options.batch_size
@@ -289,7 +289,7 @@ class Engine:
         ``eval([token])`` returns, without the prefill chunk planner)."""
         if self.file is None:
             raise _closed()
-        return self._run(self._check_tokens([token]), [(0, 1)], -1, False, None)
+        return self._run(self.check_tokens([token]), [(0, 1)], -1, False, None)
 
     def _run(self, arr, spans, obs_at: int, all_logits: bool, progress) -> np.ndarray:
         """Forward ``arr`` chunk by chunk (``spans``; the policy's observation window from

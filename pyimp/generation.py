@@ -15,7 +15,7 @@ def tokens(engine, ids: list, max_tokens: int, sampler, stop, progress,
     try:
         if not reuse_prefix:
             engine.reset()
-            engine._check_tokens(ids)
+            engine.check_tokens(ids)
         if max_tokens > 0 and len(ids) + max_tokens > engine.n_ctx:
             max_tokens = engine.n_ctx - len(ids)
         if reuse_prefix:

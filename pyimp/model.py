@@ -47,8 +47,6 @@ class Linear:
         self.n_in = t.shape[0]
         self.n_out = t.n_rows
         self._rows = None          # checked uint8 row view and kernels, made at the first decode
-        self._threads = quants.ThreadChoice()   # decode matvec: serial or parallel, as measured
-        self._threads_ggml = quants.ThreadChoice()
 
     def __call__(self, x: np.ndarray, numerics: str) -> np.ndarray:
         """x float32[T, n_in] -> float32[T, n_out]."""
@@ -65,12 +63,19 @@ class Linear:
             raise ValueError(f"{self.name}: input must be float32[1, {self.n_in}], got shape {x.shape}")
         out = np.empty((1, self.n_out), np.float32)
         xr = np.ascontiguousarray(x[0], dtype=np.float32)
+        quants.check_numerics(numerics)
+        choice = self.thread_choice(numerics)
         if numerics == "fp32":
-            self._threads.run(k.matvec, raw, xr, out[0])
+            choice.run(k.matvec, raw, xr, out[0])
         else:
-            quants.check_numerics(numerics)
-            self._threads_ggml.run(quants.matvec_ggml_kernel, k, raw, xr, out[0])
+            choice.run(quants.matvec_ggml_kernel, k, raw, xr, out[0])
         return out
+
+    def thread_choice(self, numerics: str) -> quants.ThreadChoice:
+        """The decode matvec's serial-or-parallel choice: the one quants.matvec makes for a
+        weight of this type, shape and numerics."""
+        return quants.thread_choice(quants.matvec_key(self.qtype, self._kernel_rows()[0].shape,
+                                                      numerics))
 
     def _kernel_rows(self):
         if self._rows is None:
@@ -106,7 +111,9 @@ class LinearGroup:
         self.n_out = sum(lin.n_out for lin in linears)
         self._bounds = np.cumsum([0] + [lin.n_out for lin in linears]).tolist()
         self._kernel = None
-        self._threads = quants.ThreadChoice()
+        # one serial-or-parallel choice per group of these types and shapes
+        self._threads = quants.thread_choice(("matvec_group",) + tuple(
+            (lin.qtype, lin.n_out, lin.n_in) for lin in linears))
 
     def __call__(self, x: np.ndarray) -> list[np.ndarray]:
         """x float32[1, n_in] -> float32[1, n_out] of each matrix (views of one buffer)."""

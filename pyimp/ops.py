@@ -23,7 +23,7 @@ def _rms_scale(ss, n, e):
 
 
 @jit.njit
-def _rms_norm_rows(x, w, eps, out):
+def rms_norm_rows(x, w, eps, out):
     """ggml's rms_norm then mul, per row of x float32[rows, n]: float32 squares summed in
     float64 in element order, mean rounded to float32, scale = 1 / sqrt(mean + eps). Rows go
     four at a time (four independent sums in flight instead of one latency-bound chain)."""
@@ -60,7 +60,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """
     x2 = np.ascontiguousarray(x, dtype=F32).reshape(-1, x.shape[-1])
     out = np.empty_like(x2)
-    _rms_norm_rows(x2, np.ascontiguousarray(weight, dtype=F32), float(eps), out)
+    rms_norm_rows(x2, np.ascontiguousarray(weight, dtype=F32), float(eps), out)
     return out.reshape(x.shape)
 
 
@@ -318,7 +318,7 @@ def rope_ref(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.
 
 @jit.njit(inline="always")
 def _rms_row(x, w, e, out):
-    """out = rms_norm(x) * w for one row, as :func:`_rms_norm_rows` computes each row."""
+    """out = rms_norm(x) * w for one row, as :func:`rms_norm_rows` computes each row."""
     n = x.shape[0]
     s = 0.0
     for i in range(n):
@@ -340,7 +340,7 @@ def _norm_rope_heads(a, w, e, cos, sin, neox, norm):
 
 
 @jit.njit
-def _qk_norm_rope(q, k, wq, wk, eps, cos, sin, neox, qk_norm, qscale, prescale):
+def qk_norm_rope_fused(q, k, wq, wk, eps, cos, sin, neox, qk_norm, qscale, prescale):
     """In place on q float32[Hq, D] and k float32[Hkv, D] of one token: per-head RMSNorm
     times wq / wk (``qk_norm``), RoPE by cos, sin float32[half], then q *= qscale
     (``prescale``): the arithmetic of rms_norm, rope and the NumPy product in the forward."""
@@ -354,7 +354,7 @@ def _qk_norm_rope(q, k, wq, wk, eps, cos, sin, neox, qk_norm, qscale, prescale):
 
 
 @jit.njit
-def _add_norm(x, y, wpost, post, wnext, eps, h):
+def add_norm_fused(x, y, wpost, post, wnext, eps, h):
     """x += rms_norm(y) * wpost (``post``; else x += y), then h = rms_norm(x) * wnext: a
     residual and the next RMSNorm of one token (x, y, h float32[n])."""
     e = np.float32(eps)

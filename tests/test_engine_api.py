@@ -297,13 +297,14 @@ def test_compile_decode_attention_leaves_the_engine_as_it_was(request, model, kv
 
 def test_compile_decode_leaves_the_thread_choice_untimed(llama):
     """Linear.compile_decode runs the type's decode kernel once outside the matrix's thread
-    choice, so the choice still starts from its first timed call."""
+    choice (shared by every matrix of its type and shape), so it adds no timed call."""
     eng = Engine(llama, EngineOptions(n_ctx=64, block_len=8))
     lin = eng.weights.layers[0].attn_q
+    choices = [lin.thread_choice(num) for num in ("fp32", "ggml")]
+    before = [(tc.parallel, tuple(map(len, tc._times))) for tc in choices]
     lin.compile_decode("fp32")
     lin.compile_decode("ggml")
-    for tc in (lin._threads, lin._threads_ggml):
-        assert tc.parallel is None and tc._times == ([], [])
+    assert [(tc.parallel, tuple(map(len, tc._times))) for tc in choices] == before
     with pytest.raises(ValueError):
         lin.compile_decode("fp16")
 

@@ -92,7 +92,7 @@ def test_fp32_products_choice_follows_the_host_and_the_blas(monkeypatch, avx512,
     kernels; BLAS where it runs AVX-512 ones, cannot say, or the host has no AVX-512."""
     from loaders import quants_legacy
     feats = {"avx2", "fma"} | ({"avx512f", "avx512bw"} if avx512 else set())
-    monkeypatch.setattr(quants_legacy, "_FEATURES", frozenset(feats))
+    monkeypatch.setattr(quants_legacy, "FEATURES", frozenset(feats))
     monkeypatch.setattr(quants, "blas_core", lambda: core)
     assert quants._fp32_products() == want
 

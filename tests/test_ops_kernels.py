@@ -136,7 +136,7 @@ def test_fused_qk_norm_rope_is_the_separate_ops_bit_for_bit(hq, hkv, half, extra
     ops.rope(want_k, cos, sin, neox)
     if prescale:
         want_q *= scale
-    ops._qk_norm_rope(q[0], k[0], wq, wk, 1e-6, cos[0], sin[0], neox, norm, scale, prescale)
+    ops.qk_norm_rope_fused(q[0], k[0], wq, wk, 1e-6, cos[0], sin[0], neox, norm, scale, prescale)
     assert np.array_equal(_bits(q), _bits(want_q))
     assert np.array_equal(_bits(k), _bits(want_k))
 
@@ -153,6 +153,6 @@ def test_fused_add_norm_is_the_separate_ops_bit_for_bit(n, post, seed):
     want_x = x + (ops.rms_norm(y, wp, 1e-5) if post else y)
     want_h = ops.rms_norm(want_x, wn, 1e-5)
     h = np.full_like(x, np.nan)
-    ops._add_norm(x[0], y[0], wp, post, wn, 1e-5, h[0])
+    ops.add_norm_fused(x[0], y[0], wp, post, wn, 1e-5, h[0])
     assert np.array_equal(_bits(x), _bits(want_x))
     assert np.array_equal(_bits(h), _bits(want_h))

@@ -171,10 +171,10 @@ def test_matvec_fp32_vs_float64(qtype, seed, rows, nblocks):
 # block steps must give these bits exactly, not only stay within the float64 bound above.
 # the block steps this host compiles: the 512-bit one (True) needs AVX-512
 _STEPS = (False, True) if L.WIDE_STEPS else (False,)
-_SCALAR_DECODERS = {QT.Q4_0: (L._head_d, L._pair_q4_0, 18, False),
-                    QT.Q4_1: (L._head_dm, L._pair_q4_1, 20, True),
-                    QT.Q5_0: (L._head_d_qh, L._pair_q5_0, 22, False),
-                    QT.Q5_1: (L._head_dm_qh, L._pair_q5_1, 24, True)}
+_SCALAR_DECODERS = {QT.Q4_0: (L.head_d, L.pair_q4_0, 18, False),
+                    QT.Q4_1: (L.head_dm, L.pair_q4_1, 20, True),
+                    QT.Q5_0: (L.head_d_qh, L.pair_q5_0, 22, False),
+                    QT.Q5_1: (L.head_dm_qh, L.pair_q5_1, 24, True)}
 
 
 _SCALAR_LANES: dict = {}
@@ -200,9 +200,9 @@ def _compile_scalar_lanes(head, pair, bsz, has_min):
                 d, m, aux = head(w, o, f16)
                 for j in range(16):
                     lo, hi = pair(w, o, aux, j)
-                    acc[j] = L._fma32(L._weight(d, m, lo, has_min), x[b * 32 + j], acc[j])
-                    acc[16 + j] = L._fma32(L._weight(d, m, hi, has_min), x[b * 32 + 16 + j], acc[16 + j])
-            out[r] = L._lanes_sum32(acc)
+                    acc[j] = L.fma32(L.q_weight(d, m, lo, has_min), x[b * 32 + j], acc[j])
+                    acc[16 + j] = L.fma32(L.q_weight(d, m, hi, has_min), x[b * 32 + 16 + j], acc[16 + j])
+            out[r] = L.lanes_sum32(acc)
     return mv
 
 

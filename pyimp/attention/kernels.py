@@ -34,10 +34,10 @@ from numba.core import cgutils
 from numba.extending import intrinsic, overload
 
 from loaders import half, jit, quantize, quants, quants_legacy
-from loaders.half import (_fpext_half, f32_to_half_bits, fma16, half_bits_to_f32, hsum16,
+from loaders.half import (fpext_half, f32_to_half_bits, fma16, half_bits_to_f32, hsum16,
                           lane_dot, lane_dot_rows, lane_sum)
 from loaders.quantize import decode_qblocks
-from loaders.quants_legacy import _bits_f32
+from loaders.quants_legacy import bits_f32
 
 jit.kernel_module(__file__, half, quantize, quants_legacy)
 
@@ -397,7 +397,7 @@ def exp_nonpos(x):
     p = p * r + _EXP_P[4]
     p = p * r + _EXP_P[5]
     p = p * z + r + np.float32(1.0)
-    e = p * _bits_f32(np.uint32((np.int32(k) + np.int32(127)) << np.int32(23)))
+    e = p * bits_f32(np.uint32((np.int32(k) + np.int32(127)) << np.int32(23)))
     if x != x:
         return x
     return e if x > _EXP_MIN else np.float32(0.0)
@@ -526,7 +526,7 @@ def pv_channel(typingctx, ow, owo, p, ps, addr, nblk, vo, nb, nh):
                 for h in range(2):
                     at = builder.gep(vrow, [builder.add(c16, llvm_ir.Constant(i64, 8 * h))])
                     hv = builder.load(builder.bitcast(at, vh.as_pointer()), align=2)
-                    vv.append(_fpext_half(builder, hv))
+                    vv.append(fpext_half(builder, hv))
                 for g in range(NH):
                     pg = builder.gep(prow, [builder.add(builder.mul(ps_, llvm_ir.Constant(i64, g)), c16)])
                     for h in range(2):

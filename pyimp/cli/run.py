@@ -21,10 +21,9 @@ import time
 import warnings
 
 from ..capabilities import CAPABILITIES
-# EXIT_USAGE, PromptTooLarge, read_capped: re-exported (pyimp.cli.run has always offered them)
-from .common import (EXIT_ERROR, EXIT_USAGE, MAX_PROMPT_BYTES, HelpFormatter, Parser,
-                     PromptTooLarge, add_model_args, add_option_flags, float_in, int_at_least,
-                     model_path, options_from_args, quiet_stdout, read_capped, read_prompt)
+from .common import (EXIT_ERROR, MAX_PROMPT_BYTES, HelpFormatter, Parser, add_model_args,
+                     add_option_flags, float_in, int_at_least, model_path, options_from_args,
+                     quiet_stdout, read_prompt)
 from ..options import EngineOptions, SparseOptions
 
 

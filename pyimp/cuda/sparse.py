@@ -46,7 +46,7 @@ CPU computes from ``QuantizedKV.blocks_f32``.
 
 QUEST and CUBOID_MEAN store their upper slot rounded up and their lower slot rounded down
 (``_f16_up`` / ``_f16_down``: round to nearest, then one fp16 step outward where that moved
-inward), bit-identical to the CPU's ``_round_up_f16`` / ``_round_down_f16``; every other
+inward), bit-identical to the CPU's ``round_up_f16`` / ``_round_down_f16``; every other
 store rounds to nearest even.
 
 Launches: ``compute_anchors`` 1, ``set_scores`` 1, ``select_blocks`` 1, ``retrieve_blocks`` 2
@@ -69,7 +69,7 @@ from numba import cuda, float32, int32, int64
 from numba.core.types import float16
 
 from pyimp.sparse.anchors import AnchorType, anchor_slots, group_shared
-from pyimp.sparse.retrieval import (RetrievalType, _check_budget, check_anchor_heads,
+from pyimp.sparse.retrieval import (RetrievalType, check_budget, check_anchor_heads,
                                     n_candidates, n_sets, recent_blocks)
 
 from . import device, kvblocks
@@ -97,7 +97,7 @@ def anchor_threads(D: int) -> int:
 
 
 # --------------------------------------------------------------------------
-# fp16 directed rounding (what anchors._round_up_f16 / _round_down_f16 do)
+# fp16 directed rounding (what anchors.round_up_f16 / _round_down_f16 do)
 # --------------------------------------------------------------------------
 
 
@@ -675,7 +675,7 @@ def select_blocks(scores, n_ctx: int, block_len: int, init: int, pick: int, loca
     :func:`pyimp.sparse.retrieval.select_blocks`): scores float32 ``[C, nsets]`` for the
     candidate blocks (read only when the selection is not dense). Returns device ``(sel int32
     [nsets, K], cnt int32 [nsets])``, K = init + pick + local + 1; sel / cnt may be given."""
-    _check_budget(n_ctx, block_len, init, pick, local)
+    check_budget(n_ctx, block_len, init, pick, local)
     n_ctx, B, init, pick, local = (int(v) for v in (n_ctx, block_len, init, pick, local))
     C, nsets = _arr("scores", scores, (np.float32,), 2, "[C, nsets]")
     if nsets < 1:
@@ -699,7 +699,7 @@ def retrieve_blocks(q, anchor, block_table, n_ctx: int, block_len: int, n_kv_hea
     :func:`pyimp.sparse.retrieval.retrieve_blocks`). Returns device ``(sel, cnt)``; ``sel``,
     ``cnt`` and the float32 ``[C, nsets]`` scratch ``scores`` may be given to reuse buffers."""
     init, pick, local = int(init_block_num), int(pick_block_num), int(local_block_num)
-    _check_budget(n_ctx, block_len, init, pick, local)
+    check_budget(n_ctx, block_len, init, pick, local)
     n_ctx, B = int(n_ctx), int(block_len)
     retrieval_type = RetrievalType(retrieval_type)
     anchor_type = AnchorType(anchor_type)

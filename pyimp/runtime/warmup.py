@@ -24,7 +24,7 @@ def numba_cache_has_kernels() -> bool | None:
     forward runs it), without loading anything; None where Numba's cache is not laid out as
     this reads it (internals: the index of ``FunctionCache``)."""
     try:
-        d = ops._rms_norm_rows
+        d = ops.rms_norm_rows
         magic = d.targetctx.codegen().magic_tuple()
         return any(key[1] == magic for key in d._cache._cache_file._load_index())
     except Exception:

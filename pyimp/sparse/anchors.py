@@ -77,7 +77,7 @@ def block_spans(block_table: np.ndarray, n_ctx: int, block_len: int, lb_start: i
     return block_table[lb].astype(np.int64), n_valid.astype(np.int64)
 
 
-def _round_up_f16(x: np.ndarray) -> np.ndarray:
+def round_up_f16(x: np.ndarray) -> np.ndarray:
     y = x.astype(np.float16)
     low = y.astype(np.float32) < x
     y[low] = np.nextafter(y[low], np.float16(np.inf))
@@ -103,7 +103,7 @@ _KIND = {AnchorType.FIXED: _FIXED, AnchorType.QUEST: _QUEST, AnchorType.BLOCK_ME
 
 @jit.njit
 def _f16_up_bits(x):
-    """fp16 bits of the smallest fp16 >= x (x float32; NaN stays NaN): _round_up_f16."""
+    """fp16 bits of the smallest fp16 >= x (x float32; NaN stays NaN): round_up_f16."""
     h = f32_to_half_bits(x)
     if half_bits_to_f32(h) < x:          # never for NaN or +inf
         if h == 0 or h == 0x8000:
@@ -326,13 +326,13 @@ def compute_anchors(anchor_type: AnchorType, k_cache: np.ndarray, blocks, n_vali
     elif anchor_type is AnchorType.QUEST:
         hi = np.where(vmask, K, -np.inf).max(axis=2)
         lo = np.where(vmask, K, np.inf).min(axis=2)
-        slots = [_round_up_f16(hi), _round_down_f16(lo)] + [_round_up_f16(hi)] * (A - 2)
+        slots = [round_up_f16(hi), _round_down_f16(lo)] + [round_up_f16(hi)] * (A - 2)
     elif anchor_type is AnchorType.CUBOID_MEAN:
         hi = np.where(vmask, K, -np.inf).max(axis=2)
         lo = np.where(vmask, K, np.inf).min(axis=2)
         c = (hi + lo) * np.float32(0.5)
         r = np.where(vmask, np.abs(K - c[:, :, None, :]), 0.0).sum(axis=2) / cnt
-        slots = [_round_up_f16(c + r), _round_down_f16(c - r)] + [_round_up_f16(c + r)] * (A - 2)
+        slots = [round_up_f16(c + r), _round_down_f16(c - r)] + [round_up_f16(c + r)] * (A - 2)
     else:  # pragma: no cover - enum is closed
         raise ValueError(anchor_type)
     st = np.stack(slots, axis=0).transpose(2, 0, 1, 3)  # [A][Hkv, n, D] -> [n, A, Hkv, D]

@@ -365,7 +365,7 @@ def select_blocks(scores: np.ndarray, n_ctx: int, block_len: int, init: int, pic
     ``init..F-local-1`` (ignored in the dense case). Returns (sel int32
     [nsets, K], cnt int32 [nsets]) as described in the module docstring.
     """
-    _check_budget(n_ctx, block_len, init, pick, local)
+    check_budget(n_ctx, block_len, init, pick, local)
     F = n_ctx // block_len
     if not isinstance(scores, np.ndarray) or scores.ndim != 2 or scores.shape[1] < 1:
         raise ValueError(f"scores must be a float array [C, nsets], got {checks._desc(scores)}")
@@ -400,7 +400,7 @@ def _select_run(scores, n_ctx, block_len, init, pick, local):
     return sel, cnt
 
 
-def _check_budget(n_ctx, block_len, init, pick, local) -> None:
+def check_budget(n_ctx, block_len, init, pick, local) -> None:
     if int(block_len) < 1:
         raise ValueError(f"block_len must be >= 1, got {block_len}")
     if int(n_ctx) < 1:
@@ -423,7 +423,7 @@ def retrieve_blocks(q: np.ndarray, anchor: np.ndarray, block_table: np.ndarray, 
     built with ``anchor_type``; block_table: int32 [NB_logical].
     """
     init, pick, local = init_block_num, pick_block_num, local_block_num
-    _check_budget(n_ctx, block_len, init, pick, local)
+    check_budget(n_ctx, block_len, init, pick, local)
     Hq = q.shape[0]
     if n_kv_heads < 1 or Hq % n_kv_heads:
         raise ValueError(f"n_kv_heads = {n_kv_heads} does not divide the {Hq} query heads")

@@ -159,7 +159,7 @@ def run_trace(engine, prompt, steps: int = 0, keep=None, add_bos: bool = True) -
                          f"{engine.options.batch_size}: a trace's prefill is one forward "
                          f"(raise batch_size)")
     engine.reset()
-    engine._check_tokens(ids + [0] * steps)         # every step fits the context
+    engine.check_tokens(ids + [0] * steps)         # every step fits the context
     tr = Trace(engine.cfg.arch)
     rec = Recorder(engine.cfg.arch, keep)
     prev, engine._tap = engine._tap, rec

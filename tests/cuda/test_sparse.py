@@ -16,7 +16,7 @@ from pyimp.cuda import device
 from pyimp.cuda import sparse as cs
 from pyimp.attention.importance import decay_importance
 from pyimp.sparse import AnchorType, RetrievalType, compute_anchors
-from pyimp.sparse.anchors import _round_down_f16, _round_up_f16, group_shared
+from pyimp.sparse.anchors import _round_down_f16, round_up_f16, group_shared
 from pyimp.sparse.retrieval import (
     n_candidates,
     n_sets,
@@ -95,7 +95,7 @@ def test_f16_bits_compare_catches_a_flip():
 
 
 def test_f16_directed_rounding_exhaustive():
-    """_f16_up / _f16_down (device functions) == the CPU's _round_up_f16 / _round_down_f16, bit
+    """_f16_up / _f16_down (device functions) == the CPU's round_up_f16 / _round_down_f16, bit
     for bit, on every finite fp16 value, its float32 neighbours, the overflow boundary,
     subnormals, infinities and NaN (NaN as NaN: see assert_f16_bits_equal)."""
     h = np.arange(65536, dtype=np.uint16).view(np.float16)
@@ -106,7 +106,7 @@ def test_f16_directed_rounding_exhaustive():
     x = x.astype(np.float32)
     with np.errstate(over="ignore", invalid="ignore"):   # 65536 and beyond store as fp16 inf
         up, dn = (a.astype(np.float16) for a in _directed(x))
-        ref_up, ref_dn = _round_up_f16(x), _round_down_f16(x)
+        ref_up, ref_dn = round_up_f16(x), _round_down_f16(x)
     assert_f16_bits_equal(up, ref_up)
     assert_f16_bits_equal(dn, ref_dn)
 
