@@ -11,12 +11,12 @@ import numpy as np
 
 from .gguf_file import GGUFError, GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a ``llama`` or ``gemma3`` model.
+    """Hyper-parameters of a model of one of the supported architectures.
 
     Shapes follow ggml: ``n_embd`` = model width, ``head_dim`` = per-head
     width of Q and K (``attention.key_length``), ``head_dim_v`` of V.

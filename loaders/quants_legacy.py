@@ -1703,7 +1703,7 @@ def _block_kernels(qtype: QT, head: str, pair: str, bsz: int, has_min: bool, off
     dec = f"{head}, {pair}, {bsz}, {has_min}"
     with_sum = act_type == QT.Q8_1
     k = quant_kernels(globals(), qtype, act_type, lambda xq: _split_act_blocks(xq, with_sum),
-                       f"_dequantize_blocks(raw, out, f16, _deq_{qtype.name.lower()}, {bsz})",
+                       f"_dequantize_blocks(raw, out, f16, deq_{qtype.name.lower()}, {bsz})",
                        _matvec_call(qtype, WIDE_STEPS),
                        "aq, ad, asum", f"_matmul_ggml_blocks(raw, aq, ad, asum, out, f16, {dec}, {off})")
     PORTABLE_GGML[qtype] = k.matmul_ggml

@@ -34,6 +34,11 @@ ARCHS = {
                       ffn_act="silu", q_prescale=False),
     "gemma3": ArchSpec(rope_neox=True, embd_scale=True, qk_norm=True, post_norms=True,
                        ffn_act="gelu_tanh", q_prescale=True),
+    # q, k, v biases: read wherever the file has them (LayerWeights)
+    "qwen2": ArchSpec(rope_neox=True, embd_scale=False, qk_norm=False, post_norms=False,
+                      ffn_act="silu", q_prescale=False),
+    "qwen3": ArchSpec(rope_neox=True, embd_scale=False, qk_norm=True, post_norms=False,
+                      ffn_act="silu", q_prescale=False),
 }
 
 

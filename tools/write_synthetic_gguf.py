@@ -1,4 +1,4 @@
-"""Write synthetic ``llama`` / ``gemma3`` GGUF models with random weights.
+"""Write synthetic GGUF models (llama, gemma3, qwen2, qwen3) with random weights.
 
 Any shape and weight type (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 via
 ``gguf.quants``; K-quants via ggml's own quantizer from llama-cpp-python's
@@ -27,10 +27,20 @@ PRESETS = {
     # TinyLlama-1.1B's shape
     "tinyllama": dict(arch="llama", n_layer=22, n_embd=2048, n_head=32, n_head_kv=4, n_ff=5632,
                       n_ctx=2048, vocab_size=32000),
+    # Qwen2.5-0.5B's, Qwen3-0.6B's and Llama-3.2-1B's shapes
+    "qwen2.5-0.5b": dict(arch="qwen2", n_layer=24, n_embd=896, n_head=14, n_head_kv=2, n_ff=4864,
+                         n_ctx=32768, rope_base=1e6, rms_eps=1e-6, vocab_size=151936),
+    "qwen3-0.6b": dict(arch="qwen3", n_layer=28, n_embd=1024, n_head=16, n_head_kv=8, head_dim=128,
+                       n_ff=3072, n_ctx=40960, rope_base=1e6, rms_eps=1e-6, vocab_size=151936),
+    "llama3.2-1b": dict(arch="llama", n_layer=16, n_embd=2048, n_head=32, n_head_kv=8, n_ff=8192,
+                        n_ctx=131072, rope_base=5e5, rope_freqs=True, vocab_size=128256),
     # Gemma 3 270M's shape
     "gemma3-270m": dict(arch="gemma3", n_layer=18, n_embd=640, n_head=4, n_head_kv=1, head_dim=256,
                         n_ff=2048, n_ctx=32768, sliding_window=512, vocab_size=262144),
 }
+
+
+ARCHS = ("llama", "gemma3", "qwen2", "qwen3")
 
 
 @dataclass
@@ -50,8 +60,8 @@ class SynthSpec:
     rope_base_swa: float = 10000.0
     rope_scale: float = 1.0      # linear scaling factor (1 = none)
     rope_freqs: bool = False     # add a rope_freqs.weight tensor (llama)
-    biases: bool = False         # q/k/v/o biases (llama)
-    sliding_window: int = 0      # gemma3
+    biases: bool = False         # q/k/v/o biases (llama; qwen2 always has q/k/v biases)
+    sliding_window: int = 0      # gemma3; llama (a declared window, as Mistral files have)
     swa_pattern: int = 6
     final_softcap: float = 0.0
     vocab_size: int = 0          # 0 = from the vocabulary source
@@ -169,6 +179,8 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
     if spec.rope_scale != 1.0:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(spec.rope_scale)
+    if spec.arch == "llama" and spec.sliding_window:
+        w.add_sliding_window(spec.sliding_window)
     if spec.arch == "gemma3":
         if spec.sliding_window:
             w.add_sliding_window(spec.sliding_window)
@@ -220,12 +232,14 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
         mat(p + "ffn_gate.weight", E, F)
         mat(p + "ffn_up.weight", E, F)
         mat(p + "ffn_down.weight", F, E)
-        if spec.biases:
-            for name, n in (("attn_q", Hq * D), ("attn_k", Hkv * D), ("attn_v", Hkv * D), ("attn_output", E)):
+        biased = (("attn_q", Hq * D), ("attn_k", Hkv * D), ("attn_v", Hkv * D))
+        if spec.biases or spec.arch == "qwen2":
+            for name, n in biased + ((("attn_output", E),) if spec.biases else ()):
                 vec(p + name + ".bias", n, 0.0, 0.05)
-        if spec.arch == "gemma3":
+        if spec.arch in ("gemma3", "qwen3"):
             vec(p + "attn_q_norm.weight", D, 1.0, 0.1)
             vec(p + "attn_k_norm.weight", D, 1.0, 0.1)
+        if spec.arch == "gemma3":
             vec(p + "post_attention_norm.weight", E, 1.0, 0.1)
             vec(p + "post_ffw_norm.weight", E, 1.0, 0.1)
     w.write_header_to_file()
@@ -239,7 +253,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("out")
     ap.add_argument("--preset", choices=sorted(PRESETS))
-    ap.add_argument("--arch", choices=("llama", "gemma3"))
+    ap.add_argument("--arch", choices=ARCHS)
     ap.add_argument("--layers", type=int)
     ap.add_argument("--embd", type=int)
     ap.add_argument("--heads", type=int)

@@ -45,13 +45,7 @@ class DeviceForward:
         cfg, W = engine.cfg, engine.weights
         self.engine, self.cfg, self.arch = engine, cfg, W.arch
         self.eps = np.float32(cfg.rms_eps)
-        # numerics and rotation: EngineOptions.validate checked them (pyimp.capabilities); the
-        # biases are the model's
-        for il, lw in enumerate(W.layers):
-            for name in ("attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias"):
-                if getattr(lw, name) is not None:
-                    raise ValueError(f"device cuda: layer {il} has {name.replace('_bias', '.bias')}, "
-                                     f"which the device forward does not support yet")
+        # numerics and rotation: EngineOptions.validate checked them (pyimp.capabilities)
 
         def vec(a):
             return None if a is None else device.to_device(np.ascontiguousarray(a, np.float32))
@@ -67,6 +61,8 @@ class DeviceForward:
                 "attn_q_norm": vec(lw.attn_q_norm), "attn_k_norm": vec(lw.attn_k_norm),
                 "post_attention_norm": vec(lw.post_attention_norm),
                 "post_ffw_norm": vec(lw.post_ffw_norm),
+                **{name: vec(getattr(lw, name)) for name in
+                   ("attn_q_bias", "attn_k_bias", "attn_v_bias", "attn_output_bias")},
                 **{name: DeviceLinear.of(getattr(lw, name)) for name in
                    ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")},
             })
@@ -111,9 +107,10 @@ class DeviceForward:
         q = self._buf("q", T, Hq * D)
         k = self._buf("k", T, Hkv * D)
         v = self._buf("v", T, Hkv * D)
-        lw["attn_q"](h, q)
-        lw["attn_k"](h, k)
-        lw["attn_v"](h, v)
+        for name, y in (("attn_q", q), ("attn_k", k), ("attn_v", v)):
+            lw[name](h, y)
+            if lw[name + "_bias"] is not None:
+                dops.add_rows(y, lw[name + "_bias"])
         return q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
 
     def qk_rope(self, il, q3, k3, step):
@@ -160,6 +157,8 @@ class DeviceForward:
     def attn_output(self, il, att, step):
         o = self._buf("o", step.T, self.cfg.n_embd)
         self.layers[il]["attn_output"](att, o)
+        if self.layers[il]["attn_output_bias"] is not None:
+            dops.add_rows(o, self.layers[il]["attn_output_bias"])
         return o
 
     def residual_attn(self, il, x, o, last, step):

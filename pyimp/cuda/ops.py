@@ -242,6 +242,15 @@ def _add_kernel(x, y):
 
 
 @cuda.jit
+def _add_rows_kernel(x, b):
+    i = cuda.grid(1)
+    n = b.shape[0]
+    while i < x.shape[0]:
+        x[i] = x[i] + b[i % n]
+        i += cuda.gridsize(1)
+
+
+@cuda.jit
 def _scale_kernel(x, s):
     i = cuda.grid(1)
     while i < x.shape[0]:
@@ -310,6 +319,17 @@ def add(x, y) -> None:
     n = int(np.prod(_shape(x), dtype=np.int64))
     if n:
         device.launch(_add_kernel, _ew_grid(n), EW_THREADS, _flat(x), _flat(y))
+
+
+def add_rows(x, b) -> None:
+    """x[t] += b for every row t of x float32 [T, n] (a projection's bias), b float32 [n]: the
+    rows of NumPy's ``x + b``."""
+    check_array("x", x, np.float32, ndim=2)
+    n = _shape(x)[1]
+    check_array("b", b, np.float32, shape=(n,))
+    size = int(np.prod(_shape(x), dtype=np.int64))
+    if size:
+        device.launch(_add_rows_kernel, _ew_grid(size), EW_THREADS, _flat(x), b)
 
 
 def scale(x, s) -> None:

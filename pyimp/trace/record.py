@@ -32,7 +32,16 @@ LAYER_ORDER = {
                "Kcur_normed", "Kcur#2", "Vcur", "Vcur#1", "kqv", "kqv_out", "attn_post_norm",
                "sa_out", "ffn_norm", "ffn_gate", "ffn_up", "ffn_geglu", "ffn_out",
                "ffn_post_norm", "l_out"),
+    "qwen2": ("attn_norm", "Qcur", "Qcur#1", "Qcur#2", "Qcur#3", "Vcur", "Vcur#1", "Vcur#2",
+              "Kcur", "Kcur#1", "Kcur#2", "Kcur#3", "kqv", "kqv_out", "ffn_inp", "ffn_norm",
+              "ffn_gate", "ffn_up", "ffn_swiglu", "ffn_out", "l_out"),
+    "qwen3": ("attn_norm", "Qcur", "Qcur#1", "Qcur_normed", "Qcur#2", "Vcur", "Vcur#1", "Kcur",
+              "Kcur#1", "Kcur_normed", "Kcur#2", "kqv", "kqv_out", "ffn_inp", "ffn_norm",
+              "ffn_gate", "ffn_up", "ffn_swiglu", "ffn_out", "l_out"),
 }
+# names the forward's steps report that llama.cpp's graph of an architecture does not have:
+# not recorded for it
+NOT_IN_GRAPH = {"qwen2": frozenset({"attn_out"}), "qwen3": frozenset({"attn_out"})}
 POST = ("result_norm", "result_output")
 # llama.cpp names pyimp does not produce (documented above; pyimp-compare lists them)
 NOT_PRODUCED = ("norm", "kq", "kq_soft_max")
@@ -96,6 +105,7 @@ class Recorder:
     def __init__(self, arch: str, keep=None):
         self.arch = arch
         self.keep = keep
+        self.skip = NOT_IN_GRAPH.get(arch, frozenset())
         self.step = 0
         self.out: dict = {}
         self._count: dict = {}
@@ -107,6 +117,8 @@ class Recorder:
         self._step = []
 
     def __call__(self, name: str, il: int, x: np.ndarray) -> None:
+        if name in self.skip:
+            return
         base = f"{name}-{il}" if il >= 0 else name
         k = self._count.get(base, 0)
         self._count[base] = k + 1

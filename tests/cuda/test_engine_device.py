@@ -37,6 +37,14 @@ def models(tmp_path_factory):
                                                      swa_pattern=2, final_softcap=30.0,
                                                      weight_type="Q5_0", embd_type="Q8_0",
                                                      random_blocks=True)),
+        # qwen2: q/k/v biases (added on the device after each projection), NEOX RoPE
+        "qwen2-q8_0": write(d / "q2.gguf", SynthSpec(arch="qwen2", n_layer=2, n_embd=64, n_head=4,
+                                                     n_head_kv=2, n_ff=128, vocab_size=260,
+                                                     weight_type="Q8_0", tied_output=False)),
+        # qwen3: per-head q/k norms without gemma3's post-norms
+        "qwen3-q8_0": write(d / "q3.gguf", SynthSpec(arch="qwen3", n_layer=2, n_embd=64, n_head=4,
+                                                     n_head_kv=2, head_dim=32, n_ff=128,
+                                                     vocab_size=260, weight_type="Q8_0")),
     }
 
 
@@ -50,7 +58,8 @@ def _run(path, device, n_prompt=9, steps=3, **kw):
     return np.array(rows), imp, eng
 
 
-@pytest.mark.parametrize("name", ["llama-q8_0", "llama-q4_0", "gemma3-q5_0"])
+@pytest.mark.parametrize("name", ["llama-q8_0", "llama-q4_0", "gemma3-q5_0", "qwen2-q8_0",
+                                  "qwen3-q8_0"])
 def test_dense_matches_cpu(models, name):
     cpu, _, _ = _run(models[name], "cpu")
     gpu, _, eng = _run(models[name], "cuda")

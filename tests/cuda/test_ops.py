@@ -127,6 +127,17 @@ def test_add_and_scale_exact():
 
 # ---------------------------------------------------------------- launcher checks
 
+def test_add_rows_is_numpys_broadcast_add():
+    """A projection's bias added to every row: one float32 add per element, exact."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((5, 24)).astype(np.float32)
+    b = rng.standard_normal(24).astype(np.float32)
+    got, _ = run(ops.add_rows, x, b)
+    np.testing.assert_array_equal(got, x + b)
+    with pytest.raises(ValueError, match="b"):
+        ops.add_rows(device.zeros((2, 8), np.float32), device.zeros(7, np.float32))
+
+
 def test_bad_arguments_are_named():
     x = device.zeros((2, 8), np.float32)
     with pytest.raises(ValueError, match="w"):
