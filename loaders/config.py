@@ -39,6 +39,9 @@ class ModelConfig:
     rope_base_swa: float
     rope_dim: int
     rope_scale: float           # multiply positions by this (1 / linear scaling factor)
+    rope_yarn: bool             # rope.scaling.type yarn: YaRN's ramp between scaled and not
+    rope_ctx_orig: int          # rope.scaling.original_context_length (YaRN's correction dims)
+    rope_attn_factor: float     # rope.scaling.attn_factor: multiplies cos and sin
     has_rope_freqs: bool        # rope_freqs.weight divides the frequencies (Llama 3.x)
     sliding_window: int         # 0 = no sliding-window layers
     swa_layers: tuple           # per layer: is it a sliding-window layer
@@ -72,6 +75,20 @@ class ModelConfig:
     def layer_rope_scale(self, il: int) -> float:
         # local (sliding-window) layers are never scaled
         return 1.0 if self.swa_layers[il] else self.rope_scale
+
+    def layer_rope(self, il: int) -> dict:
+        """Layer il's RoPE arguments of :func:`pyimp.ops.rope_cache` (besides positions, the
+        dims and the frequency factors), as llama.cpp's context resolves them: YaRN's attention
+        factor 1 + 0.1 ln(scale) is divided out there and multiplied back by ggml's rope."""
+        scale = self.layer_rope_scale(il)
+        yarn = self.rope_yarn and scale != 1.0
+        attn = np.float32(self.rope_attn_factor)
+        if yarn:
+            f = np.float32(1.0) / np.float32(scale)
+            m = np.float32(0.1) * np.float32(np.log(f)) + np.float32(1.0)
+            attn = m * (np.float32(1.0) / (np.float32(1.0) + np.float32(0.1) * np.float32(np.log(f)))) * attn
+        return dict(base=self.layer_rope_base(il), freq_scale=scale, ext_factor=1.0 if yarn else 0.0,
+                    n_ctx_orig=self.rope_ctx_orig, attn_factor=float(attn))
 
 
 def _uint(f: GGUFFile, key: str, default: int | None = None) -> int:
@@ -146,16 +163,19 @@ def read_config(f: GGUFFile) -> ModelConfig:
         if factor is not None:
             scaling_type = "linear"
     rope_scale = 1.0
-    if scaling_type not in ("none", "linear"):
+    if scaling_type not in ("none", "linear", "yarn"):
         raise GGUFError(f.path, f"metadata key {p}rope.scaling.type: {scaling_type!r} is not "
-                                f"supported (none, linear)")
-    if factor is not None and scaling_type == "linear":
+                                f"supported (none, linear, yarn)")
+    if factor is not None and scaling_type in ("linear", "yarn"):
         factor = _float(f, p + "rope.scaling.factor", factor)
         if factor <= 0:
             raise GGUFError(f.path, f"metadata key {p}rope.scaling.factor must be positive")
         rope_scale = 1.0 / factor
 
-    # sliding window: gemma3 only (llama has none)
+    rope_ctx_orig = _uint(f, p + "rope.scaling.original_context_length", n_ctx_train)
+    rope_attn_factor = _float(f, p + "rope.scaling.attn_factor", 1.0)
+
+    # sliding window: gemma3 only (llama.cpp's llama architecture does not read one)
     sliding_window = 0
     swa = [False] * n_layer
     rope_base_swa = rope_base
@@ -204,6 +224,9 @@ def read_config(f: GGUFFile) -> ModelConfig:
         rope_base_swa=rope_base_swa,
         rope_dim=rope_dim,
         rope_scale=rope_scale,
+        rope_yarn=scaling_type == "yarn",
+        rope_ctx_orig=rope_ctx_orig,
+        rope_attn_factor=rope_attn_factor,
         has_rope_freqs=f.has_tensor("rope_freqs.weight"),
         sliding_window=sliding_window,
         swa_layers=tuple(swa),

@@ -76,10 +76,11 @@ class CPUForward:
     def _rope_tables(self, il, step):
         """cos, sin of layer il at the step's positions; layers sharing base and scale share one."""
         cfg = self.cfg
-        key = ("rope", cfg.layer_rope_base(il), cfg.layer_rope_scale(il))
+        args = cfg.layer_rope(il)
+        key = ("rope",) + tuple(args.values())
         if key not in step.memo:
-            step.memo[key] = ops.rope_cache(step.pos, cfg.rope_dim, key[1], key[2],
-                                            self.W.rope_freqs)
+            step.memo[key] = ops.rope_cache(step.pos, cfg.rope_dim, freq_factors=self.W.rope_freqs,
+                                            **args)
         return step.memo[key]
 
     def _qk_fused(self, il, q, k, cos, sin) -> None:
@@ -244,8 +245,8 @@ class CPUForward:
         cfg, W = self.cfg, self.W
         q = np.zeros((1, cfg.n_head, cfg.head_dim), np.float32)
         k = np.zeros((1, cfg.n_head_kv, cfg.head_dim), np.float32)
-        cos, sin = ops.rope_cache(np.arange(1), cfg.rope_dim, cfg.layer_rope_base(0),
-                                  cfg.layer_rope_scale(0), W.rope_freqs)
+        cos, sin = ops.rope_cache(np.arange(1), cfg.rope_dim, freq_factors=W.rope_freqs,
+                                  **cfg.layer_rope(0))
         self._qk_fused(0, q, k, cos, sin)
         lw = W.layers[0]
         x, y, h = (np.zeros((1, cfg.n_embd), np.float32) for _ in range(3))

@@ -226,14 +226,21 @@ def rope_theta_ref(positions: np.ndarray, ts: np.float32, half: int) -> np.ndarr
 
 
 def rope_cache(positions: np.ndarray, n_dims: int, base: float, freq_scale: float,
-               freq_factors: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+               freq_factors: np.ndarray | None = None, ext_factor: float = 0.0,
+               n_ctx_orig: int = 0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+               beta_slow: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin: float32[T, n_dims // 2] for integer ``positions`` int[T].
 
     The angle of pair i is ``p * theta_scale**i`` built by repeated float32
     multiplication (ggml's recurrence), divided by ``freq_factors[i]``
     (rope_freqs) and multiplied by ``freq_scale`` (1 / linear scaling).
     cos and sin are evaluated in float64 and rounded, i.e. correctly rounded
-    float32 values, as glibc's cosf/sinf return.
+    float32 values, as glibc's cosf/sinf return, then multiplied by ``attn_factor``.
+
+    YaRN (``ext_factor`` != 0, ggml's rope_yarn): pair i's angle mixes the scaled
+    (interpolated) angle with the unscaled (extrapolated) one by a ramp over the pairs between
+    the correction dims of ``beta_fast`` and ``beta_slow`` rotations in ``n_ctx_orig``
+    positions, and cos / sin are scaled by ``attn_factor * (1 + 0.1 ln(1 / freq_scale))``.
     """
     half = n_dims // 2
     ts = _theta_scale(float(base), n_dims)
@@ -241,9 +248,32 @@ def rope_cache(positions: np.ndarray, n_dims: int, base: float, freq_scale: floa
     _rope_theta(np.asarray(positions).astype(F32), ts, theta)
     if freq_factors is not None:
         theta = theta / freq_factors.astype(F32)[:half]
+    extrap = theta
     theta = theta * F32(freq_scale)
+    mscale = F32(attn_factor)
+    if ext_factor != 0.0:
+        low, high = yarn_corr_dims(n_dims, n_ctx_orig, base, beta_fast, beta_slow)
+        i = np.arange(half, dtype=F32)
+        ramp = F32(1) - np.clip((i - F32(low)) / F32(max(0.001, high - low)), 0, 1).astype(F32)
+        mix = ramp * F32(ext_factor)
+        theta = theta * (F32(1) - mix) + extrap * mix
+        mscale = mscale * (F32(1) + F32(0.1) * F32(np.log(F32(1) / F32(freq_scale))))
     th = theta.astype(np.float64)
-    return np.cos(th).astype(F32), np.sin(th).astype(F32)
+    cos, sin = np.cos(th).astype(F32), np.sin(th).astype(F32)
+    if mscale != F32(1):
+        cos, sin = cos * mscale, sin * mscale
+    return cos, sin
+
+
+def yarn_corr_dims(n_dims: int, n_ctx_orig: int, base: float, beta_fast: float,
+                   beta_slow: float) -> tuple[float, float]:
+    """The first and last pair YaRN's ramp runs between (ggml_rope_yarn_corr_dims): the pairs
+    that turn ``beta_fast`` and ``beta_slow`` times over ``n_ctx_orig`` positions."""
+    def corr(beta):
+        return F32(n_dims * np.log(F32(n_ctx_orig) / F32(beta * 2 * np.pi))
+                   / F32(2 * np.log(F32(base))))
+    return float(max(0.0, np.floor(corr(beta_fast)))), float(min(n_dims - 1.0,
+                                                                  np.ceil(corr(beta_slow))))
 
 
 @jit.njit(inline="always")

@@ -157,3 +157,28 @@ def test_block_sparse_at_full_budget_equals_dense(models, name):
         rows_b.append(b)
     assert sum(sparse_calls) == 6 * 2           # 6 steps, both layers on the block-sparse path
     assert kl(np.array(rows_b), np.array(rows_a)).max() <= 1e-6
+
+
+# RoPE scaling as llama.cpp reads it for these architectures: linear (positions times 1 / factor)
+# and YaRN (a ramp between the scaled and the unscaled angle of each pair, cos / sin scaled by
+# 1 + 0.1 ln(factor)); original context lengths shorter than the prompt so the ramp matters
+SCALING = [("llama", "linear", 4.0, 0), ("llama", "yarn", 4.0, 32), ("qwen2", "yarn", 8.0, 16),
+           ("qwen3", "linear", 2.0, 0)]
+
+
+@needs_peer
+@pytest.mark.parametrize("arch,scaling,factor,orig", SCALING)
+def test_rope_scaling_matches_llamacpp(tmp_path, arch, scaling, factor, orig):
+    """F32: NMSE <= 1e-6 (measured 2.2e-13 to 3.9e-13). A YaRN file read as linear scaling is
+    far off (checked below), so the bound tells the two apart."""
+    def model(kind):
+        return write(tmp_path / f"{kind}.gguf", SynthSpec(
+            arch=arch, n_layer=2, n_embd=256, n_head=4, n_head_kv=2, n_ff=512, vocab_size=512,
+            rope_base=1e4, rope_scale=factor, rope_scaling=kind, rope_ctx_orig=orig, seed=5))
+    path = model(scaling)
+    toks = [1] + np.random.default_rng(0).integers(3, 512, 59).tolist()
+    ref = llamacpp_peer.logits(path, toks, n_batch=BATCH, kv_type="f32")
+    assert nmse(_engine(path).eval(toks, all_logits=True), ref) <= 1e-6
+    if scaling == "yarn":
+        as_linear = _engine(model("linear")).eval(toks, all_logits=True)
+        assert nmse(as_linear, ref) > 1e-4

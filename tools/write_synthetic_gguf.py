@@ -58,7 +58,9 @@ class SynthSpec:
     tied_output: bool = True
     rope_base: float = 10000.0
     rope_base_swa: float = 10000.0
-    rope_scale: float = 1.0      # linear scaling factor (1 = none)
+    rope_scale: float = 1.0      # scaling factor (1 = none)
+    rope_scaling: str = "linear" # its type: linear or yarn
+    rope_ctx_orig: int = 0       # yarn: rope.scaling.original_context_length (0: not written)
     rope_freqs: bool = False     # add a rope_freqs.weight tensor (llama)
     biases: bool = False         # q/k/v/o biases (llama; qwen2 always has q/k/v biases)
     sliding_window: int = 0      # gemma3; llama (a declared window, as Mistral files have)
@@ -177,8 +179,10 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
     w.add_rope_freq_base(spec.rope_base)
     w.add_rope_dimension_count(D)
     if spec.rope_scale != 1.0:
-        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_type(gguf.RopeScalingType(spec.rope_scaling))
         w.add_rope_scaling_factor(spec.rope_scale)
+        if spec.rope_ctx_orig:
+            w.add_rope_scaling_orig_ctx_len(spec.rope_ctx_orig)
     if spec.arch == "llama" and spec.sliding_window:
         w.add_sliding_window(spec.sliding_window)
     if spec.arch == "gemma3":

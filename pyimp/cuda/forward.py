@@ -122,10 +122,11 @@ class DeviceForward:
             dops.rms_norm(q3.reshape(T * Hq, D), lw["attn_q_norm"], self.eps, qn)
             dops.rms_norm(k3.reshape(T * Hkv, D), lw["attn_k_norm"], self.eps, kn)
             q3, k3 = qn.reshape(T, Hq, D), kn.reshape(T, Hkv, D)
-        key = ("rope", cfg.layer_rope_base(il), cfg.layer_rope_scale(il))
+        args = cfg.layer_rope(il)
+        key = ("rope",) + tuple(args.values())
         if key not in step.memo:
-            cos, sin = host_ops.rope_cache(step.pos, cfg.rope_dim, key[1], key[2],
-                                           self.engine.weights.rope_freqs)
+            cos, sin = host_ops.rope_cache(step.pos, cfg.rope_dim,
+                                           freq_factors=self.engine.weights.rope_freqs, **args)
             step.memo[key] = (device.to_device(cos), device.to_device(sin))
         cos, sin = step.memo[key]
         dops.rope(q3, cos, sin, A.rope_neox)

@@ -132,9 +132,12 @@ def _blocks(rows: np.ndarray, side: str, B: int, D: int) -> np.ndarray:
 
 def _rope_frame(engine, il: int, positions: np.ndarray, n_rows: int) -> Rotary | None:
     """The RoPE frame of layer ``il``'s stored keys (rows past the slots get the positions
-    that would follow), or None where the keys are Hadamard-rotated."""
+    that would follow), or None where the keys are Hadamard-rotated or their rotation is not a
+    plain angle per pair times the position (YaRN's mixed angles, a scaled cos / sin)."""
     cfg = engine.cfg
-    if engine.options.kv_rotate or cfg.rope_dim < 2:
+    rope = cfg.layer_rope(il)
+    if (engine.options.kv_rotate or cfg.rope_dim < 2 or rope["ext_factor"] != 0.0
+            or rope["attn_factor"] != 1.0):
         return None
     half = cfg.rope_dim // 2
     ratio = np.float32(np.float64(cfg.layer_rope_base(il)) ** (-2.0 / cfg.rope_dim))
