@@ -11,7 +11,7 @@ import numpy as np
 
 from .gguf_file import GGUFError, GGUFFile
 
-SUPPORTED_ARCHITECTURES = ("llama", "gemma3", "qwen2", "qwen3")
+SUPPORTED_ARCHITECTURES = ("llama", "gemma3", "qwen2", "qwen3", "phi3")
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class ModelConfig:
     rope_yarn: bool             # rope.scaling.type yarn: YaRN's ramp between scaled and not
     rope_ctx_orig: int          # rope.scaling.original_context_length (YaRN's correction dims)
     rope_attn_factor: float     # rope.scaling.attn_factor: multiplies cos and sin
-    has_rope_freqs: bool        # rope_freqs.weight divides the frequencies (Llama 3.x)
+    has_rope_freqs: bool        # rope_freqs.weight divides the frequencies (Llama 3.x; phi3's
+                                # rope_factors_long / _short are chosen by context: ModelWeights)
     sliding_window: int         # 0 = no sliding-window layers
     swa_layers: tuple           # per layer: is it a sliding-window layer
     final_softcap: float        # 0 = none
@@ -156,6 +157,10 @@ def read_config(f: GGUFFile) -> ModelConfig:
     if rope_dim > head_dim or rope_dim % 2:
         raise GGUFError(f.path, f"metadata key {p}rope.dimension_count: {rope_dim} is invalid "
                                 f"for head dim {head_dim}")
+    if rope_dim != head_dim and arch in ("llama", "qwen2", "qwen3"):
+        # llama.cpp refuses these too: only phi3 (and gemma3) rotate part of a head
+        raise GGUFError(f.path, f"metadata key {p}rope.dimension_count: {rope_dim} differs from "
+                                f"head dim {head_dim}; {arch} rotates whole heads")
     scaling_type = f.get(p + "rope.scaling.type", "none")
     factor = f.get(p + "rope.scaling.factor")
     if factor is None:

@@ -59,9 +59,12 @@ class CPUForward:
     def qkv(self, il, h, step):
         lw, cfg, T, tap = self.W.layers[il], self.cfg, step.T, self.tap
         q, k, v = lw.project((lw.attn_q, lw.attn_k, lw.attn_v), h, self.num, grouped=step.fused)
+        if lw.fused_qkv and tap is not no_tap:          # one fused product, as llama.cpp's
+            tap("wqkv", il, np.concatenate([q, k, v], axis=1))
         for name, y, bias in (("Qcur", q, lw.attn_q_bias), ("Kcur", k, lw.attn_k_bias),
                               ("Vcur", v, lw.attn_v_bias)):
-            tap(name, il, y)
+            if not lw.fused_qkv:
+                tap(name, il, y)
             if bias is not None:
                 y += bias
                 tap(name, il, y)
@@ -108,6 +111,7 @@ class CPUForward:
         tap("Kcur", il, k)
         if A.q_prescale:
             q *= np.float32(1.0 / math.sqrt(self.cfg.head_dim))
+            tap("Qcur_scaled", il, q)
         return q, k
 
     def attention(self, il, q, k, v, step) -> np.ndarray:
@@ -202,8 +206,11 @@ class CPUForward:
             return lw.ffn_down(self.act_mul(*lw.project((lw.ffn_gate, lw.ffn_up), h, num)), num)
         g = lw.ffn_gate(h, num)
         u = lw.ffn_up(h, num)
-        tap("ffn_gate", il, g)
-        tap("ffn_up", il, u)
+        if not lw.fused_up:
+            tap("ffn_gate", il, g)
+            tap("ffn_up", il, u)
+        elif tap is not no_tap:                          # one fused product: gate rows, up rows
+            tap("ffn_up", il, np.concatenate([g, u], axis=1))
         gu = self.act_mul(g, u)
         tap("ffn_geglu" if self.A.ffn_act == "gelu_tanh" else "ffn_swiglu", il, gu)
         f = lw.ffn_down(gu, num)

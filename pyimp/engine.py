@@ -72,8 +72,8 @@ class Engine:
         self.file = GGUFFile(self.path)
         self.cfg: ModelConfig = read_config(self.file)
         opts.sparse.validate(self.cfg.n_layer)
-        self.weights = ModelWeights(self.file, self.cfg)
         self.n_ctx = opts.n_ctx or self.cfg.n_ctx_train
+        self.weights = ModelWeights(self.file, self.cfg, self.n_ctx)
         self.buffer_bytes = buffers.check_memory(opts, self.cfg, self.n_ctx)
         if self.n_ctx > self.cfg.n_ctx_train:
             warnings.warn(f"context size {self.n_ctx} exceeds the model's training context "

@@ -39,7 +39,22 @@ ARCHS = {
                       ffn_act="silu", q_prescale=False),
     "qwen3": ArchSpec(rope_neox=True, embd_scale=False, qk_norm=True, post_norms=False,
                       ffn_act="silu", q_prescale=False),
+    # fused attn_qkv and gate+up (ModelWeights splits them by rows), partial rotary where the
+    # file declares fewer rotary dims, long / short RoPE factors by context (ModelWeights)
+    "phi3": ArchSpec(rope_neox=True, embd_scale=False, qk_norm=False, post_norms=False,
+                     ffn_act="silu", q_prescale=True),
 }
+
+
+def row_slice(t: QTensor, r0: int, r1: int, name: str) -> QTensor:
+    """Rows r0..r1-1 of weight ``t`` as a tensor of its own (zero-copy): one part of a fused
+    matrix (phi3's attn_qkv, its gate+up ffn_up). A matvec computes each output row from its
+    weight row alone, so the parts give the bits of the fused product."""
+    return QTensor(name, t.qtype, (t.shape[0], r1 - r0), t.raw[r0:r1])
+
+
+# a context longer than this many positions past the original one takes phi3's long factors
+CTX_PAD = 256           # llama.cpp pads the context to a multiple of 256 before it compares
 
 
 class Linear:
@@ -174,6 +189,8 @@ class LayerWeights:
     attn_k_norm: np.ndarray | None = None
     post_attention_norm: np.ndarray | None = None
     post_ffw_norm: np.ndarray | None = None
+    fused_qkv: bool = False        # attn_q, attn_k, attn_v are row parts of one attn_qkv
+    fused_up: bool = False         # ffn_gate, ffn_up are row parts of one ffn_up
     _groups: dict = field(default_factory=dict, repr=False, compare=False)
 
     def project(self, linears: tuple, x: np.ndarray, numerics: str, grouped: bool = True) -> list:
@@ -208,14 +225,16 @@ def _vector(f: GGUFFile, name: str, n: int) -> np.ndarray:
 class ModelWeights:
     """All tensors of a model, named as in GGUF, shape-checked against the config."""
 
-    def __init__(self, f: GGUFFile, cfg: ModelConfig):
+    def __init__(self, f: GGUFFile, cfg: ModelConfig, n_ctx: int = 0):
+        """``n_ctx``: the context the engine runs (0: the training context); it picks phi3's
+        long or short RoPE factors for the whole context, as llama.cpp does."""
         self.cfg = cfg
         self.arch = ARCHS[cfg.arch]
         E, D, Hq, Hkv, F, V = cfg.n_embd, cfg.head_dim, cfg.n_head, cfg.n_head_kv, cfg.n_ff, cfg.n_vocab
         self.token_embd = f.tensor("token_embd.weight", (E, V))
         self.output_norm = _vector(f, "output_norm.weight", E)
         self.output = Linear(f.tensor("output.weight", (E, V)) if not cfg.tied_output else self.token_embd)
-        self.rope_freqs = _vector(f, "rope_freqs.weight", cfg.rope_dim // 2) if cfg.has_rope_freqs else None
+        self.rope_freqs = self._rope_factors(f, n_ctx or cfg.n_ctx_train)
         self.layers: list[LayerWeights] = []
         for il in range(cfg.n_layer):
             p = f"blk.{il}."
@@ -223,23 +242,40 @@ class ModelWeights:
             def lin(name: str, n_in: int, n_out: int) -> Linear:
                 return Linear(f.tensor(p + name + ".weight", (n_in, n_out)))
 
+            if f.has_tensor(p + "attn_qkv.weight"):            # fused q, k, v rows (phi3)
+                qkv = f.tensor(p + "attn_qkv.weight", (E, (Hq + 2 * Hkv) * D))
+                q, k = Hq * D, Hkv * D
+                attn_q, attn_k, attn_v = (Linear(row_slice(qkv, a, b, p + name)) for name, a, b in (
+                    ("attn_q", 0, q), ("attn_k", q, q + k), ("attn_v", q + k, q + 2 * k)))
+            else:
+                attn_q, attn_k, attn_v = lin("attn_q", E, Hq * D), lin("attn_k", E, Hkv * D), \
+                    lin("attn_v", E, Hkv * D)
+            if not f.has_tensor(p + "ffn_gate.weight") and f.has_tensor(p + "ffn_up.weight"):
+                up = f.tensor(p + "ffn_up.weight", (E, 2 * F))      # gate rows, then up rows (phi3)
+                ffn_gate, ffn_up = Linear(row_slice(up, 0, F, p + "ffn_gate")), \
+                    Linear(row_slice(up, F, 2 * F, p + "ffn_up"))
+            else:
+                ffn_gate, ffn_up = lin("ffn_gate", E, F), lin("ffn_up", E, F)
+
             def opt_vec(name: str, n: int) -> np.ndarray | None:
                 return _vector(f, p + name, n) if f.has_tensor(p + name) else None
 
             lw = LayerWeights(
                 attn_norm=_vector(f, p + "attn_norm.weight", E),
-                attn_q=lin("attn_q", E, Hq * D),
-                attn_k=lin("attn_k", E, Hkv * D),
-                attn_v=lin("attn_v", E, Hkv * D),
+                attn_q=attn_q,
+                attn_k=attn_k,
+                attn_v=attn_v,
                 attn_output=lin("attn_output", Hq * D, E),
                 ffn_norm=_vector(f, p + "ffn_norm.weight", E),
-                ffn_gate=lin("ffn_gate", E, F),
-                ffn_up=lin("ffn_up", E, F),
+                ffn_gate=ffn_gate,
+                ffn_up=ffn_up,
                 ffn_down=lin("ffn_down", F, E),
                 attn_q_bias=opt_vec("attn_q.bias", Hq * D),
                 attn_k_bias=opt_vec("attn_k.bias", Hkv * D),
                 attn_v_bias=opt_vec("attn_v.bias", Hkv * D),
                 attn_output_bias=opt_vec("attn_output.bias", E),
+                fused_qkv=f.has_tensor(p + "attn_qkv.weight"),
+                fused_up=not f.has_tensor(p + "ffn_gate.weight"),
             )
             if self.arch.qk_norm:
                 lw.attn_q_norm = _vector(f, p + "attn_q_norm.weight", D)
@@ -248,6 +284,18 @@ class ModelWeights:
                 lw.post_attention_norm = _vector(f, p + "post_attention_norm.weight", E)
                 lw.post_ffw_norm = _vector(f, p + "post_ffw_norm.weight", E)
             self.layers.append(lw)
+
+    def _rope_factors(self, f: GGUFFile, n_ctx: int) -> np.ndarray | None:
+        """The frequency factors every layer's RoPE divides its angles by: rope_freqs (Llama
+        3.x), else phi3's rope_factors_long when the context (padded to CTX_PAD) exceeds the
+        original one, rope_factors_short otherwise (llama.cpp's choice), else None."""
+        half = self.cfg.rope_dim // 2
+        if self.cfg.has_rope_freqs:
+            return _vector(f, "rope_freqs.weight", half)
+        padded = -(-n_ctx // CTX_PAD) * CTX_PAD
+        name = "rope_factors_long.weight" if padded > self.cfg.rope_ctx_orig \
+            else "rope_factors_short.weight"
+        return _vector(f, name, half) if f.has_tensor(name) else None
 
     def embed(self, tokens: np.ndarray, scaled: bool = True) -> np.ndarray:
         """float32[T, n_embd] rows of token_embd (scaled by sqrt(n_embd) for gemma3, unless

@@ -1,6 +1,7 @@
-"""qwen2, qwen3 and a llama file that declares a sliding window (as Mistral's do) against llama.cpp
-on synthetic models with these architectures' head layouts: logits, greedy tokens, tensor dumps
-under llama.cpp's names, and block-sparse decode at full budget against dense."""
+"""qwen2, qwen3, phi3 and a llama file that declares a sliding window (as Mistral's do) against
+llama.cpp on synthetic models with these architectures' head layouts: logits, greedy tokens,
+tensor dumps under llama.cpp's names, RoPE scaling, and block-sparse decode at full budget
+against dense."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,7 +18,13 @@ needs_peer = pytest.mark.usefixtures("peer")   # probed once in a subprocess (co
 # Reduced depth and vocabulary, real head layouts: Qwen2.5-0.5B (n_embd 896, 14 / 2 heads of 64,
 # q/k/v biases, a separate output head), Qwen3-0.6B (16 / 8 heads of 128 on n_embd 1024, per-head
 # q/k norms) and Mistral-7B's GQA 32 / 8 at head dim 64 with a declared 8-token window, which
-# llama.cpp's llama architecture does not read (full causal attention; so does pyimp).
+# llama.cpp's llama architecture does not read (full causal attention; so does pyimp). Phi-3-mini's
+# heads (MHA, head dim 96) on n_embd 768: fused attn_qkv and gate+up, RoPE factors and attention
+# factor; "phi3" has an original context of 64, so the engines' context (128, padded to 256 by
+# llama.cpp) takes rope_factors_long, "phi3-short" one of 512 (short factors) and rotates 64 of
+# its 96 dims; phi3's declared window is ignored by llama.cpp, and by pyimp.
+PHI3 = dict(arch="phi3", n_embd=768, n_head=8, n_head_kv=8, head_dim=96, n_ff=1024,
+            tied_output=False, rope_factors=True, rope_attn_factor=1.19, sliding_window=8)
 SPECS = {
     "qwen2": dict(arch="qwen2", n_embd=896, n_head=14, n_head_kv=2, n_ff=1024, tied_output=False,
                   rope_base=1e6, rms_eps=1e-6),
@@ -25,6 +32,8 @@ SPECS = {
                   rope_base=1e6, rms_eps=1e-6),
     "mistral": dict(arch="llama", n_embd=2048, n_head=32, n_head_kv=8, n_ff=1024, sliding_window=8,
                     rope_base=1e6),
+    "phi3": dict(PHI3, rope_ctx_orig=64),
+    "phi3-short": dict(PHI3, rope_ctx_orig=512, rope_dim=64),
 }
 N_PROMPT = 40
 BATCH = 16
@@ -88,7 +97,7 @@ def test_f32_logits_and_greedy_tokens_match_llamacpp(models, name):
 # it carry the change; the bounds are the ones measured for llama there (rel 1.6e-2, KL 1.6e-3
 # worst). Q4_K needs rows of 256: Qwen2.5's 896 is not, as in its real Q4_K_M files.
 QUANT_CASES = [("qwen2", "Q8_0"), ("qwen2", "Q5_0"), ("qwen3", "Q8_0"), ("qwen3", "Q4_K"),
-               ("mistral", "Q4_K")]
+               ("mistral", "Q4_K"), ("phi3", "Q8_0"), ("phi3", "Q4_K")]
 
 
 @needs_peer
@@ -104,7 +113,7 @@ def test_quantized_logits_match_llamacpp(models, name, wtype):
 
 
 @needs_peer
-@pytest.mark.parametrize("name", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "phi3"])
 def test_dump_matches_a_llamacpp_trace_under_its_names(models, name, tmp_path):
     """pyimp-dump against tools.llamacpp_trace on the same F32 file: every paired tensor within
     NMSE 1e-4 (measured: at most 3.9e-13), no pyimp tensor without a llama.cpp twin, and
@@ -116,7 +125,7 @@ def test_dump_matches_a_llamacpp_trace_under_its_names(models, name, tmp_path):
     from pyimp.trace.compare import compare
     path, ours, theirs = models(name), tmp_path / "pyimp.gguf", tmp_path / "llamacpp.gguf"
     r = subprocess.run([sys.executable, "-m", "pyimp.trace.dump", path, "-p", "hello world",
-                        "--steps", "2", "--kv-type", "f32", "--numerics", "ggml", "-o", str(ours)],
+                        "--steps", "2", "-c", "128", "--kv-type", "f32", "--numerics", "ggml", "-o", str(ours)],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     r = subprocess.run([sys.executable, "-m", "tools.llamacpp_trace", path, "--follow", str(ours),

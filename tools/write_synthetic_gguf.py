@@ -1,4 +1,4 @@
-"""Write synthetic GGUF models (llama, gemma3, qwen2, qwen3) with random weights.
+"""Write synthetic GGUF models (llama, gemma3, qwen2, qwen3, phi3) with random weights.
 
 Any shape and weight type (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 via
 ``gguf.quants``; K-quants via ggml's own quantizer from llama-cpp-python's
@@ -40,7 +40,7 @@ PRESETS = {
 }
 
 
-ARCHS = ("llama", "gemma3", "qwen2", "qwen3")
+ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "phi3")
 
 
 @dataclass
@@ -60,7 +60,10 @@ class SynthSpec:
     rope_base_swa: float = 10000.0
     rope_scale: float = 1.0      # scaling factor (1 = none)
     rope_scaling: str = "linear" # its type: linear or yarn
-    rope_ctx_orig: int = 0       # yarn: rope.scaling.original_context_length (0: not written)
+    rope_ctx_orig: int = 0       # rope.scaling.original_context_length (0: not written)
+    rope_dim: int = 0            # rotary dims per head (0: the whole head; phi3 may rotate part)
+    rope_factors: bool = False   # phi3: rope_factors_long / _short tensors
+    rope_attn_factor: float = 0.0  # rope.scaling.attn_factor (0: not written)
     rope_freqs: bool = False     # add a rope_freqs.weight tensor (llama)
     biases: bool = False         # q/k/v/o biases (llama; qwen2 always has q/k/v biases)
     sliding_window: int = 0      # gemma3; llama (a declared window, as Mistral files have)
@@ -148,6 +151,10 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
     """Write the model described by ``spec``; returns the path."""
     rng = np.random.default_rng(spec.seed)
     voc = _vocab_from(vocab_path) if vocab_path else _byte_vocab(spec.vocab_size or 512)
+    if spec.arch == "phi3" and not vocab_path:
+        # llama.cpp marks phi-3 vocabularies' special tokens by name and needs <|endoftext|>
+        voc["tokens"][-1] = "<|endoftext|>"
+        voc["types"][-1] = 3
     V = len(voc["tokens"])
     if spec.vocab_size and spec.vocab_size != V:
         # pad or cut a copied vocabulary to the requested size
@@ -177,13 +184,16 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
     w.add_value_length(D)
     w.add_layer_norm_rms_eps(spec.rms_eps)
     w.add_rope_freq_base(spec.rope_base)
-    w.add_rope_dimension_count(D)
+    n_rot = spec.rope_dim or D
+    w.add_rope_dimension_count(n_rot)
     if spec.rope_scale != 1.0:
         w.add_rope_scaling_type(gguf.RopeScalingType(spec.rope_scaling))
         w.add_rope_scaling_factor(spec.rope_scale)
-        if spec.rope_ctx_orig:
-            w.add_rope_scaling_orig_ctx_len(spec.rope_ctx_orig)
-    if spec.arch == "llama" and spec.sliding_window:
+    if spec.rope_ctx_orig:
+        w.add_rope_scaling_orig_ctx_len(spec.rope_ctx_orig)
+    if spec.rope_attn_factor:
+        w.add_float32(f"{spec.arch}.rope.scaling.attn_factor", spec.rope_attn_factor)
+    if spec.arch in ("llama", "phi3") and spec.sliding_window:
         w.add_sliding_window(spec.sliding_window)
     if spec.arch == "gemma3":
         if spec.sliding_window:
@@ -224,17 +234,26 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
     if not spec.tied_output:
         mat("output.weight", E, V)
     if spec.rope_freqs:
-        w.add_tensor("rope_freqs.weight", (1.0 + 3.0 * rng.random(D // 2)).astype(np.float32))
+        w.add_tensor("rope_freqs.weight", (1.0 + 3.0 * rng.random(n_rot // 2)).astype(np.float32))
+    if spec.rope_factors:
+        for name in ("rope_factors_long.weight", "rope_factors_short.weight"):
+            w.add_tensor(name, (1.0 + 3.0 * rng.random(n_rot // 2)).astype(np.float32))
     for il in range(spec.n_layer):
         p = f"blk.{il}."
         vec(p + "attn_norm.weight", E, 1.0, 0.1)
-        mat(p + "attn_q.weight", E, Hq * D)
-        mat(p + "attn_k.weight", E, Hkv * D)
-        mat(p + "attn_v.weight", E, Hkv * D)
+        if spec.arch == "phi3":                     # fused q, k, v rows and gate, up rows
+            mat(p + "attn_qkv.weight", E, (Hq + 2 * Hkv) * D)
+        else:
+            mat(p + "attn_q.weight", E, Hq * D)
+            mat(p + "attn_k.weight", E, Hkv * D)
+            mat(p + "attn_v.weight", E, Hkv * D)
         mat(p + "attn_output.weight", Hq * D, E)
         vec(p + "ffn_norm.weight", E, 1.0, 0.1)
-        mat(p + "ffn_gate.weight", E, F)
-        mat(p + "ffn_up.weight", E, F)
+        if spec.arch == "phi3":
+            mat(p + "ffn_up.weight", E, 2 * F)
+        else:
+            mat(p + "ffn_gate.weight", E, F)
+            mat(p + "ffn_up.weight", E, F)
         mat(p + "ffn_down.weight", F, E)
         biased = (("attn_q", Hq * D), ("attn_k", Hkv * D), ("attn_v", Hkv * D))
         if spec.biases or spec.arch == "qwen2":

@@ -38,10 +38,17 @@ LAYER_ORDER = {
     "qwen3": ("attn_norm", "Qcur", "Qcur#1", "Qcur_normed", "Qcur#2", "Vcur", "Vcur#1", "Kcur",
               "Kcur#1", "Kcur_normed", "Kcur#2", "kqv", "kqv_out", "ffn_inp", "ffn_norm",
               "ffn_gate", "ffn_up", "ffn_swiglu", "ffn_out", "l_out"),
+    "phi3": ("attn_norm", "wqkv", "Qcur", "Qcur#1", "Qcur#2", "Vcur", "Kcur", "Kcur#1", "kqv",
+             "kqv_out", "ffn_norm", "ffn_up", "ffn_swiglu", "ffn_out", "l_out"),
 }
 # names the forward's steps report that llama.cpp's graph of an architecture does not have:
 # not recorded for it
-NOT_IN_GRAPH = {"qwen2": frozenset({"attn_out"}), "qwen3": frozenset({"attn_out"})}
+NOT_IN_GRAPH = {"llama": frozenset({"Qcur_scaled"}), "gemma3": frozenset({"Qcur_scaled"}),
+                "qwen2": frozenset({"attn_out", "Qcur_scaled"}),
+                "qwen3": frozenset({"attn_out", "Qcur_scaled"}),
+                "phi3": frozenset({"attn_out", "ffn_inp"})}
+# names the forward's steps report that an architecture's graph names otherwise
+RENAMED = {"phi3": {"Qcur_scaled": "Qcur"}}
 POST = ("result_norm", "result_output")
 # llama.cpp names pyimp does not produce (documented above; pyimp-compare lists them)
 NOT_PRODUCED = ("norm", "kq", "kq_soft_max")
@@ -106,6 +113,7 @@ class Recorder:
         self.arch = arch
         self.keep = keep
         self.skip = NOT_IN_GRAPH.get(arch, frozenset())
+        self.rename = RENAMED.get(arch, {})
         self.step = 0
         self.out: dict = {}
         self._count: dict = {}
@@ -119,6 +127,7 @@ class Recorder:
     def __call__(self, name: str, il: int, x: np.ndarray) -> None:
         if name in self.skip:
             return
+        name = self.rename.get(name, name)
         base = f"{name}-{il}" if il >= 0 else name
         k = self._count.get(base, 0)
         self._count[base] = k + 1

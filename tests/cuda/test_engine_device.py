@@ -45,6 +45,14 @@ def models(tmp_path_factory):
         "qwen3-q8_0": write(d / "q3.gguf", SynthSpec(arch="qwen3", n_layer=2, n_embd=64, n_head=4,
                                                      n_head_kv=2, head_dim=32, n_ff=128,
                                                      vocab_size=260, weight_type="Q8_0")),
+        # phi3: fused attn_qkv and gate+up (row parts), 8 of 16 dims rotated, long RoPE factors
+        # and an attention factor, q scaled before attention
+        "phi3-q8_0": write(d / "p3.gguf", SynthSpec(arch="phi3", n_layer=2, n_embd=64, n_head=4,
+                                                    n_head_kv=4, head_dim=16, n_ff=128,
+                                                    vocab_size=260, weight_type="Q8_0",
+                                                    tied_output=False, rope_dim=8,
+                                                    rope_factors=True, rope_ctx_orig=32,
+                                                    rope_attn_factor=1.1)),
     }
 
 
@@ -59,7 +67,7 @@ def _run(path, device, n_prompt=9, steps=3, **kw):
 
 
 @pytest.mark.parametrize("name", ["llama-q8_0", "llama-q4_0", "gemma3-q5_0", "qwen2-q8_0",
-                                  "qwen3-q8_0"])
+                                  "qwen3-q8_0", "phi3-q8_0"])
 def test_dense_matches_cpu(models, name):
     cpu, _, _ = _run(models[name], "cpu")
     gpu, _, eng = _run(models[name], "cuda")
