@@ -191,3 +191,42 @@ def test_rope_scaling_matches_llamacpp(tmp_path, arch, scaling, factor, orig):
     if scaling == "yarn":
         as_linear = _engine(model("linear")).eval(toks, all_logits=True)
         assert nmse(as_linear, ref) > 1e-4
+
+
+def _decode_rows(eng, toks, follow=None, steps=6) -> np.ndarray:
+    """The prompt's last logits row, then ``steps`` decode steps' rows: greedy, or feeding the
+    tokens ``follow`` (another run's rows) picked."""
+    rows = [eng.eval(toks)[-1]]
+    for i in range(steps):
+        src = rows[-1] if follow is None else follow[i]
+        rows.append(eng.eval([int(np.argmax(src))])[-1])
+    return np.array(rows)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_kv_types_policies_and_prompt_caches_run_on_every_architecture(models, name, tmp_path):
+    """The features over the cache, on each architecture: q8_0 K/V (with the Hadamard rotation
+    where the head dim is a power of 2) close to f32 K/V (mean KL <= 1e-2, the bound the quantized-KV tests hold the default model
+    to); h2o eviction keeps its budget and decodes; a prompt-cache file written after the
+    prompt and loaded into a fresh engine continues with the same bits as the engine that
+    wrote it."""
+    import pyimp
+    path, toks = models(name), _prompt(5)
+    ref = _decode_rows(_engine(path), toks)
+    D = SPECS[name].get("head_dim") or SPECS[name]["n_embd"] // SPECS[name]["n_head"]
+    rotate = D & (D - 1) == 0                  # the Hadamard rotation needs a power-of-2 head
+    q8 = _decode_rows(pyimp.load(path, n_ctx=128, block_len=8, batch_size=BATCH, kv_type="q8_0",
+                                 kv_rotate=rotate), toks, follow=ref)
+    assert kl(ref, q8).mean() <= 1e-2
+    h2o = pyimp.load(path, n_ctx=128, block_len=8, batch_size=BATCH, kv_policy="h2o",
+                     kv_budget=16)
+    _decode_rows(h2o, toks)
+    assert h2o.policy.evicted > 0
+    assert max(h2o.cache.slot_count(il) for il in range(h2o.cfg.n_layer)) <= 16 + 8
+    a = _engine(path)
+    a.eval(toks)
+    a.save_state(tmp_path / "p.pkv")
+    b = _engine(path)
+    assert b.load_state(tmp_path / "p.pkv") == len(toks)
+    nxt = [5, 6, 7]
+    np.testing.assert_array_equal(a.eval(nxt, all_logits=True), b.eval(nxt, all_logits=True))
