@@ -20,6 +20,8 @@ import threading
 import time
 import warnings
 
+from loaders.config import SUPPORTED_ARCHITECTURES
+
 from ..capabilities import CAPABILITIES
 from .common import (EXIT_ERROR, MAX_PROMPT_BYTES, HelpFormatter, Parser, add_model_args,
                      add_option_flags, float_in, int_at_least, model_path, options_from_args,
@@ -69,7 +71,7 @@ def flag_conflict(args: argparse.Namespace) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
     p = Parser(prog="pyimp-run", formatter_class=HelpFormatter,
-                description="Generate text with a GGUF model (llama, gemma3).")
+                description=f"Generate text with a GGUF model ({', '.join(SUPPORTED_ARCHITECTURES)}).")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_model_args(p)
     src = p.add_mutually_exclusive_group()

@@ -82,7 +82,7 @@ producers. Metadata (``general.architecture`` is ``pyimp.trace.dump``)::
     pyimp.trace.dump.prompt             string  the prompt text ("" when token ids were given)
     pyimp.trace.dump.steps              uint32  decode steps run (the file has steps 0..steps)
     pyimp.trace.dump.numerics           string  pyimp: "fp32" / "ggml"; llama.cpp: "llama.cpp"
-    pyimp.trace.dump.architecture       string  the model's architecture (llama, gemma3)
+    pyimp.trace.dump.architecture       string  the model's architecture (llama, gemma3, ...)
     pyimp.trace.dump.kv_type            string  K/V cache types ("f16", "f32/f16", ...)
     pyimp.trace.dump.order              [string] tensor names in graph order
 
