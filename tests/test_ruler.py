@@ -1,0 +1,129 @@
+"""RULER's synthetic tasks (tools.ruler): deterministic from the seed, fitted to the length asked,
+the references where RULER puts them, RULER's scoring; tools.eval_ruler's table."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from tools import ruler
+from tools.eval_ruler import format_markdown, summarize
+
+
+def tokenize(text: str) -> list:
+    """A stand-in tokenizer: one token per 4 bytes (the real ones are slower to run here)."""
+    return list(range(-(-len(text.encode()) // 4)))
+
+
+@pytest.mark.parametrize("task", ruler.TASKS)
+def test_a_seed_gives_the_same_case_and_another_seed_another(task):
+    a = ruler.make_case(task, 1000, 3, 2048, tokenize)
+    assert a == ruler.make_case(task, 1000, 3, 2048, tokenize)
+    assert a.prompt != ruler.make_case(task, 1001, 3, 2048, tokenize).prompt
+    assert a.prompt != ruler.make_case(task, 1000, 4, 2048, tokenize).prompt
+    assert a.max_new_tokens == ruler.GENERATE[task]
+
+
+@pytest.mark.parametrize("task", ruler.TASKS)
+@pytest.mark.parametrize("n", [2048, 8192])
+def test_cases_fill_the_length_asked(task, n):
+    """At most n tokens, and within one haystack unit of it (a noise sentence, an essay word,
+    a needle line, a list entry: at most 40 tokens of the stand-in tokenizer)."""
+    c = ruler.make_case(task, 7, 0, n, tokenize)
+    assert c.n_tokens == len(tokenize(c.prompt)) and n - 40 <= c.n_tokens <= n
+
+
+@pytest.mark.parametrize("task", list(ruler.NIAH))
+def test_niah_needles_hold_the_answers_for_the_keys_asked(task):
+    c = ruler.make_case(task, 1000, 1, 4096, tokenize)
+    hay, _, v_kind, n_keys, n_values, n_queries = ruler.NIAH[task]
+    query = c.prompt.rsplit("What are all the special magic", 1)[1]
+    found = re.findall(r"One of the special magic \w+ for (\S+) is: (\S+)\.", c.prompt)
+    held = {}
+    for k, v in found:
+        held.setdefault(k, []).append(v)
+    asked = [k for k in held if k in query]
+    assert len(asked) == n_queries
+    assert sorted(c.answers) == sorted(v for k in asked for v in held[k])
+    assert len(c.answers) == n_queries * n_values
+    if hay != "needle":
+        assert len(found) == n_keys * n_values               # distractor keys for multikey
+    else:
+        assert len(found) > 50                               # the haystack is needles
+    pattern = {"numbers": r"\d{7}", "uuids": r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-"}[v_kind]
+    assert all(re.match(pattern, a) for a in c.answers)
+
+
+def test_variable_tracking_chain_in_order():
+    c = ruler.make_case("vt", 1000, 0, 2048, tokenize)
+    value = re.search(r"assigned the value (\d+) in the text", c.prompt).group(1)
+    lines = re.findall(r"VAR (\w+) = (VAR \w+|\d+)\.", c.prompt)
+    assert lines[0] == (c.answers[0], value)
+    for (prev, _), (name, src) in zip(lines, lines[1:]):
+        assert src == f"VAR {prev}"
+    assert [n for n, _ in lines] == list(c.answers)
+
+
+def test_common_words_are_the_ten_that_repeat_thirty_times():
+    c = ruler.make_case("cwe", 1000, 0, 4096, tokenize)
+    words = re.findall(r"\d+\. (\w+)", c.prompt.split("\nQuestion:")[0])
+    counts = {w: words.count(w) for w in set(words)}
+    assert {w for w, n in counts.items() if n == ruler.CWE_FREQ} == set(c.answers)
+    assert max(n for w, n in counts.items() if w not in c.answers) == ruler.CWE_RARE_FREQ
+
+
+def test_frequent_words_are_the_three_most_frequent():
+    c = ruler.make_case("fwe", 1000, 0, 4096, tokenize)
+    body = c.prompt.split("coded words. ", 1)[1].split("\nQuestion:")[0]
+    words = body.split(" .... ")
+    counts = sorted(((words.count(w), w) for w in set(words)), reverse=True)
+    assert {w for _, w in counts[:3]} == set(c.answers)
+    assert counts[2][0] > counts[3][0]                       # no tie for third place here
+
+
+def test_rulers_scoring():
+    assert ruler.string_match_all("The numbers are 123 and 456.", ["123", "456"]) == 1.0
+    assert ruler.string_match_all("only 123", ["123", "456"]) == 0.5
+    assert ruler.string_match_all("UUID ABC-def", ["abc-DEF"]) == 1.0
+    assert ruler.string_match_part("only 123", ["123", "456"]) == 1.0
+    assert ruler.string_match_part("nothing", ["123", "456"]) == 0.0
+
+
+def test_unknown_task_is_named():
+    with pytest.raises(ValueError, match="unknown RULER task 'qa_1'"):
+        ruler.make_case("qa_1", 0, 0, 1024, tokenize)
+    with pytest.raises(ValueError, match="needs more than 10 tokens"):
+        ruler.make_case("niah_single_1", 0, 0, 10, tokenize)
+
+
+def test_the_table_averages_tasks_with_case_counts():
+    rows = [{"policy": "full", "kv": "f16", "fraction": 1.0, "task": t, "score": s}
+            for t, scores in (("a", (1.0, 1.0, 0.0)), ("b", (0.5, 0.5, 0.5))) for s in scores]
+    rows += [{"policy": "h2o", "kv": "f16", "fraction": 0.25, "task": "a", "score": 0.0}] * 3
+    table = format_markdown(summarize(rows), ["a", "b"])
+    full = next(line for line in table.splitlines() if line.startswith("| full"))
+    assert "66.7 [" in full and "| 50.0 [50, 50] |" in full and full.endswith("| 58.3 | 3 |")
+    h2o = next(line for line in table.splitlines() if line.startswith("| h2o"))
+    assert "| - |" in h2o and h2o.endswith("| 0.0 | 3 |")
+
+
+def test_a_case_runs_under_full_attention_and_a_policy(tmp_path):
+    """tools.eval_ruler.run_case on a small synthetic model: the row names its configuration,
+    the budget in tokens per layer, and holds fewer KV bytes under h2o than under full."""
+    import pyimp
+    from tools.eval_ruler import run_case
+    from tools.write_synthetic_gguf import SynthSpec, write
+    path = write(tmp_path / "m.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4,
+                                                n_head_kv=2, n_ff=128, vocab_size=512))
+    eng = pyimp.load(path, n_ctx=16)
+    c = ruler.make_case("niah_single_1", 1000, 0, 600, eng.tokenize)
+    ids = eng.tokenize(c.prompt)
+    case = {"task": c.task, "seed": c.seed, "index": c.index, "answers": c.answers,
+            "max_new_tokens": 4}
+    full = run_case(path, 700, ids, case, "full", "f16", 0.25)
+    h2o = run_case(path, 700, ids, case, "h2o", "f16", 0.25)
+    assert (full["policy"], full["fraction"], full["budget_tokens"]) == ("full", 1.0, 0)
+    assert (h2o["policy"], h2o["fraction"]) == ("h2o", 0.25)
+    assert h2o["budget_tokens"] == max(64, round(0.25 * len(ids)))
+    assert 0 < h2o["kv_bytes"] < full["kv_bytes"]
+    assert full["score"] in (0.0, 1.0) and full["answers"] == c.answers[0]

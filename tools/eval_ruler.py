@@ -1,0 +1,203 @@
+"""RULER's synthetic tasks (:mod:`tools.ruler`) over KV policies on Dask: scores against memory.
+
+    python -m tools.eval_ruler [MODEL] --ctx 4096 --cases 8 --seed 1000 [--tasks niah_single_1,vt]
+        [--policies full,h2o,snapkv] [--fractions 0.25,0.5] [--kv-types f16] [--out DIR]
+    python -m tools.eval_ruler --scheduler tcp://host:8786 ...      # an existing Dask cluster
+
+The grid is task x case x policy x KV type x memory fraction. A case is RULER's prompt for
+its task, fitted to ``--ctx`` tokens (answer prefix included), drawn by ``--seed``: seeds in
+``DEV_SEEDS`` are for tuning, every other seed is held out, and a figure is only quoted from
+held-out seeds. Each task prefills the prompt with the question in it (question-aware
+compression: the policy evicts once the prompt is in, its budget ``fraction`` x the prompt's
+tokens per layer), then decodes greedily RULER's tokens to generate for the task (stopping
+at the end of generation) and scores the text with RULER's ``string_match_all``.
+
+Output: ``DIR/eval_ruler.csv`` (one row per task run: prediction, references, score, budget
+in tokens per layer, KV bytes held after the prefill, seconds) and a markdown table per
+policy and fraction of each task's mean score with its 95 % t interval over the cases, the
+case count, and the average over the tasks (on stdout and in ``DIR/eval_ruler.md``).
+
+Dask: a ``LocalCluster`` of ``--workers`` single-threaded processes by default, or
+``--scheduler``; workers keep an engine per configuration (``tools.eval_kv``'s cache).
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+
+import numpy as np
+
+from tools import ruler
+from tools.eval_kv import _engine, mean_interval
+
+DEV_SEEDS = range(0, 100)          # tuning; figures come from the other seeds
+POLICIES = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
+
+
+def run_case(model: str, n_ctx: int, ids: list, case: dict, policy: str, kv: str,
+             fraction: float) -> dict:
+    """One case under one configuration, on a Dask worker (or in this process)."""
+    opts = {"kv_type": kv}
+    budget = 0
+    if policy != "full":
+        budget = max(64, int(round(fraction * len(ids))))
+        opts.update(kv_policy=policy, kv_budget=budget)
+    eng = _engine(model, n_ctx, batch_size=n_ctx, track=policy != "full", **opts)
+    eng.reset()
+    t0 = time.perf_counter()
+    logits = eng.eval(ids)[-1]
+    held = int(eng.cache.bytes_held())
+    eog, toks = eng.eog_ids(), []
+    for _ in range(case["max_new_tokens"]):
+        t = int(np.argmax(logits))
+        if t in eog:
+            break
+        toks.append(t)
+        if len(ids) + len(toks) >= n_ctx:
+            break
+        logits = eng.eval([t])[-1]
+    pred = eng.detokenize(toks)
+    return {"task": case["task"], "seed": case["seed"], "index": case["index"], "policy": policy,
+            "kv": kv, "fraction": fraction if policy != "full" else 1.0, "budget_tokens": budget,
+            "n_tokens": len(ids), "score": ruler.string_match_all(pred, case["answers"]),
+            "prediction": pred, "answers": "|".join(case["answers"]), "kv_bytes": held,
+            "seconds": round(time.perf_counter() - t0, 3)}
+
+
+def make_cases(model: str, tasks: list, n_cases: int, seed: int, ctx: int) -> list:
+    """(ids, case fields) of every case, tokenized by the model's own vocabulary."""
+    import pyimp
+    eng = pyimp.load(model, n_ctx=16)          # its tokenizer only
+    out = []
+    for task in tasks:
+        for i in range(n_cases):
+            c = ruler.make_case(task, seed, i, ctx, eng.tokenize)
+            out.append((eng.tokenize(c.prompt), {"task": task, "seed": seed, "index": i,
+                                                 "answers": c.answers,
+                                                 "max_new_tokens": c.max_new_tokens}))
+    eng.close()
+    return out
+
+
+def summarize(rows: list) -> list:
+    """Per (policy, kv, fraction, task): mean score, its 95 % t interval, the case count."""
+    groups: dict = {}
+    for r in rows:
+        groups.setdefault((r["policy"], r["kv"], float(r["fraction"]), r["task"]), []).append(
+            float(r["score"]))
+    out = []
+    for (policy, kv, fraction, task), scores in sorted(groups.items()):
+        m, lo, hi = mean_interval(scores)
+        out.append({"policy": policy, "kv": kv, "fraction": fraction, "task": task, "mean": m,
+                    "lo": lo, "hi": hi, "cases": len(scores)})
+    return out
+
+
+def format_markdown(summary: list, tasks: list) -> str:
+    """One row per configuration, one column per task (mean score x 100 with its 95 %
+    interval), the case count and the average over the tasks."""
+    configs = sorted({(s["policy"], s["kv"], s["fraction"]) for s in summary},
+                     key=lambda c: (-c[2], c[0], c[1]))
+    by = {(s["policy"], s["kv"], s["fraction"], s["task"]): s for s in summary}
+    lines = ["| policy | KV | fraction | " + " | ".join(tasks) + " | average | cases per task |",
+             "|---" * (len(tasks) + 5) + "|"]
+    for c in configs:
+        cells, means, n = [], [], 0
+        for t in tasks:
+            s = by.get(c + (t,))
+            if s is None:
+                cells.append("-")
+                continue
+            n = s["cases"]
+            means.append(s["mean"])
+            ci = "" if np.isnan(s["lo"]) else f" [{100 * s['lo']:.0f}, {100 * s['hi']:.0f}]"
+            cells.append(f"{100 * s['mean']:.1f}{ci}")
+        avg = f"{100 * np.mean(means):.1f}" if means else "-"
+        lines.append(f"| {c[0]} | {c[1]} | {c[2]:g} | " + " | ".join(cells) + f" | {avg} | {n} |")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m tools.eval_ruler",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("model", nargs="?", help="GGUF model (default: the embedded Gemma 3 270M)")
+    ap.add_argument("--ctx", type=int, default=4096, help="prompt tokens per case")
+    ap.add_argument("--cases", type=int, default=4, help="cases per task")
+    ap.add_argument("--seed", type=int, default=1000,
+                    help=f"case seed (development: {DEV_SEEDS.start}-{DEV_SEEDS.stop - 1})")
+    ap.add_argument("--tasks", default=",".join(ruler.TASKS))
+    ap.add_argument("--policies", default="full")
+    ap.add_argument("--fractions", default="0.25", help="eviction budgets, share of the prompt")
+    ap.add_argument("--kv-types", default="f16")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--scheduler", help="address of an existing Dask scheduler")
+    ap.add_argument("--out", default="eval_ruler_out")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    tasks = [t for t in args.tasks.split(",") if t]
+    policies = [p for p in args.policies.split(",") if p]
+    try:
+        for t in tasks:
+            if t not in ruler.TASKS:
+                raise ValueError(f"--tasks: unknown task {t!r} (tasks: {', '.join(ruler.TASKS)})")
+        for p in policies:
+            if p not in POLICIES:
+                raise ValueError(f"--policies: unknown policy {p!r} ({', '.join(POLICIES)})")
+        fractions = [float(x) for x in args.fractions.split(",") if x]
+        if any(not 0 < f <= 1 for f in fractions):
+            raise ValueError("--fractions: each must be in (0, 1]")
+        if args.cases < 1 or args.ctx < 256:
+            raise ValueError("--cases must be >= 1 and --ctx >= 256")
+    except ValueError as e:
+        print(f"eval_ruler: {e}", file=sys.stderr)
+        return 2
+    from dask.distributed import Client, LocalCluster
+
+    from pyimp.runtime.default_model import default_model_path
+    model = os.path.abspath(args.model or default_model_path())
+    kvs = [k for k in args.kv_types.split(",") if k]
+    n_ctx = args.ctx + max(ruler.GENERATE.values()) + 8
+    t0 = time.perf_counter()
+    cases = make_cases(model, tasks, args.cases, args.seed, args.ctx)
+    print(f"seed {args.seed} ({'development' if args.seed in DEV_SEEDS else 'held out'}): "
+          f"{len(tasks)} tasks x {args.cases} cases at {args.ctx} tokens", flush=True)
+    configs = [(p, kv, f) for p in policies for kv in kvs
+               for f in ([1.0] if p == "full" else fractions)]
+    cluster = None
+    if args.scheduler:
+        client = Client(args.scheduler)
+    else:
+        cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
+                               dashboard_address=None, memory_limit=0)
+        client = Client(cluster)
+    try:
+        # a configuration's tasks one after another: a worker reuses its engine
+        futures = [client.submit(run_case, model, n_ctx, ids, case, p, kv, f, pure=False)
+                   for (p, kv, f) in configs for ids, case in cases]
+        rows = client.gather(futures)
+    finally:
+        client.close()
+        if cluster is not None:
+            cluster.close()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "eval_ruler.csv"), "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    table = format_markdown(summarize(rows), tasks)
+    with open(os.path.join(args.out, "eval_ruler.md"), "w") as f:
+        f.write(f"{args.ctx} tokens, seed {args.seed}, {args.cases} cases per task, "
+                f"{time.perf_counter() - t0:.0f} s\n\n{table}\n")
+    print(table)
+    print(f"{len(rows)} runs in {time.perf_counter() - t0:.0f} s -> {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
