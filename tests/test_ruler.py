@@ -116,14 +116,18 @@ def test_a_case_runs_under_full_attention_and_a_policy(tmp_path):
     path = write(tmp_path / "m.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4,
                                                 n_head_kv=2, n_ff=128, vocab_size=512))
     eng = pyimp.load(path, n_ctx=16)
-    c = ruler.make_case("niah_single_1", 1000, 0, 600, eng.tokenize)
-    ids = eng.tokenize(c.prompt)
-    case = {"task": c.task, "seed": c.seed, "index": c.index, "answers": c.answers,
-            "max_new_tokens": 4}
-    full = run_case(path, 700, ids, case, "full", "f16", 0.25)
-    h2o = run_case(path, 700, ids, case, "h2o", "f16", 0.25)
-    assert (full["policy"], full["fraction"], full["budget_tokens"]) == ("full", 1.0, 0)
-    assert (h2o["policy"], h2o["fraction"]) == ("h2o", 0.25)
-    assert h2o["budget_tokens"] == max(64, round(0.25 * len(ids)))
-    assert 0 < h2o["kv_bytes"] < full["kv_bytes"]
-    assert full["score"] in (0.0, 1.0) and full["answers"] == c.answers[0]
+    c = ruler.make_case("niah_multikey_1", 1000, 0, 1200, eng.tokenize)
+    ctx = eng.tokenize(c.context)
+    qs = [(eng.tokenize(q, add_bos=False), a) for q, a in c.questions]
+    case = {"task": c.task, "seed": c.seed, "index": c.index, "max_new_tokens": 4}
+    full = run_case(path, 1400, ctx, qs, case, "full", "f16", 0.25)
+    h2o = run_case(path, 1400, ctx, qs, case, "h2o", "f16", 0.25)
+    once = run_case(path, 1400, ctx, qs, case, "h2o", "f16", 0.25, "once", str(tmp_path))
+    assert len(full) == len(h2o) == len(once) == len(c.questions) == 4
+    assert (full[0]["policy"], full[0]["fraction"], full[0]["budget_tokens"]) == ("full", 1.0, 0)
+    assert (h2o[0]["policy"], h2o[0]["fraction"], h2o[0]["mode"]) == ("h2o", 0.25, "aware")
+    assert h2o[0]["budget_tokens"] == once[0]["budget_tokens"] == max(64, round(0.25 * len(ctx)))
+    assert 0 < h2o[0]["kv_bytes"] < full[0]["kv_bytes"] and 0 < once[0]["kv_bytes"] < full[0]["kv_bytes"]
+    assert [r["answers"] for r in once] == ["|".join(a) for _, a in c.questions]
+    assert all(r["score"] in (0.0, 1.0) for r in full + h2o + once)
+    assert list(tmp_path.glob("*.pkv")) == []                # the saved context is removed

@@ -2,18 +2,24 @@
 
     python -m tools.eval_ruler [MODEL] --ctx 4096 --cases 8 --seed 1000 [--tasks niah_single_1,vt]
         [--policies full,h2o,snapkv] [--fractions 0.25,0.5] [--kv-types f16] [--out DIR]
+        [--modes aware,once] [--all-questions]
     python -m tools.eval_ruler --scheduler tcp://host:8786 ...      # an existing Dask cluster
 
 The grid is task x case x policy x KV type x memory fraction. A case is RULER's prompt for
 its task, fitted to ``--ctx`` tokens (answer prefix included), drawn by ``--seed``: seeds in
 ``DEV_SEEDS`` are for tuning, every other seed is held out, and a figure is only quoted from
-held-out seeds. Each task prefills the prompt with the question in it (question-aware
-compression: the policy evicts once the prompt is in, its budget ``fraction`` x the prompt's
-tokens per layer), then decodes greedily RULER's tokens to generate for the task (stopping
-at the end of generation) and scores the text with RULER's ``string_match_all``.
+held-out seeds. A policy keeps ``fraction`` x the context's tokens per layer (at least 64).
+In mode ``aware`` (RULER's setting, and SCBench's question-aware compression) a task prefills
+the context with the question after it and the policy evicts once both are in; in mode
+``once`` (compress once, ask many) the context alone is prefilled and compressed (the
+observation window is the context's end), saved as a prompt-cache file, and each question is
+appended to the loaded state. ``--all-questions`` asks every question a context has (the
+other keys of the multi-key needle tasks), so one compressed context answers several. Each
+question's answer is decoded greedily (RULER's tokens to generate, stopping at the end of
+generation) and scored with RULER's ``string_match_all``.
 
-Output: ``DIR/eval_ruler.csv`` (one row per task run: prediction, references, score, budget
-in tokens per layer, KV bytes held after the prefill, seconds) and a markdown table per
+Output: ``DIR/eval_ruler.csv`` (one row per question run: prediction, references, score,
+budget in tokens per layer, KV bytes held after the compression, seconds) and a markdown table per
 policy and fraction of each task's mean score with its 95 % t interval over the cases, the
 case count, and the average over the tasks (on stdout and in ``DIR/eval_ruler.md``).
 
@@ -37,47 +43,79 @@ DEV_SEEDS = range(0, 100)          # tuning; figures come from the other seeds
 POLICIES = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
 
 
-def run_case(model: str, n_ctx: int, ids: list, case: dict, policy: str, kv: str,
-             fraction: float) -> dict:
-    """One case under one configuration, on a Dask worker (or in this process)."""
-    opts = {"kv_type": kv}
-    budget = 0
-    if policy != "full":
-        budget = max(64, int(round(fraction * len(ids))))
-        opts.update(kv_policy=policy, kv_budget=budget)
-    eng = _engine(model, n_ctx, batch_size=n_ctx, track=policy != "full", **opts)
-    eng.reset()
-    t0 = time.perf_counter()
-    logits = eng.eval(ids)[-1]
-    held = int(eng.cache.bytes_held())
+def _decode(eng, logits, max_new: int, room: int) -> str:
+    """Greedy text from ``logits`` on: up to max_new tokens, the end of generation, or room."""
     eog, toks = eng.eog_ids(), []
-    for _ in range(case["max_new_tokens"]):
+    for _ in range(min(max_new, room)):
         t = int(np.argmax(logits))
         if t in eog:
             break
         toks.append(t)
-        if len(ids) + len(toks) >= n_ctx:
-            break
         logits = eng.eval([t])[-1]
-    pred = eng.detokenize(toks)
-    return {"task": case["task"], "seed": case["seed"], "index": case["index"], "policy": policy,
-            "kv": kv, "fraction": fraction if policy != "full" else 1.0, "budget_tokens": budget,
-            "n_tokens": len(ids), "score": ruler.string_match_all(pred, case["answers"]),
-            "prediction": pred, "answers": "|".join(case["answers"]), "kv_bytes": held,
-            "seconds": round(time.perf_counter() - t0, 3)}
+    return eng.detokenize(toks)
 
 
-def make_cases(model: str, tasks: list, n_cases: int, seed: int, ctx: int) -> list:
-    """(ids, case fields) of every case, tokenized by the model's own vocabulary."""
+def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict, policy: str,
+             kv: str, fraction: float, mode: str = "aware", workdir: str = "") -> list:
+    """Every question of one context under one configuration (on a Dask worker or here): a row
+    per question. ``mode`` "aware": the context and the question prefilled together, the policy
+    evicting once they are in; "once": the context alone prefilled and compressed (the
+    observation window over the context's end), saved as a prompt-cache file, then each
+    question appended to the loaded state. The budget is ``fraction`` x the context's tokens
+    per layer in both."""
+    opts = {"kv_type": kv}
+    budget = 0
+    if policy != "full":
+        budget = max(64, int(round(fraction * len(ctx_ids))))
+        opts.update(kv_policy=policy, kv_budget=budget)
+    eng = _engine(model, n_ctx, batch_size=n_ctx, track=policy != "full", **opts)
+    rows = []
+    state = None
+    if mode == "once":
+        eng.reset()
+        eng.eval(ctx_ids)
+        state = os.path.join(workdir, f"{os.getpid()}-{case['task']}-{case['seed']}-"
+                                      f"{case['index']}.pkv")
+        eng.save_state(state)
+    held = int(eng.cache.bytes_held())
+    for qi, (q_ids, answers) in enumerate(questions):
+        t0 = time.perf_counter()
+        if mode == "once":
+            eng.load_state(state)
+            logits = eng.eval(q_ids)[-1]
+        else:
+            eng.reset()
+            logits = eng.eval(list(ctx_ids) + list(q_ids))[-1]
+            held = int(eng.cache.bytes_held())
+        pred = _decode(eng, logits, case["max_new_tokens"],
+                       n_ctx - len(ctx_ids) - len(q_ids) - 1)
+        rows.append({"task": case["task"], "seed": case["seed"], "index": case["index"],
+                     "question": qi, "mode": mode, "policy": policy, "kv": kv,
+                     "fraction": fraction if policy != "full" else 1.0, "budget_tokens": budget,
+                     "n_tokens": len(ctx_ids) + len(q_ids),
+                     "score": ruler.string_match_all(pred, answers), "prediction": pred,
+                     "answers": "|".join(answers), "kv_bytes": held,
+                     "seconds": round(time.perf_counter() - t0, 3)})
+    if state is not None:
+        os.remove(state)
+    return rows
+
+
+def make_cases(model: str, tasks: list, n_cases: int, seed: int, ctx: int,
+               all_questions: bool = False) -> list:
+    """(context ids, [(question ids, answers)], case fields) of every case, tokenized by the
+    model's own vocabulary; RULER's question only unless ``all_questions``."""
     import pyimp
     eng = pyimp.load(model, n_ctx=16)          # its tokenizer only
     out = []
     for task in tasks:
         for i in range(n_cases):
             c = ruler.make_case(task, seed, i, ctx, eng.tokenize)
-            out.append((eng.tokenize(c.prompt), {"task": task, "seed": seed, "index": i,
-                                                 "answers": c.answers,
-                                                 "max_new_tokens": c.max_new_tokens}))
+            qs = c.questions if all_questions else c.questions[:1]
+            out.append((eng.tokenize(c.context),
+                        [(eng.tokenize(q, add_bos=False), a) for q, a in qs],
+                        {"task": task, "seed": seed, "index": i,
+                         "max_new_tokens": c.max_new_tokens}))
     eng.close()
     return out
 
@@ -86,7 +124,8 @@ def summarize(rows: list) -> list:
     """Per (policy, kv, fraction, task): mean score, its 95 % t interval, the case count."""
     groups: dict = {}
     for r in rows:
-        groups.setdefault((r["policy"], r["kv"], float(r["fraction"]), r["task"]), []).append(
+        label = r["policy"] + ("" if r.get("mode", "aware") == "aware" else f" ({r['mode']})")
+        groups.setdefault((label, r["kv"], float(r["fraction"]), r["task"]), []).append(
             float(r["score"]))
     out = []
     for (policy, kv, fraction, task), scores in sorted(groups.items()):
@@ -132,6 +171,12 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--policies", default="full")
     ap.add_argument("--fractions", default="0.25", help="eviction budgets, share of the prompt")
     ap.add_argument("--kv-types", default="f16")
+    ap.add_argument("--modes", default="aware",
+                    help="aware: compress with the question in the prompt; once: compress the "
+                         "context alone, save it, append each question to the loaded state")
+    ap.add_argument("--all-questions", action="store_true",
+                    help="ask every question a context has (needle tasks' other keys), not only "
+                         "RULER's")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--scheduler", help="address of an existing Dask scheduler")
     ap.add_argument("--out", default="eval_ruler_out")
@@ -152,6 +197,9 @@ def main(argv=None) -> int:
         fractions = [float(x) for x in args.fractions.split(",") if x]
         if any(not 0 < f <= 1 for f in fractions):
             raise ValueError("--fractions: each must be in (0, 1]")
+        modes = [m for m in args.modes.split(",") if m]
+        if not modes or any(m not in ("aware", "once") for m in modes):
+            raise ValueError("--modes: aware, once or both")
         if args.cases < 1 or args.ctx < 256:
             raise ValueError("--cases must be >= 1 and --ctx >= 256")
     except ValueError as e:
@@ -161,14 +209,18 @@ def main(argv=None) -> int:
 
     from pyimp.runtime.default_model import default_model_path
     model = os.path.abspath(args.model or default_model_path())
+    os.makedirs(args.out, exist_ok=True)
     kvs = [k for k in args.kv_types.split(",") if k]
     n_ctx = args.ctx + max(ruler.GENERATE.values()) + 8
     t0 = time.perf_counter()
-    cases = make_cases(model, tasks, args.cases, args.seed, args.ctx)
+    cases = make_cases(model, tasks, args.cases, args.seed, args.ctx, args.all_questions)
+    workdir = os.path.abspath(os.path.join(args.out, "work"))
+    os.makedirs(workdir, exist_ok=True)
     print(f"seed {args.seed} ({'development' if args.seed in DEV_SEEDS else 'held out'}): "
           f"{len(tasks)} tasks x {args.cases} cases at {args.ctx} tokens", flush=True)
-    configs = [(p, kv, f) for p in policies for kv in kvs
-               for f in ([1.0] if p == "full" else fractions)]
+    configs = [(p, kv, f, m) for p in policies for kv in kvs
+               for f in ([1.0] if p == "full" else fractions)
+               for m in (["aware"] if p == "full" else modes)]
     cluster = None
     if args.scheduler:
         client = Client(args.scheduler)
@@ -178,14 +230,14 @@ def main(argv=None) -> int:
         client = Client(cluster)
     try:
         # a configuration's tasks one after another: a worker reuses its engine
-        futures = [client.submit(run_case, model, n_ctx, ids, case, p, kv, f, pure=False)
-                   for (p, kv, f) in configs for ids, case in cases]
-        rows = client.gather(futures)
+        futures = [client.submit(run_case, model, n_ctx, ctx_ids, qs, case, p, kv, f, m,
+                                 workdir, pure=False)
+                   for (p, kv, f, m) in configs for ctx_ids, qs, case in cases]
+        rows = [r for part in client.gather(futures) for r in part]
     finally:
         client.close()
         if cluster is not None:
             cluster.close()
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "eval_ruler.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

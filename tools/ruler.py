@@ -88,7 +88,12 @@ FWE_ALPHA, FWE_VOCAB = 2.0, 1000
 @dataclass(frozen=True)
 class Case:
     """One generated case: ``prompt`` (the input with its answer prefix appended, as RULER feeds
-    it), the reference strings ``answers`` and the tokens to generate."""
+    it), the reference strings ``answers`` and the tokens to generate.
+
+    ``prompt`` is ``context + questions[0][0]``: the context (instructions and haystack) and
+    RULER's question with its answer prefix. ``questions`` holds (question text, answers)
+    pairs that can follow the same context: RULER's first, then, for needle tasks with other
+    keys, a single-key question for each key not asked alone (compress-once-ask-many)."""
 
     task: str
     seed: int
@@ -97,6 +102,14 @@ class Case:
     answers: tuple
     max_new_tokens: int
     n_tokens: int                   # the prompt's length in the model's tokens
+    context: str = ""
+    questions: tuple = ()
+
+
+def _split(task: str, prompt: str, answers: tuple, extra: tuple = ()) -> dict:
+    """The context / questions fields of a case whose prompt asks at its last question mark."""
+    cut = prompt.rfind("\nWhat are all the special magic" if task in NIAH else "\nQuestion:")
+    return {"context": prompt[:cut], "questions": ((prompt[cut:], answers),) + extra}
 
 
 @lru_cache(maxsize=1)
@@ -200,7 +213,12 @@ def _niah(task: str, seed: int, index: int, n_tokens: int, tokenize) -> Case:
         return (NIAH_TEMPLATE.format(type_v=type_v, context=context, query=query)
                 + NIAH_ANSWER.format(type_v=type_v, query=query))
     prompt, n = _fit(build, tokenize, n_tokens, len(units))
-    return Case(task, seed, index, prompt, answers, GENERATE[task], n)
+    alone = [] if n_queries > 1 else [keys[0]]
+    extra = tuple(("\n" + NIAH_TEMPLATE.split("\n")[-1].format(type_v=type_v, query=k)
+                   + NIAH_ANSWER.format(type_v=type_v, query=k), tuple(vs))
+                  for k, vs in zip(keys, values) if k not in alone)
+    return Case(task, seed, index, prompt, answers, GENERATE[task], n,
+                **_split(task, prompt, answers, extra))
 
 
 def _vt(seed: int, index: int, n_tokens: int, tokenize) -> Case:
@@ -223,7 +241,8 @@ def _vt(seed: int, index: int, n_tokens: int, tokenize) -> Case:
         return (VT_TEMPLATE.format(context=" ".join(parts), query=value)
                 + VT_ANSWER.format(num_v=len(names), query=value))
     prompt, n = _fit(build, tokenize, n_tokens, 4096)
-    return Case("vt", seed, index, prompt, tuple(names), GENERATE["vt"], n)
+    return Case("vt", seed, index, prompt, tuple(names), GENERATE["vt"], n,
+                **_split("vt", prompt, tuple(names)))
 
 
 def _cwe(seed: int, index: int, n_tokens: int, tokenize) -> Case:
@@ -239,7 +258,8 @@ def _cwe(seed: int, index: int, n_tokens: int, tokenize) -> Case:
         context = " ".join(f"{i + 1}. {words[j]}" for i, j in enumerate(order))
         return CWE_TEMPLATE.format(context=context) + CWE_ANSWER
     prompt, n = _fit(build, tokenize, n_tokens, len(rare))
-    return Case("cwe", seed, index, prompt, tuple(common), GENERATE["cwe"], n)
+    return Case("cwe", seed, index, prompt, tuple(common), GENERATE["cwe"], n,
+                **_split("cwe", prompt, tuple(common)))
 
 
 def _fwe(seed: int, index: int, n_tokens: int, tokenize) -> Case:
@@ -262,7 +282,8 @@ def _fwe(seed: int, index: int, n_tokens: int, tokenize) -> Case:
         counts[word] = counts.get(word, 0) + 1
     rank = {v: i for i, v in enumerate(vocab)}
     top = sorted(counts, key=lambda x: (-counts[x], rank[x]))[:3]
-    return Case("fwe", seed, index, prompt, tuple(top), GENERATE["fwe"], n)
+    return Case("fwe", seed, index, prompt, tuple(top), GENERATE["fwe"], n,
+                **_split("fwe", prompt, tuple(top)))
 
 
 def make_case(task: str, seed: int, index: int, n_tokens: int,
