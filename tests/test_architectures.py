@@ -32,6 +32,9 @@ SPECS = {
                   rope_base=1e6, rms_eps=1e-6),
     "mistral": dict(arch="llama", n_embd=2048, n_head=32, n_head_kv=8, n_ff=1024, sliding_window=8,
                     rope_base=1e6),
+    # Llama-3.2-1B's heads (32 / 8 of 64) and its rope_freqs frequency factors
+    "llama3": dict(arch="llama", n_embd=2048, n_head=32, n_head_kv=8, n_ff=1024, rope_freqs=True,
+                   rope_base=5e5),
     "phi3": dict(PHI3, rope_ctx_orig=64),
     "phi3-short": dict(PHI3, rope_ctx_orig=512, rope_dim=64),
 }
