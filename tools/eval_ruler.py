@@ -129,9 +129,9 @@ def summarize(rows: list) -> list:
             float(r["score"]))
     out = []
     for (policy, kv, fraction, task), scores in sorted(groups.items()):
-        m, lo, hi = mean_interval(scores)
+        m, lo, hi = mean_interval(scores)          # scores lie in [0, 1]: so does the interval
         out.append({"policy": policy, "kv": kv, "fraction": fraction, "task": task, "mean": m,
-                    "lo": lo, "hi": hi, "cases": len(scores)})
+                    "lo": max(0.0, lo), "hi": min(1.0, hi), "cases": len(scores)})
     return out
 
 
