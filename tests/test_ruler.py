@@ -131,3 +131,5 @@ def test_a_case_runs_under_full_attention_and_a_policy(tmp_path):
     assert [r["answers"] for r in once] == ["|".join(a) for _, a in c.questions]
     assert all(r["score"] in (0.0, 1.0) for r in full + h2o + once)
     assert list(tmp_path.glob("*.pkv")) == []                # the saved context is removed
+    nbr = run_case(path, 1400, ctx, qs[:1], case, "h2o+nbr2", "f16", 0.25)   # eval_kv's suffixes
+    assert (nbr[0]["policy"], nbr[0]["budget_tokens"]) == ("h2o+nbr2", h2o[0]["budget_tokens"])

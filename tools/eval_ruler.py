@@ -2,7 +2,7 @@
 
     python -m tools.eval_ruler [MODEL] --ctx 4096 --cases 8 --seed 1000 [--tasks niah_single_1,vt]
         [--policies full,h2o,snapkv] [--fractions 0.25,0.5] [--kv-types f16] [--out DIR]
-        [--modes aware,once] [--all-questions]
+        [--modes aware,once] [--all-questions]     # policies take tools.eval_kv's suffixes: h2o+nbr4
     python -m tools.eval_ruler --scheduler tcp://host:8786 ...      # an existing Dask cluster
 
 The grid is task x case x policy x KV type x memory fraction. A case is RULER's prompt for
@@ -37,10 +37,9 @@ import time
 import numpy as np
 
 from tools import ruler
-from tools.eval_kv import _engine, mean_interval
+from tools.eval_kv import _engine, mean_interval, parse_policy
 
 DEV_SEEDS = range(0, 100)          # tuning; figures come from the other seeds
-POLICIES = ("full", "streaming", "h2o", "snapkv", "pyramidkv")
 
 
 def _decode(eng, logits, max_new: int, room: int) -> str:
@@ -63,12 +62,14 @@ def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict,
     observation window over the context's end), saved as a prompt-cache file, then each
     question appended to the loaded state. The budget is ``fraction`` x the context's tokens
     per layer in both."""
-    opts = {"kv_type": kv}
+    base, extra = parse_policy(policy)       # e.g. "h2o+nbr4": tools.eval_kv's suffixes
+    extra.pop("batch_size", None)
+    opts = {"kv_type": kv, **extra}
     budget = 0
-    if policy != "full":
+    if base != "full":
         budget = max(64, int(round(fraction * len(ctx_ids))))
-        opts.update(kv_policy=policy, kv_budget=budget)
-    eng = _engine(model, n_ctx, batch_size=n_ctx, track=policy != "full", **opts)
+        opts.update(kv_policy=base, kv_budget=budget)
+    eng = _engine(model, n_ctx, batch_size=n_ctx, track=base != "full", **opts)
     rows = []
     state = None
     if mode == "once":
@@ -91,7 +92,7 @@ def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict,
                        n_ctx - len(ctx_ids) - len(q_ids) - 1)
         rows.append({"task": case["task"], "seed": case["seed"], "index": case["index"],
                      "question": qi, "mode": mode, "policy": policy, "kv": kv,
-                     "fraction": fraction if policy != "full" else 1.0, "budget_tokens": budget,
+                     "fraction": fraction if base != "full" else 1.0, "budget_tokens": budget,
                      "n_tokens": len(ctx_ids) + len(q_ids),
                      "score": ruler.string_match_all(pred, answers), "prediction": pred,
                      "answers": "|".join(answers), "kv_bytes": held,
@@ -192,8 +193,7 @@ def main(argv=None) -> int:
             if t not in ruler.TASKS:
                 raise ValueError(f"--tasks: unknown task {t!r} (tasks: {', '.join(ruler.TASKS)})")
         for p in policies:
-            if p not in POLICIES:
-                raise ValueError(f"--policies: unknown policy {p!r} ({', '.join(POLICIES)})")
+            parse_policy(p)
         fractions = [float(x) for x in args.fractions.split(",") if x]
         if any(not 0 < f <= 1 for f in fractions):
             raise ValueError("--fractions: each must be in (0, 1]")
@@ -219,8 +219,8 @@ def main(argv=None) -> int:
     print(f"seed {args.seed} ({'development' if args.seed in DEV_SEEDS else 'held out'}): "
           f"{len(tasks)} tasks x {args.cases} cases at {args.ctx} tokens", flush=True)
     configs = [(p, kv, f, m) for p in policies for kv in kvs
-               for f in ([1.0] if p == "full" else fractions)
-               for m in (["aware"] if p == "full" else modes)]
+               for f in ([1.0] if parse_policy(p)[0] == "full" else fractions)
+               for m in (["aware"] if parse_policy(p)[0] == "full" else modes)]
     cluster = None
     if args.scheduler:
         client = Client(args.scheduler)
