@@ -233,3 +233,13 @@ def test_kv_types_policies_and_prompt_caches_run_on_every_architecture(models, n
     assert b.load_state(tmp_path / "p.pkv") == len(toks)
     nxt = [5, 6, 7]
     np.testing.assert_array_equal(a.eval(nxt, all_logits=True), b.eval(nxt, all_logits=True))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_partial_rotary_is_refused_where_llamacpp_refuses_it(tmp_path, arch):
+    """Only phi3 (and gemma3) rotate part of a head; llama.cpp refuses the others' files."""
+    from loaders.gguf_file import GGUFError
+    path = write(tmp_path / "m.gguf", SynthSpec(arch=arch, n_layer=1, n_embd=64, n_head=2,
+                                                n_head_kv=1, n_ff=64, vocab_size=300, rope_dim=16))
+    with pytest.raises(GGUFError, match="rope.dimension_count: 16 differs from head dim 32"):
+        _engine(path)
