@@ -53,8 +53,9 @@ def row_slice(t: QTensor, r0: int, r1: int, name: str) -> QTensor:
     return QTensor(name, t.qtype, (t.shape[0], r1 - r0), t.raw[r0:r1])
 
 
-# a context longer than this many positions past the original one takes phi3's long factors
-CTX_PAD = 256           # llama.cpp pads the context to a multiple of 256 before it compares
+# llama.cpp pads the context to a multiple of this before it compares it with the original
+# context length (phi3's long or short RoPE factors)
+CTX_PAD = 256
 
 
 class Linear:
@@ -67,6 +68,7 @@ class Linear:
         self.n_in = t.shape[0]
         self.n_out = t.n_rows
         self._rows = None          # checked uint8 row view and kernels, made at the first decode
+        self._choices: dict = {}   # numerics -> its thread choice (see thread_choice)
 
     def __call__(self, x: np.ndarray, numerics: str) -> np.ndarray:
         """x float32[T, n_in] -> float32[T, n_out]."""
@@ -83,8 +85,7 @@ class Linear:
             raise ValueError(f"{self.name}: input must be float32[1, {self.n_in}], got shape {x.shape}")
         out = np.empty((1, self.n_out), np.float32)
         xr = np.ascontiguousarray(x[0], dtype=np.float32)
-        quants.check_numerics(numerics)
-        choice = self.thread_choice(numerics)
+        choice = self._choices.get(numerics) or self.thread_choice(numerics)
         if numerics == "fp32":
             choice.run(k.matvec, raw, xr, out[0])
         else:
@@ -93,9 +94,11 @@ class Linear:
 
     def thread_choice(self, numerics: str) -> quants.ThreadChoice:
         """The decode matvec's serial-or-parallel choice: the one quants.matvec makes for a
-        weight of this type, shape and numerics."""
-        return quants.thread_choice(quants.matvec_key(self.qtype, self._kernel_rows()[0].shape,
-                                                      numerics))
+        weight of this type, shape and numerics (looked up once per numerics, then kept)."""
+        quants.check_numerics(numerics)
+        choice = self._choices[numerics] = quants.thread_choice(
+            quants.matvec_key(self.qtype, self._kernel_rows()[0].shape, numerics))
+        return choice
 
     def _kernel_rows(self):
         if self._rows is None:
