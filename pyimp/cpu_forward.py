@@ -37,6 +37,9 @@ class CPUForward:
         self.eps = engine.cfg.rms_eps
         self.rot = ops.hadamard(engine.cfg.head_dim) if engine.options.kv_rotate else None
         self.tap = no_tap
+        # per layer: (memo key, rope_cache arguments); layers with the same arguments share tables
+        self.rope_args = [(("rope",) + tuple(a.values()), a) for a in
+                          (engine.cfg.layer_rope(il) for il in range(engine.cfg.n_layer))]
 
     def begin(self, step) -> None:
         self.tap = self.engine._tap
@@ -78,12 +81,10 @@ class CPUForward:
 
     def _rope_tables(self, il, step):
         """cos, sin of layer il at the step's positions; layers sharing base and scale share one."""
-        cfg = self.cfg
-        args = cfg.layer_rope(il)
-        key = ("rope",) + tuple(args.values())
+        key, args = self.rope_args[il]
         if key not in step.memo:
-            step.memo[key] = ops.rope_cache(step.pos, cfg.rope_dim, freq_factors=self.W.rope_freqs,
-                                            **args)
+            step.memo[key] = ops.rope_cache(step.pos, self.cfg.rope_dim,
+                                            freq_factors=self.W.rope_freqs, **args)
         return step.memo[key]
 
     def _qk_fused(self, il, q, k, cos, sin) -> None:
