@@ -59,6 +59,7 @@ engine configuration and keeps it for the tasks that follow.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import os
 import sys
@@ -67,6 +68,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loaders.gguf_file import GGUFError
 from pyimp.choices import KV_POLICIES as POLICIES
 
 IMPORTANCE_OF = {"full": "obs", "streaming": "obs", "h2o": "all", "snapkv": "obs",
@@ -529,6 +531,22 @@ def read_rows(paths: list, drop_floor: bool = False) -> list:
     return rows
 
 
+@contextlib.contextmanager
+def dask_client(scheduler: str | None, workers: int):
+    """A Dask client of the scheduler at ``scheduler``, else of a LocalCluster of ``workers``
+    single-threaded processes; closed (with the cluster) when the block ends."""
+    from dask.distributed import Client, LocalCluster
+    if scheduler:
+        with Client(scheduler) as client:
+            yield client
+        return
+    # memory_limit 0: Dask's pause at 80% of a share of the RAM would stall the grid on the
+    # pages the engines' caches keep (a worker holds one engine per configuration)
+    with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
+                      dashboard_address=None, memory_limit=0) as cluster, Client(cluster) as client:
+        yield client
+
+
 def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     """Wilson score interval of a proportion k / n (95 % by default); (0, 1) when n is 0."""
     if n == 0:
@@ -717,40 +735,25 @@ def main(argv=None) -> int:
     if (args.first_window or 0) < 0 or args.windows < 0 or args.passkeys < 0:
         print("eval_kv: --first-window, --windows and --passkeys must be >= 0", file=sys.stderr)
         return 2
-    from dask.distributed import Client, LocalCluster
-
     from pyimp.runtime.default_model import default_model_path
     model = os.path.abspath(args.model or default_model_path())
-    os.makedirs(args.out, exist_ok=True)
-    workdir = os.path.abspath(args.workdir or os.path.join(args.out, "work"))
-    os.makedirs(workdir, exist_ok=True)
     t0 = time.perf_counter()
     try:
         prompts = make_prompts(model, args.ctx, args.windows, args.steps, args.passkeys,
                                args.seed, args.first_window, lengths, depths)
-    except ValueError as e:
+    except (ValueError, GGUFError) as e:
         print(f"eval_kv: {e}", file=sys.stderr)
         return 2
+    os.makedirs(args.out, exist_ok=True)         # made once the inputs are known to be good
+    workdir = os.path.abspath(args.workdir or os.path.join(args.out, "work"))
+    os.makedirs(workdir, exist_ok=True)
     print(f"seed {args.seed} ({'development' if args.seed in DEV_SEEDS else 'held out'}): "
           f"{args.windows} text windows"
           + ("" if args.first_window is None else f" from window {args.first_window}")
           + f", {args.passkeys} passkey prompts")
-    cluster = None
-    if args.scheduler:
-        client = Client(args.scheduler)
-    else:
-        # memory_limit 0: Dask's pause at 80% of a share of the RAM would stall the grid on
-        # the pages the engines' caches keep (a worker holds one engine per configuration)
-        cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                               dashboard_address=None, memory_limit=0)
-        client = Client(cluster)
-    try:
+    with dask_client(args.scheduler, args.workers) as client:
         _, rows = run_grid(client, model, args.ctx, prompts, policies, fractions,
                            args.obs_window, workdir, kvs, args.reuse_prefill)
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
     csv_path = os.path.join(args.out, "eval_kv.csv")
     with open(csv_path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

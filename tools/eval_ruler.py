@@ -36,8 +36,9 @@ import time
 
 import numpy as np
 
+from loaders.gguf_file import GGUFError
 from tools import ruler
-from tools.eval_kv import _engine, mean_interval, parse_policy
+from tools.eval_kv import _engine, dask_client, kv_options, mean_interval, parse_kv, parse_policy
 
 DEV_SEEDS = range(0, 100)          # tuning; figures come from the other seeds
 
@@ -64,7 +65,7 @@ def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict,
     per layer in both."""
     base, extra = parse_policy(policy)       # e.g. "h2o+nbr4": tools.eval_kv's suffixes
     extra.pop("batch_size", None)
-    opts = {"kv_type": kv, **extra}
+    opts = {**kv_options(kv), **extra}
     budget = 0
     if base != "full":
         budget = max(64, int(round(fraction * len(ctx_ids))))
@@ -111,7 +112,10 @@ def make_cases(model: str, tasks: list, n_cases: int, seed: int, ctx: int,
     out = []
     for task in tasks:
         for i in range(n_cases):
-            c = ruler.make_case(task, seed, i, ctx, eng.tokenize)
+            try:
+                c = ruler.make_case(task, seed, i, ctx, eng.tokenize)
+            except ValueError as e:
+                raise ValueError(f"--ctx {ctx}, task {task}: {e}") from None
             qs = c.questions if all_questions else c.questions[:1]
             out.append((eng.tokenize(c.context),
                         [(eng.tokenize(q, add_bos=False), a) for q, a in qs],
@@ -194,50 +198,50 @@ def main(argv=None) -> int:
                 raise ValueError(f"--tasks: unknown task {t!r} (tasks: {', '.join(ruler.TASKS)})")
         for p in policies:
             parse_policy(p)
-        fractions = [float(x) for x in args.fractions.split(",") if x]
-        if any(not 0 < f <= 1 for f in fractions):
-            raise ValueError("--fractions: each must be in (0, 1]")
+        try:
+            fractions = [float(x) for x in args.fractions.split(",") if x]
+        except ValueError:
+            fractions = [float("nan")]
+        if not fractions or any(not 0 < f <= 1 for f in fractions):
+            raise ValueError(f"--fractions {args.fractions!r}: each must be a number in (0, 1]")
+        kvs = [k for k in args.kv_types.split(",") if k]
+        if not kvs:
+            raise ValueError("--kv-types needs at least one entry")
+        for k in kvs:
+            parse_kv(k)
         modes = [m for m in args.modes.split(",") if m]
         if not modes or any(m not in ("aware", "once") for m in modes):
-            raise ValueError("--modes: aware, once or both")
+            raise ValueError(f"--modes {args.modes!r}: each must be aware or once")
+        if args.workers < 1:
+            raise ValueError(f"--workers {args.workers}: at least 1")
         if args.cases < 1 or args.ctx < 256:
             raise ValueError("--cases must be >= 1 and --ctx >= 256")
     except ValueError as e:
         print(f"eval_ruler: {e}", file=sys.stderr)
         return 2
-    from dask.distributed import Client, LocalCluster
-
     from pyimp.runtime.default_model import default_model_path
     model = os.path.abspath(args.model or default_model_path())
-    os.makedirs(args.out, exist_ok=True)
-    kvs = [k for k in args.kv_types.split(",") if k]
     n_ctx = args.ctx + max(ruler.GENERATE.values()) + 8
     t0 = time.perf_counter()
-    cases = make_cases(model, tasks, args.cases, args.seed, args.ctx, args.all_questions)
+    try:
+        cases = make_cases(model, tasks, args.cases, args.seed, args.ctx, args.all_questions)
+    except (ValueError, GGUFError) as e:
+        print(f"eval_ruler: {e}", file=sys.stderr)
+        return 2
     workdir = os.path.abspath(os.path.join(args.out, "work"))
     os.makedirs(workdir, exist_ok=True)
     print(f"seed {args.seed} ({'development' if args.seed in DEV_SEEDS else 'held out'}): "
           f"{len(tasks)} tasks x {args.cases} cases at {args.ctx} tokens", flush=True)
+    full = {p: parse_policy(p)[0] == "full" for p in policies}
     configs = [(p, kv, f, m) for p in policies for kv in kvs
-               for f in ([1.0] if parse_policy(p)[0] == "full" else fractions)
-               for m in (["aware"] if parse_policy(p)[0] == "full" else modes)]
-    cluster = None
-    if args.scheduler:
-        client = Client(args.scheduler)
-    else:
-        cluster = LocalCluster(n_workers=args.workers, threads_per_worker=1, processes=True,
-                               dashboard_address=None, memory_limit=0)
-        client = Client(cluster)
-    try:
+               for f in ([1.0] if full[p] else fractions)
+               for m in (["aware"] if full[p] else modes)]
+    with dask_client(args.scheduler, args.workers) as client:
         # a configuration's tasks one after another: a worker reuses its engine
         futures = [client.submit(run_case, model, n_ctx, ctx_ids, qs, case, p, kv, f, m,
                                  workdir, pure=False)
                    for (p, kv, f, m) in configs for ctx_ids, qs, case in cases]
         rows = [r for part in client.gather(futures) for r in part]
-    finally:
-        client.close()
-        if cluster is not None:
-            cluster.close()
     with open(os.path.join(args.out, "eval_ruler.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()

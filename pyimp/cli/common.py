@@ -171,6 +171,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="GGUF model file, as llama-cli's -m (or give it as the first argument)")
 
 
+def add_prompt_args(p: argparse.ArgumentParser) -> None:
+    """-p/--prompt or -f/--file, one of them (pyimp-run, pyimp-dump); see :func:`read_prompt`."""
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="prompt text")
+    src.add_argument("-f", "--file",
+                     help=f"read the prompt from this file (at most {MAX_PROMPT_BYTES >> 20} MiB)")
+
+
 def model_path(args: argparse.Namespace) -> str:
     """The model :func:`add_model_args` parsed, or the embedded default model's path (written to
     the cache on first use). Raises ValueError for two different models, and

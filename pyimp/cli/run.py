@@ -23,8 +23,8 @@ import warnings
 from loaders.config import SUPPORTED_ARCHITECTURES
 
 from ..capabilities import CAPABILITIES
-from .common import (EXIT_ERROR, MAX_PROMPT_BYTES, HelpFormatter, Parser, add_model_args,
-                     add_option_flags, float_in, int_at_least, model_path, options_from_args,
+from .common import (EXIT_ERROR, HelpFormatter, Parser, add_model_args, add_option_flags,
+                     add_prompt_args, float_in, int_at_least, model_path, options_from_args,
                      quiet_stdout, read_prompt)
 from ..options import EngineOptions, SparseOptions
 
@@ -74,10 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                 description=f"Generate text with a GGUF model ({', '.join(SUPPORTED_ARCHITECTURES)}).")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_model_args(p)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("-p", "--prompt", help="prompt text")
-    src.add_argument("-f", "--file",
-                     help=f"read the prompt from this file (at most {MAX_PROMPT_BYTES >> 20} MiB)")
+    add_prompt_args(p)
     p.add_argument("-n", "--n-predict", type=int_at_least(-1, "--n-predict"), default=128,
                    help="tokens to generate (-1 = until end of text or context)")
     p.add_argument("--temp", type=float_in(0.0, 1e6, "--temp"), default=0.8, help="temperature (0 = greedy)")

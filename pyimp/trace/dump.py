@@ -139,8 +139,8 @@ def _glob(s: str) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     from .. import __version__
-    from ..cli.common import (MAX_PROMPT_BYTES, HelpFormatter, Parser, add_model_args,
-                              add_option_flags, int_at_least)
+    from ..cli.common import (HelpFormatter, Parser, add_model_args, add_option_flags,
+                              add_prompt_args, int_at_least)
     from ..options import EngineOptions, SparseOptions
 
     p = Parser(prog="pyimp-dump", formatter_class=HelpFormatter,
@@ -149,10 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "(see pyimp.trace.dump's documentation; compare with pyimp-compare).")
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     add_model_args(p)
-    src = p.add_mutually_exclusive_group()
-    src.add_argument("-p", "--prompt", help="prompt text")
-    src.add_argument("-f", "--file",
-                     help=f"read the prompt from this file (at most {MAX_PROMPT_BYTES >> 20} MiB)")
+    add_prompt_args(p)
     p.add_argument("-o", "--output", required=True, metavar="OUT.gguf", help="the dump to write")
     p.add_argument("--steps", type=int_at_least(0, "--steps"), default=4,
                    help="greedy decode steps after the prefill (0 = prefill only)")
