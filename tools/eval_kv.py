@@ -193,7 +193,7 @@ MAX_ENGINES = 3               # engines a worker keeps (each holds its cache and
 _LOADED = [0]                 # engines this worker has loaded (each task's row reports it)
 
 
-def _engine(model: str, n_ctx: int, batch_size: int = 512, track: bool = True, **opts):
+def worker_engine(model: str, n_ctx: int, batch_size: int = 512, track: bool = True, **opts):
     """One engine per worker and configuration, the ``MAX_ENGINES`` most recently used kept
     (the grid sends a configuration's tasks one after another, so a worker reuses its engine
     without holding one per configuration of the grid: 30 of them took 12 GB). Policy engines
@@ -251,7 +251,7 @@ def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: 
             out = old["result"]
             out["prefill_s"] = 0.0
             return out
-    eng = _engine(model, n_ctx, importance_window=0, **kv_options(kv))  # every row adds importance
+    eng = worker_engine(model, n_ctx, importance_window=0, **kv_options(kv))  # every row adds importance
     eng.reset()
     pre = list(prompt.prefix)
     head, last = pre[:-obs_window], pre[-obs_window:]
@@ -276,7 +276,7 @@ def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: 
         rows = [eng.eval([t])[-1] for t in prompt.tail]
         np.save(ref_path(workdir, prompt), np.array(rows, np.float32))
     elif kv == REFERENCE_KV:
-        out["answer"] = _answer(eng, eng.eval(list(prompt.tail))[-1])
+        out["answer"] = greedy_answer(eng, eng.eval(list(prompt.tail))[-1])
         out["passkey_ok"] = int(str(prompt.key) in out["answer"])
     with open(meta + ".tmp", "w") as f:
         json.dump({"key": key, "result": out}, f)
@@ -284,9 +284,10 @@ def prefill_task(model: str, n_ctx: int, obs_window: int, workdir: str, prompt: 
     return out
 
 
-def _answer(eng, logits) -> str:
+def greedy_answer(eng, logits, n: int = PASSKEY_ANSWER) -> str:
+    """Greedy text from ``logits`` on: up to n tokens, stopping at the end of generation."""
     eog, toks = eng.eog_ids(), []
-    for _ in range(PASSKEY_ANSWER):
+    for _ in range(n):
         t = int(np.argmax(logits))
         if t in eog:
             break
@@ -312,7 +313,7 @@ def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Tas
     # chunked: no tracking asked for, so the policy's own importance rows apply (h2o every
     # prompt row, snapkv / pyramidkv the last obs_window), as in pyimp-run; tracking's default
     # window (the last 128 rows) would replace them
-    eng = _engine(model, n_ctx, track=not chunked, **opts, **kv_options(task.kv))
+    eng = worker_engine(model, n_ctx, track=not chunked, **opts, **kv_options(task.kv))
     eng.reset()
     first = None
     if chunked:
@@ -345,7 +346,7 @@ def policy_task(model: str, n_ctx: int, obs_window: int, workdir: str, task: Tas
         row["top1"] = float((ref.argmax(-1) == got.argmax(-1)).mean())
         n_dec = len(p.tail)
     else:                     # the prompt's last token is evaluated after the eviction
-        ans = _answer(eng, eng.eval(list(p.tail))[-1] if first is None else first)
+        ans = greedy_answer(eng, eng.eval(list(p.tail))[-1] if first is None else first)
         row["answer"] = ans
         row["passkey_ok"] = int(str(p.key) in ans)
         n_dec = len(eng.tokens) - len(p.prefix)

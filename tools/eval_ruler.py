@@ -38,21 +38,10 @@ import numpy as np
 
 from loaders.gguf_file import GGUFError
 from tools import ruler
-from tools.eval_kv import _engine, dask_client, kv_options, mean_interval, parse_kv, parse_policy
+from tools.eval_kv import (dask_client, greedy_answer, kv_options, mean_interval, parse_kv,
+                           parse_policy, worker_engine)
 
 DEV_SEEDS = range(0, 100)          # tuning; figures come from the other seeds
-
-
-def _decode(eng, logits, max_new: int, room: int) -> str:
-    """Greedy text from ``logits`` on: up to max_new tokens, the end of generation, or room."""
-    eog, toks = eng.eog_ids(), []
-    for _ in range(min(max_new, room)):
-        t = int(np.argmax(logits))
-        if t in eog:
-            break
-        toks.append(t)
-        logits = eng.eval([t])[-1]
-    return eng.detokenize(toks)
 
 
 def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict, policy: str,
@@ -70,7 +59,7 @@ def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict,
     if base != "full":
         budget = max(64, int(round(fraction * len(ctx_ids))))
         opts.update(kv_policy=base, kv_budget=budget)
-    eng = _engine(model, n_ctx, batch_size=n_ctx, track=base != "full", **opts)
+    eng = worker_engine(model, n_ctx, batch_size=n_ctx, track=base != "full", **opts)
     rows = []
     state = None
     if mode == "once":
@@ -89,8 +78,8 @@ def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict,
             eng.reset()
             logits = eng.eval(list(ctx_ids) + list(q_ids))[-1]
             held = int(eng.cache.bytes_held())
-        pred = _decode(eng, logits, case["max_new_tokens"],
-                       n_ctx - len(ctx_ids) - len(q_ids) - 1)
+        pred = greedy_answer(eng, logits, min(case["max_new_tokens"],
+                                        n_ctx - len(ctx_ids) - len(q_ids) - 1))
         rows.append({"task": case["task"], "seed": case["seed"], "index": case["index"],
                      "question": qi, "mode": mode, "policy": policy, "kv": kv,
                      "fraction": fraction if base != "full" else 1.0, "budget_tokens": budget,
