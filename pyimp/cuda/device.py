@@ -78,6 +78,103 @@ def launch(kernel, grid, block, *args, shared: int = 0) -> None:
     _configured(kernel, grid, block, shared)(*args)
 
 
+class Counts:
+    """What the device was asked to do while :func:`counting` was on: kernel launches,
+    device allocations, host-to-device and device-to-host copies (and the bytes each way)."""
+
+    def __init__(self):
+        self.launches = self.allocations = self.h2d = self.d2h = 0
+        self.h2d_bytes = self.d2h_bytes = 0
+
+    def as_dict(self) -> dict:
+        return dict(vars(self))
+
+
+@contextlib.contextmanager
+def counting():
+    """Count, inside, every kernel launch, device allocation and host / device copy made
+    through numba-cuda (not only through this module): numba's ``cuda.to_device``,
+    ``device_array`` and ``device_array_like`` and the device arrays' ``copy_to_device`` /
+    ``copy_to_host`` are wrapped for the duration, and on the simulator its kernel objects'
+    launches and the host arrays a launch copies in and back. Yields a :class:`Counts`."""
+    c = Counts()
+    patches = []
+
+    def patch(owner, name, wrap):
+        orig = getattr(owner, name)
+        patches.append((owner, name, orig, name in vars(owner)))
+        setattr(owner, name, wrap(orig))
+
+    def nbytes(a):
+        return int(getattr(a, "nbytes", 0) or 0)
+
+    def counted_to_device(orig):
+        def to_device(ary, *a, **k):
+            to = k.get("to", a[2] if len(a) > 2 else None)
+            if to is None:
+                c.allocations += 1
+            c.h2d += 1
+            c.h2d_bytes += nbytes(np.asarray(ary))
+            return orig(ary, *a, **k)
+        return to_device
+
+    def counted_alloc(orig):
+        def alloc(*a, **k):
+            c.allocations += 1
+            return orig(*a, **k)
+        return alloc
+
+    def counted_h2d(orig):
+        def copy_to_device(self, ary, *a, **k):
+            if isinstance(ary, np.ndarray):
+                c.h2d += 1
+                c.h2d_bytes += nbytes(ary)
+            return orig(self, ary, *a, **k)
+        return copy_to_device
+
+    def counted_d2h(orig):
+        def copy_to_host(self, *a, **k):
+            c.d2h += 1
+            c.d2h_bytes += nbytes(self)
+            return orig(self, *a, **k)
+        return copy_to_host
+
+    patch(cuda, "to_device", counted_to_device)
+    patch(cuda, "device_array", counted_alloc)
+    patch(cuda, "device_array_like", counted_alloc)
+    if SIMULATOR:
+        from numba.cuda.simulator import kernel as simkernel
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray as arrays
+
+        def counted_launch(orig):
+            def __call__(self, *args):
+                if not (self._device or simkernel._kernel_context):
+                    c.launches += 1
+                    for a in args:          # a host array is copied in and back by the launch
+                        if isinstance(a, np.ndarray) and a.ndim > 0:
+                            c.allocations += 1
+                            c.h2d += 1
+                            c.d2h += 1
+                return orig(self, *args)
+            return __call__
+        patch(simkernel.FakeCUDAKernel, "__call__", counted_launch)
+    else:
+        from numba.cuda.cudadrv.devicearray import DeviceNDArray as arrays
+        start = launches
+    patch(arrays, "copy_to_device", counted_h2d)
+    patch(arrays, "copy_to_host", counted_d2h)
+    try:
+        yield c
+    finally:
+        for owner, name, orig, own in reversed(patches):
+            if own:
+                setattr(owner, name, orig)
+            else:                        # an inherited method: drop the wrapper again
+                delattr(owner, name)
+        if not SIMULATOR:            # on hardware the launches are this module's own count
+            c.launches = launches - start
+
+
 _configs: dict = {}
 
 
