@@ -17,6 +17,7 @@ import numpy as np
 from .. import ops as host_ops
 from . import attention, device, linear
 from . import ops as dops
+from .decode import DecodePlan
 
 
 class DeviceLinear:
@@ -68,6 +69,8 @@ class DeviceForward:
             })
         self.scratch = attention.Scratch()
         self._bufs = attention.Scratch()
+        self.plan = None             # the fused decode step's buffers, made by build()
+        self.fused = False           # this step runs the fused decode (pyimp.cuda.decode)
 
     def _buf(self, name: str, *shape):
         return self._bufs.get(name, shape, np.float32)
@@ -82,8 +85,14 @@ class DeviceForward:
     # the steps of pyimp.forward.forward; activations stay on the device
     def begin(self, step) -> None:
         self.cache, self.sparse = self.engine.cache, self.engine.sparse
+        self.fused = self.plan is not None and step.fused and step.decode and step.T == 1
+        if self.fused:
+            self.plan.start(step)
 
     def embed(self, step):
+        if self.fused:
+            self.plan.embed()
+            return self.plan.xa
         E = self.cfg.n_embd
         x = self._buf("x", step.T, E)
         linear.get_rows(self.embd.raw, self.embd.qtype, E,
@@ -97,6 +106,8 @@ class DeviceForward:
         return self._buf("h", step.T, self.cfg.n_embd)[step.T - rows:]
 
     def norm_in(self, x, il, step):
+        if self.fused:                      # the next launch's prologue normalizes
+            return None
         h = self._h(x.shape[0], step)
         dops.rms_norm(x, self.layers[il]["attn_norm"], self.eps, h)
         return h
@@ -104,6 +115,9 @@ class DeviceForward:
     def qkv(self, il, h, step):
         cfg, T, lw = self.cfg, step.T, self.layers[il]
         Hq, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
+        if self.fused:
+            self.plan.qkv(il, first=il == 0)
+            return None, None, self.plan.v3
         q = self._buf("q", T, Hq * D)
         k = self._buf("k", T, Hkv * D)
         v = self._buf("v", T, Hkv * D)
@@ -114,6 +128,12 @@ class DeviceForward:
         return q.reshape(T, Hq, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)
 
     def qk_rope(self, il, q3, k3, step):
+        if self.fused:
+            c = self.cache
+            store = not c.quantized
+            kc, vc = (c.k_layer(il), c.v_layer(il)) if store else (None, None)
+            self.plan.rope_store(il, kc, vc, c.bt_dev, store)
+            return self.plan.q3, self.plan.k3
         cfg, A, T, lw = self.cfg, self.arch, step.T, self.layers[il]
         Hq, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
         if A.qk_norm:
@@ -137,6 +157,8 @@ class DeviceForward:
 
     def attention(self, il, q3, k3, v3, step):
         cfg, cache, sp, T = self.cfg, self.cache, self.sparse, step.T
+        if self.fused:
+            return self._fused_attention(il, q3, k3, v3, step)
         cache.write(il, k3, v3, step.pos0)
         window = step.windows[il]
         kc, vc, bt = cache.k_layer(il), cache.v_layer(il), cache.bt_dev
@@ -155,7 +177,35 @@ class DeviceForward:
                               importance=imp, obs_start=step.obs_start, scratch=self.scratch)
         return att
 
+    def _fused_attention(self, il, q3, k3, v3, step):
+        """Decode attention after the fused step's rope_store launch: the fused attention
+        launch where the step is dense over a float cache, else the step-by-step kernels."""
+        cache, sp, plan, p = self.cache, self.sparse, self.plan, step.pos0
+        kc, vc, bt = cache.k_layer(il), cache.v_layer(il), cache.bt_dev
+        window, scale = step.windows[il], step.kq_scale
+        if cache.quantized:
+            cache.write(il, k3, v3, p)
+        else:                                  # rope_store stored the row: the host's record
+            cache.slot_pos[0, il, p] = p
+        sparse = bool(step.sparse and step.sparse[il])
+        if not cache.quantized and not sparse and (sp is None or sp.fused_dense_ok()):
+            if sp is None:
+                plan.attend(kc, vc, bt, scale, window, None)
+            else:
+                sp.dense_step(il, q3, p + 1, scale, window,
+                              lambda: plan.attend(kc, vc, bt, scale, window,
+                                                  sp.importance_dev[il]))
+        elif sp is not None:
+            sp.decode_attention(il, q3, p + 1, scale, window, plan.att3, sparse)
+        else:
+            attention.decode(q3, kc, vc, bt, p + 1, scale, window, plan.att3,
+                             scratch=self.scratch)
+        return plan.att
+
     def attn_output(self, il, att, step):
+        if self.fused:
+            self.plan.o_proj(il)
+            return self.plan.o
         o = self._buf("o", step.T, self.cfg.n_embd)
         self.layers[il]["attn_output"](att, o)
         if self.layers[il]["attn_output_bias"] is not None:
@@ -163,6 +213,8 @@ class DeviceForward:
         return o
 
     def residual_attn(self, il, x, o, last, step):
+        if self.fused:                      # the gate / up launch adds the residual
+            return x, None
         self._residual(x, o, self.layers[il]["post_attention_norm"], self.eps)
         if last and step.T > 1:
             x = x[step.T - 1:step.T]                            # the last row only
@@ -171,6 +223,10 @@ class DeviceForward:
         return x, h
 
     def ffn(self, il, h, step):
+        if self.fused:
+            self.plan.gate_up(il)
+            self.plan.down(il)
+            return self.plan.f
         n, F, lw = h.shape[0], self.cfg.n_ff, self.layers[il]
         g = self._buf("g", n, F)
         u = self._buf("u", n, F)
@@ -182,6 +238,8 @@ class DeviceForward:
         return f
 
     def residual_ffn(self, il, x, f, step):
+        if self.fused:                      # the next layer's qkv launch (or the head) adds it
+            return x, None
         self._residual(x, f, self.layers[il]["post_ffw_norm"], self.eps)
         if il + 1 < self.cfg.n_layer:
             return x, self.norm_in(x, il + 1, step)
@@ -192,6 +250,9 @@ class DeviceForward:
         return x, h
 
     def head(self, h, step):
+        if self.fused:
+            self.plan.head()
+            return device.to_host(self.plan.logits)
         out = self._buf("logits", h.shape[0], self.cfg.n_vocab)
         self.output(h, out)
         if self.cfg.final_softcap:
@@ -214,4 +275,6 @@ def build(engine):
                                  type_v=opts.type_v, v_layout=opts.v_layout)
     engine.sparse = (DeviceSparseState(opts.sparse, cfg, engine.cache)
                      if opts.sparse.active else None)
-    return engine.cache, engine.sparse, DeviceForward(engine)
+    fwd = DeviceForward(engine)
+    fwd.plan = DecodePlan(fwd, engine.n_ctx, engine.cache.max_blocks, opts.block_len)
+    return engine.cache, engine.sparse, fwd

@@ -9,7 +9,8 @@ the same names: ``k_cache_fp16_`` / ``v_cache_fp16_`` for f16, ``k_cache_f32_`` 
 ``[n_seq][L][Hkv][B*D]`` on the device too (the physical block each tail stands for stays on
 the host). Quantized V is stored by token (``v_layout="token"``); the channel layout stays on
 the CPU (a clear error names the option). Layer 0's block table is mirrored to the device
-(``bt_dev``) whenever :meth:`reserve` changes it, and every layer reads it: the device cache
+(``bt_dev``, one device array for the cache's life: the entries :meth:`reserve` or
+:meth:`reset` change are copied into it), and every layer reads it: the device cache
 never compacts a layer (no eviction policy, no sliding-window trim on the device), so every
 layer's pool hands out the same blocks.
 
@@ -151,13 +152,27 @@ class DeviceKVCache(KVCache):
     def reserve(self, n_tokens: int, seq: int = 0) -> None:
         before = self.table(0, seq).copy()
         super().reserve(n_tokens, seq)
-        if seq == 0 and not np.array_equal(before, self.table(0)):
-            self.bt_dev = device.to_device(self.table(0))
+        if seq == 0:
+            self._upload_table(before)
 
     def reset(self, seq: int = 0) -> None:
+        before = self.table(0, seq).copy()
         super().reset(seq)
         if seq == 0:
-            self.bt_dev = device.to_device(self.table(0))
+            self._upload_table(before)
+
+    def _upload_table(self, before: np.ndarray) -> None:
+        """Copy the entries of layer 0's block table that changed into ``bt_dev`` in place
+        (the array stays where it is: a captured decode step keeps reading it)."""
+        now = self.table(0)
+        changed = np.flatnonzero(before != now)
+        if changed.size == 0:
+            return
+        lo, hi = int(changed[0]), int(changed[-1]) + 1
+        if isinstance(self.bt_dev, np.ndarray):             # compile_only: host arrays
+            self.bt_dev[lo:hi] = now[lo:hi]
+        else:
+            self.bt_dev[lo:hi].copy_to_device(np.ascontiguousarray(now[lo:hi]))
 
     # ----------------------------------------------------------------- write
     def write(self, layer: int, k, v, pos0: int, seq: int = 0) -> None:

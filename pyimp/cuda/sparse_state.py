@@ -207,6 +207,20 @@ class DeviceSparseState(SparseState):
                                        self.retrieval_type, o.init_blocks, o.topk, o.local_blocks,
                                        self.anchor_type)
 
+    def fused_dense_ok(self) -> bool:
+        """Can a dense decode step of this state run as the fused decode's attention launch
+        (:mod:`pyimp.cuda.decode`: importance added with decay 1, nobody watching q)?"""
+        return self.opts.decay == 1.0 and not self._observers
+
+    def dense_step(self, il: int, q, n_ctx: int, scale: float, window: int, attend) -> None:
+        """A dense decode step of layer il: the bookkeeping around ``attend()``, the launch
+        that attends and adds the step's importance."""
+        if il in self._dirty:
+            self._dirty[il][-(-n_ctx // self.cache.block_len) - 1] = True
+        attend()
+        self._mark(il, n_ctx, None, None)
+        self._notify_attention(il, q, n_ctx, scale, window, False)
+
     def decode_attention(self, il: int, q, n_ctx: int, scale: float, window: int, out,
                          sparse: bool | None = None) -> None:
         """Attention of the device query q ``[1, Hq, D]`` of layer il into out ``[1, Hq, D]``;
@@ -214,28 +228,28 @@ class DeviceSparseState(SparseState):
         o, c = self.opts, self.cache
         kc, vc, bt = c.k_layer(il), c.v_layer(il), c.bt_dev
         imp = self.importance_dev[il]
-        if il in self._dirty:
-            self._dirty[il][-(-n_ctx // c.block_len) - 1] = True
         if sparse is None:
             sparse = self.is_sparse_step(il, n_ctx)
         if not sparse:
-            attention.decode(q, kc, vc, bt, n_ctx, scale, window, out, importance=imp,
-                             decay=o.decay, scratch=self.scratch)
-            self._mark(il, n_ctx, None, None)
-        else:
-            sel, cnt = self._selection(il, q, n_ctx, scale)
-            M, L = attention.decode(q, kc, vc, bt, n_ctx, scale, window, out, sel=sel, cnt=cnt,
-                                    importance=imp, decay=o.decay, scratch=self.scratch)
-            self._mark(il, n_ctx, sel, cnt)
-            if self._selection_observers:
-                rec = None
-                if self._measure_recall:    # recall = exp(lse_sparse - lse_dense), as on the CPU
-                    Ms, Ls = device.to_host(M)[0], device.to_host(L)[0]
-                    dense = device.empty(out.shape, np.float32)
-                    Md, Ld = attention.decode(q, kc, vc, bt, n_ctx, scale, window, dense,
-                                              scratch=attention.Scratch())
-                    Md, Ld = device.to_host(Md)[0], device.to_host(Ld)[0]
-                    with np.errstate(divide="ignore", invalid="ignore"):
-                        rec = np.where(Ld > 0, Ls / Ld * np.exp(Ms - Md), 0).astype(np.float32)
-                self._notify_selection(il, n_ctx, device.to_host(sel), device.to_host(cnt), rec)
+            self.dense_step(il, q, n_ctx, scale, window, lambda: attention.decode(
+                q, kc, vc, bt, n_ctx, scale, window, out, importance=imp, decay=o.decay,
+                scratch=self.scratch))
+            return
+        if il in self._dirty:
+            self._dirty[il][-(-n_ctx // c.block_len) - 1] = True
+        sel, cnt = self._selection(il, q, n_ctx, scale)
+        M, L = attention.decode(q, kc, vc, bt, n_ctx, scale, window, out, sel=sel, cnt=cnt,
+                                importance=imp, decay=o.decay, scratch=self.scratch)
+        self._mark(il, n_ctx, sel, cnt)
+        if self._selection_observers:
+            rec = None
+            if self._measure_recall:    # recall = exp(lse_sparse - lse_dense), as on the CPU
+                Ms, Ls = device.to_host(M)[0], device.to_host(L)[0]
+                dense = device.empty(out.shape, np.float32)
+                Md, Ld = attention.decode(q, kc, vc, bt, n_ctx, scale, window, dense,
+                                          scratch=attention.Scratch())
+                Md, Ld = device.to_host(Md)[0], device.to_host(Ld)[0]
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    rec = np.where(Ld > 0, Ls / Ld * np.exp(Ms - Md), 0).astype(np.float32)
+            self._notify_selection(il, n_ctx, device.to_host(sel), device.to_host(cnt), rec)
         self._notify_attention(il, q, n_ctx, scale, window, sparse)
