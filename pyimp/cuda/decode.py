@@ -457,6 +457,28 @@ def _attend(q, kc, vc, bt, rec, scale, window, nh, m_part, l_part, o_part, count
         counter[u] = 0                       # ready for the next step
 
 
+def attend(q, kc, vc, bt, rec, scale: float, window: int, out, nsplit: int, parts,
+           importance, store: bool) -> None:
+    """Launch :func:`_attend` over q float32 [Hq, D] at position rec[0], float caches
+    kc / vc [Hkv][NB][B*D], into out [Hq, D], in ``nsplit`` splits a kv head. ``parts``:
+    (m_part, l_part [Hq, nsplit], o_part [Hq, nsplit, D], counter int32 [Hkv] (zeros; the
+    launch leaves them zero), probs [Hq, >= blocks, B], bmax [Hq, >= blocks]); with
+    ``store`` the step's probabilities are added to ``importance`` float16 [NB][B][Hq]."""
+    Hq, D = (int(x) for x in q.shape)
+    Hkv = int(kc.shape[0])
+    B = int(kc.shape[2]) // D
+    nh = Hq // Hkv
+    if nh > MAX_UNIT_HEADS:
+        raise ValueError(f"{nh} query heads per kv head exceed the decode kernel's "
+                         f"{MAX_UNIT_HEADS}")
+    nt = ATT_THREADS
+    m_part, l_part, o_part, counter, probs, bmax = parts
+    device.launch(_attend, Hkv * nsplit, nt, q, kc, vc, bt, rec, np.float32(scale),
+                  np.int32(window), np.int32(nh), m_part, l_part, o_part, counter, out,
+                  np.int32(store), probs, bmax, importance,
+                  shared=(2 * nh * D + nh * B + nt) * 4)
+
+
 # ---------------------------------------------------------------- the plan
 
 def _decoder(lin):
@@ -597,15 +619,9 @@ class DecodePlan:
 
     def attend(self, kc, vc, bt, scale: float, window: int, importance) -> None:
         """Launch 3: dense attention, its merge, and the importance update when given."""
-        store = importance is not None
-        nt = ATT_THREADS
-        nh, D, B = self.nh, self.D, self.B
-        shared = (2 * nh * D + nh * B + nt) * 4
-        device.launch(_attend, self.Hkv * self.nsplit, nt, self.q, kc, vc, bt, self.rec,
-                      np.float32(scale), np.int32(window), np.int32(nh), self.m_part,
-                      self.l_part, self.o_part, self.counter, self.att, np.int32(store),
-                      self.probs, self.bmax, importance if store else self.imp0,
-                      shared=shared)
+        attend(self.q, kc, vc, bt, self.rec, scale, window, self.att, self.nsplit,
+               (self.m_part, self.l_part, self.o_part, self.counter, self.probs, self.bmax),
+               importance if importance is not None else self.imp0, importance is not None)
 
     def o_proj(self, il: int) -> None:
         """Launch 4: the output projection (its bias joins the next prologue)."""

@@ -181,12 +181,13 @@ class DeviceForward:
         """Decode attention after the fused step's rope_store launch: the fused attention
         launch where the step is dense over a float cache, else the step-by-step kernels."""
         cache, sp, plan, p = self.cache, self.sparse, self.plan, step.pos0
-        kc, vc, bt = cache.k_layer(il), cache.v_layer(il), cache.bt_dev
         window, scale = step.windows[il], step.kq_scale
         if cache.quantized:
             cache.write(il, k3, v3, p)
         else:                                  # rope_store stored the row: the host's record
             cache.slot_pos[0, il, p] = p
+        # after the write: a quantized side's operand names the tail block the write left
+        kc, vc, bt = cache.k_layer(il), cache.v_layer(il), cache.bt_dev
         sparse = bool(step.sparse and step.sparse[il])
         if not cache.quantized and not sparse and (sp is None or sp.fused_dense_ok()):
             if sp is None:

@@ -57,13 +57,37 @@ def models(tmp_path_factory):
 
 
 def _run(path, device, n_prompt=9, steps=3, **kw):
+    """Logits of a prompt and ``steps`` greedy decode steps, importance_, the engine; on the
+    device, ``eng.step_counts`` holds what each decode step asked of the device
+    (:func:`pyimp.cuda.device.counting`)."""
     eng = pyimp.load(path, n_ctx=64, block_len=4, device=device, **kw)
     ids = prompt_ids(n_prompt, n_vocab=260)
     rows = [eng.eval(ids)[-1]]
+    eng.step_counts = []
     for t in range(steps):
-        rows.append(eng.eval([int(np.argmax(rows[-1]))])[-1])
+        tok = int(np.argmax(rows[-1]))
+        if device == "cuda":
+            from pyimp.cuda import device as dev
+            with dev.counting() as c:
+                rows.append(eng.eval([tok])[-1])
+            eng.step_counts.append(c)
+        else:
+            rows.append(eng.eval([tok])[-1])
     imp = eng.sparse.importance_ if eng.sparse is not None else None
     return np.array(rows), imp, eng
+
+
+def _check_fused_counts(eng, n_prompt, block_len=4):
+    """A dense decode step of the fused path (pyimp.cuda.decode): 6 launches a layer + embed +
+    head; no device allocation; to the device only the token id, the step record on the first
+    step after the prompt, and a block-table entry when the token opens a block."""
+    L = eng.cfg.n_layer
+    for t, c in enumerate(eng.step_counts):
+        pos = n_prompt + t
+        assert c.launches == 6 * L + 2, (t, c.as_dict())
+        assert c.allocations == 0, (t, c.as_dict())
+        assert c.h2d == 1 + (t == 0) + (pos % block_len == 0), (t, c.as_dict())
+        assert c.d2h == 1, (t, c.as_dict())                # the logits row
 
 
 @pytest.mark.parametrize("name", ["llama-q8_0", "llama-q4_0", "gemma3-q5_0", "qwen2-q8_0",
@@ -73,6 +97,23 @@ def test_dense_matches_cpu(models, name):
     gpu, _, eng = _run(models[name], "cuda")
     assert eng.cache.k_cache_fp16_.shape[0] == 2       # [L][Hkv][NB][B*D], on the device
     np.testing.assert_allclose(gpu, cpu, atol=LOGIT_RTOL * np.abs(cpu).max(), rtol=0)
+    _check_fused_counts(eng, n_prompt=9)
+
+
+def test_fused_importance_matches_cpu(models):
+    """A sparse engine's dense decode steps (the context within the block budget; no
+    observer) run the fused attention launch, which adds the step's importance_."""
+    kw = dict(sparse=True, anchor="quest", topk=2, init_blocks=1, local_blocks=1)
+    cpu, imp_cpu, _ = _run(models["gemma3-q5_0"], "cpu", **kw)
+    gpu, imp_gpu, eng = _run(models["gemma3-q5_0"], "cuda", **kw)
+    np.testing.assert_allclose(gpu, cpu, atol=LOGIT_RTOL * np.abs(cpu).max(), rtol=0)
+    g, c = imp_gpu.astype(np.float32), imp_cpu.astype(np.float32)
+    ulp = np.spacing(np.maximum(np.abs(g), np.abs(c)).astype(np.float16)).astype(np.float32)
+    assert np.all(np.abs(g - c) <= ulp)
+    bt = eng.cache.table(0)
+    for p in (9, 10, 11):              # the decoded tokens' mass comes from decode steps only
+        assert (g[:, bt[p // 4], p % 4, :] > 0).all(), p
+    _check_fused_counts(eng, n_prompt=9)
 
 
 def test_sparse_matches_cpu(models):
