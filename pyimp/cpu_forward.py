@@ -45,6 +45,9 @@ class CPUForward:
         self.tap = self.engine._tap
         self.cache, self.sparse = self.engine.cache, self.engine.sparse
 
+    def abort(self) -> None:
+        """A forward that raised: nothing of a step outlives it here."""
+
     # ------------------------------------------------------------------ steps
     def embed(self, step) -> np.ndarray:
         x = self.W.embed(step.tokens, scaled=False)                    # [T, E]

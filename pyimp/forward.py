@@ -66,15 +66,19 @@ def forward(n_layer: int, be, step: Step):
     ``step.all_logits``) or None when ``step.logits`` is False; ``be`` the backend. The caller
     reserved the cache's slots and commits them after."""
     be.begin(step)
-    x = be.embed(step)                                    # [T, E]
-    h = be.norm_in(x, 0, step)                            # layer 0's attention norm
-    for il in range(n_layer):
-        q, k, v = be.qkv(il, h, step)                     # projections (+ biases)
-        q, k = be.qk_rope(il, q, k, step)                 # q / k norms, RoPE, q prescale
-        att = be.attention(il, q, k, v, step)             # cache write, dense or sparse
-        o = be.attn_output(il, att, step)
-        last = il == n_layer - 1 and not step.all_logits  # the last layer keeps one row
-        x, h = be.residual_attn(il, x, o, last, step)     # post-norm, residual, ffn norm
-        f = be.ffn(il, h, step)                           # gated feed-forward
-        x, h = be.residual_ffn(il, x, f, step)            # post-norm, residual, next norm
-    return be.head(h, step) if step.logits else None
+    try:
+        x = be.embed(step)                                    # [T, E]
+        h = be.norm_in(x, 0, step)                            # layer 0's attention norm
+        for il in range(n_layer):
+            q, k, v = be.qkv(il, h, step)                     # projections (+ biases)
+            q, k = be.qk_rope(il, q, k, step)                 # q / k norms, RoPE, q prescale
+            att = be.attention(il, q, k, v, step)             # cache write, dense or sparse
+            o = be.attn_output(il, att, step)
+            last = il == n_layer - 1 and not step.all_logits  # the last layer keeps one row
+            x, h = be.residual_attn(il, x, o, last, step)     # post-norm, residual, ffn norm
+            f = be.ffn(il, h, step)                           # gated feed-forward
+            x, h = be.residual_ffn(il, x, f, step)            # post-norm, residual, next norm
+        return be.head(h, step) if step.logits else None
+    except BaseException:
+        be.abort()                                            # a backend's step state ends
+        raise

@@ -481,6 +481,68 @@ def attend(q, kc, vc, bt, rec, scale: float, window: int, out, nsplit: int, part
 
 # ---------------------------------------------------------------- the plan
 
+class StepGraph:
+    """A decode step captured once as a CUDA graph and replayed per token (hardware only).
+
+    numba-cuda launches through NVIDIA's driver bindings; the step's launches are recorded on a
+    stream of their own between ``cuStreamBeginCapture`` (relaxed mode) and
+    ``cuStreamEndCapture``, instantiated, and replayed with one ``cuGraphLaunch``. Every
+    argument of every launch is a buffer of the plan (fixed for its life) or a constant of the
+    model, and the positions come from the step record, so one graph serves every token; a
+    graph is remade when a buffer it names is replaced (``key``)."""
+
+    def __init__(self):
+        from cuda.bindings import driver
+        self.drv = driver
+        self.stream = cuda.stream()
+        self.graph = self.exec = self.key = None
+
+    def _ok(self, res, what: str):
+        res = res if isinstance(res, tuple) else (res,)
+        if int(res[0]) != 0:
+            raise RuntimeError(f"{what} failed: {res[0]}")
+        return res[1] if len(res) > 1 else None
+
+    def begin(self) -> None:
+        d = self.drv
+        self._ok(d.cuStreamBeginCapture(
+            self.stream.handle, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+            "cuStreamBeginCapture")
+
+    def end(self, key) -> None:
+        d = self.drv
+        graph = self._ok(d.cuStreamEndCapture(self.stream.handle), "cuStreamEndCapture")
+        self.drop()
+        self.graph, self.key = graph, key
+        self.exec = self._ok(d.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def abort(self) -> None:
+        """End a capture cut short (its graph dropped)."""
+        try:
+            res = self.drv.cuStreamEndCapture(self.stream.handle)
+            if int(res[0]) == 0 and res[1] is not None:
+                self.drv.cuGraphDestroy(res[1])
+        except Exception:
+            pass
+
+    def replay(self) -> None:
+        self._ok(self.drv.cuGraphLaunch(self.exec, self.stream.handle), "cuGraphLaunch")
+
+    def drop(self) -> None:
+        if self.exec is not None:
+            self.drv.cuGraphExecDestroy(self.exec)
+        if self.graph is not None:
+            self.drv.cuGraphDestroy(self.graph)
+        self.graph = self.exec = self.key = None
+
+
+def graphs_wanted() -> bool:
+    """Decode steps replay as CUDA graphs on hardware unless PYIMP_CUDA_GRAPHS=0."""
+    import os
+    return not device.SIMULATOR and not device.compiling() and \
+        os.environ.get("PYIMP_CUDA_GRAPHS", "1") != "0"
+
+
 def _decoder(lin):
     return linear._DECODERS[linear._type_kernels(lin.qtype)[0]]
 
@@ -560,31 +622,65 @@ class DecodePlan:
             })
         self.head_kernel = _head_kernel(_decoder(fwd.output))
         self.threads = device.row_threads(E // 8, _MAX_THREADS)
+        # CUDA graph of the all-dense fused step: "eager" | "capture" | "replay" this step
+        self.mode = "eager"
+        self.graph: StepGraph | None = None
+        self.graph_error: str | None = None         # why graphs are off, once they failed
+        self.eager_steps = 0
+        self.replays = 0
         self.rope_threads = 8 if device.SIMULATOR else device.pow2_threads(D, 32, 256)
 
     # ------------------------------------------------------------------ host side
-    def start(self, step) -> None:
-        """Before a step: the token id in; the record when the host's position differs."""
+    def start(self, step, graph_key) -> None:
+        """Before a step: the token id in; the record when the host's position differs; the
+        step's mode: replay the captured graph (``graph_key`` not None: every launch of the
+        step is the fused dense one, and the buffers it names are ``graph_key``), capture it
+        (after one eager step has compiled every kernel), or launch eagerly."""
+        stream = self.graph.stream if self.graph is not None else 0
         dst = self.tok
         if isinstance(dst, np.ndarray):                      # compile_only: host arrays
             dst[0] = int(step.tokens[0])
         else:
-            dst.copy_to_device(np.asarray(step.tokens[:1], np.int32))
+            dst.copy_to_device(np.asarray(step.tokens[:1], np.int32), stream=stream)
         if self.rec_pos != step.pos0:
             rec = np.array([step.pos0, 0, 0, 0], np.int32)
             if isinstance(self.rec, np.ndarray):
                 self.rec[...] = rec
             else:
-                self.rec.copy_to_device(rec)
+                self.rec.copy_to_device(rec, stream=stream)
             self.rec_pos = step.pos0
+        self.mode = "eager"
+        if graph_key is None or self.graph_error is not None or not graphs_wanted():
+            return
+        if self.graph is not None and self.graph.key == graph_key:
+            self.mode = "replay"
+        elif self.eager_steps >= 1:
+            try:
+                if self.graph is None:
+                    self.graph = StepGraph()
+                self.graph.begin()
+            except Exception as e:                          # no bindings, no capture: eager
+                self.graph_error = f"{type(e).__name__}: {e}"
+                return
+            self.mode = "capture"
+            self._key = graph_key
+            self._on_stream = device.on_stream(self.graph.stream)
+            self._on_stream.__enter__()
+
+    def _launching(self) -> bool:
+        return self.mode != "replay"
 
     # ------------------------------------------------------------------ launches
     def embed(self) -> None:
+        if not self._launching():
+            return
         e = self.fwd.embd
         linear.get_rows(e.raw, e.qtype, self.cfg.n_embd, self.tok, self.emb)
 
     def qkv(self, il: int, first: bool) -> None:
         """Launch 1 of layer il: (residual +) attention norm, q / k / v rows."""
+        if not self._launching():
+            return
         fw, lw, L = self.fwd, self.fwd.layers[il], self.layers[il]
         E = self.cfg.n_embd
         if first:
@@ -604,6 +700,8 @@ class DecodePlan:
 
     def rope_store(self, il: int, kc, vc, bt, store: bool) -> None:
         """Launch 2: q / k norms, RoPE, q's scale; K / V into the float cache when store."""
+        if not self._launching():
+            return
         fw, lw, A = self.fwd, self.fwd.layers[il], self.arch
         D = self.D
         cos, sin = self.rope[il]
@@ -619,17 +717,23 @@ class DecodePlan:
 
     def attend(self, kc, vc, bt, scale: float, window: int, importance) -> None:
         """Launch 3: dense attention, its merge, and the importance update when given."""
+        if not self._launching():
+            return
         attend(self.q, kc, vc, bt, self.rec, scale, window, self.att, self.nsplit,
                (self.m_part, self.l_part, self.o_part, self.counter, self.probs, self.bmax),
                importance if importance is not None else self.imp0, importance is not None)
 
     def o_proj(self, il: int) -> None:
         """Launch 4: the output projection (its bias joins the next prologue)."""
+        if not self._launching():
+            return
         w = self.fwd.layers[il]["attn_output"]
         linear.matvec(w.raw, w.qtype, w.n_in, self.att.reshape(self.Hq * self.D), self.o)
 
     def gate_up(self, il: int) -> None:
         """Launch 5: residual + post-attention norm + FFN norm, act(gate) * up."""
+        if not self._launching():
+            return
         fw, lw, L = self.fwd, self.fwd.layers[il], self.layers[il]
         post = lw["post_attention_norm"]
         mode = 2 if post is not None else 1
@@ -640,20 +744,53 @@ class DecodePlan:
 
     def down(self, il: int) -> None:
         """Launch 6: the down projection."""
+        if not self._launching():
+            return
         w = self.fwd.layers[il]["ffn_down"]
         linear.matvec(w.raw, w.qtype, w.n_in, self.g, self.f)
 
-    def head(self) -> None:
+    def head(self) -> np.ndarray:
         """The last residual, the output norm, the vocabulary rows, the soft-cap; advances
-        the record."""
+        the record. Returns the logits row on the host ([1, n_vocab])."""
         fw, cfg = self.fwd, self.cfg
-        post = fw.layers[-1]["post_ffw_norm"]
-        mode = 2 if post is not None else 1
-        cap = np.float32(cfg.final_softcap or 0.0)
-        inv = np.float32(1.0) / cap if cap else np.float32(0.0)
-        device.launch(self.head_kernel, _grid(cfg.n_vocab), self.threads, self.xb, self.f,
-                      self.empty, self.empty if post is None else post, np.int32(mode), fw.output_norm,
-                      fw.eps, fw.output.raw, inv, cap, self.logits[0], self.rec,
-                      shared=4 * cfg.n_embd)
+        if self._launching():
+            post = fw.layers[-1]["post_ffw_norm"]
+            mode = 2 if post is not None else 1
+            cap = np.float32(cfg.final_softcap or 0.0)
+            inv = np.float32(1.0) / cap if cap else np.float32(0.0)
+            device.launch(self.head_kernel, _grid(cfg.n_vocab), self.threads, self.xb, self.f,
+                          self.empty, self.empty if post is None else post, np.int32(mode),
+                          fw.output_norm, fw.eps, fw.output.raw, inv, cap, self.logits[0],
+                          self.rec, shared=4 * cfg.n_embd)
+        if self.mode == "capture":
+            self._on_stream.__exit__(None, None, None)
+            try:
+                self.graph.end(self._key)
+            except Exception as e:              # the step did not run: run it eagerly later
+                self.graph_error = f"{type(e).__name__}: {e}"
+                self.graph.abort()
+                raise RuntimeError(f"device cuda: capturing the decode step as a CUDA graph "
+                                   f"failed ({self.graph_error}); set PYIMP_CUDA_GRAPHS=0") \
+                    from None
+            self.mode = "replay"
+        if self.mode == "replay":
+            self.graph.replay()
+            self.replays += 1
+            out = self.logits.copy_to_host(stream=self.graph.stream)
+            self.graph.stream.synchronize()
+        else:
+            self.eager_steps += 1
+            out = device.to_host(self.logits)
         if self.rec_pos is not None:
             self.rec_pos += 1
+        return out
+
+    def abort(self) -> None:
+        """A step cut short by an error: a capture in progress ends (the record is uploaded
+        again by the next step)."""
+        if self.mode == "capture":
+            self._on_stream.__exit__(None, None, None)
+            self.graph.abort()
+            self.graph_error = "a step failed during capture"
+        self.mode = "eager"
+        self.rec_pos = None

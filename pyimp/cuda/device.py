@@ -61,8 +61,24 @@ def compiling() -> bool:
     return _compile_cc is not None
 
 
+_stream = None           # the stream launches go to (None: the default stream)
+
+
+@contextlib.contextmanager
+def on_stream(stream):
+    """Inside: :func:`launch` puts kernels on ``stream`` (a numba-cuda stream) instead of the
+    default stream (a captured decode step, :mod:`pyimp.cuda.decode`)."""
+    global _stream
+    prev, _stream = _stream, stream
+    try:
+        yield
+    finally:
+        _stream = prev
+
+
 def launch(kernel, grid, block, *args, shared: int = 0) -> None:
-    """``kernel[grid, block, 0, shared](*args)``, or its compilation under :func:`compile_only`."""
+    """``kernel[grid, block, stream, shared](*args)`` (the stream of :func:`on_stream`, else
+    the default one), or its compilation under :func:`compile_only`."""
     global launches
     launches += 1
     if _compile_cc is not None:
@@ -75,7 +91,7 @@ def launch(kernel, grid, block, *args, shared: int = 0) -> None:
     if SIMULATOR:                 # the simulator's kernel[...] configures the kernel object itself
         kernel[grid, block, 0, shared](*args)
         return
-    _configured(kernel, grid, block, shared)(*args)
+    _configured(kernel, grid, block, shared, _stream)(*args)
 
 
 class Counts:
@@ -178,12 +194,12 @@ def counting():
 _configs: dict = {}
 
 
-def _configured(kernel, grid, block, shared: int):
+def _configured(kernel, grid, block, shared: int, stream=None):
     """``kernel[grid, block, 0, shared]``, made once per configuration. pyimp's grids are small
     on purpose (a block per head, per row group), and numba-cuda warns of "low occupancy" for
     every grid under 128 blocks: that warning is kept out of pyimp's own launches here, where a
     configuration is made, and nowhere else."""
-    key = (kernel, grid, block, shared)
+    key = (kernel, grid, block, shared, stream)
     cfg = _configs.get(key)
     if cfg is None:
         if len(_configs) >= 4096:                  # grids follow the context length
@@ -191,7 +207,7 @@ def _configured(kernel, grid, block, shared: int):
         with warnings.catch_warnings():
             for category in _performance_warnings():
                 warnings.simplefilter("ignore", category)
-            cfg = kernel[grid, block, 0, shared]
+            cfg = kernel[grid, block, 0 if stream is None else stream, shared]
         _configs[key] = cfg
     return cfg
 

@@ -87,7 +87,23 @@ class DeviceForward:
         self.cache, self.sparse = self.engine.cache, self.engine.sparse
         self.fused = self.plan is not None and step.fused and step.decode and step.T == 1
         if self.fused:
-            self.plan.start(step)
+            self.plan.start(step, self._graph_key(step))
+
+    def _graph_key(self, step):
+        """The buffers a captured decode step names, when every launch of ``step`` is the
+        fused dense one (logits asked for, a float cache, no sparse layer, importance without
+        observers); else
+        None (the step launches eagerly)."""
+        c, sp = self.cache, self.sparse
+        if not step.logits or c.quantized or any(step.sparse) or (sp is not None and not sp.fused_dense_ok()):
+            return None
+        return (id(c.k_store), id(c.v_store),
+                None if sp is None else id(sp.importance_dev))
+
+    def abort(self) -> None:
+        """A forward that raised: the fused step's capture, if one was under way, ends."""
+        if self.fused:
+            self.plan.abort()
 
     def embed(self, step):
         if self.fused:
@@ -252,8 +268,7 @@ class DeviceForward:
 
     def head(self, h, step):
         if self.fused:
-            self.plan.head()
-            return device.to_host(self.plan.logits)
+            return self.plan.head()
         out = self._buf("logits", h.shape[0], self.cfg.n_vocab)
         self.output(h, out)
         if self.cfg.final_softcap:
