@@ -3,9 +3,8 @@
 The metadata section is parsed here with a small, bounds-checked reader over
 the memory-mapped file instead of ``gguf.GGUFReader``: the latter turns every
 vocabulary string into a NumPy object and needs ~16 s to open a 262k-token
-vocabulary, while this reader needs a fraction of a second. ``gguf`` still
-provides the constants (value types, ggml type table) and is the oracle for
-dequantization.
+vocabulary, while this reader needs a fraction of a second. The constants (value
+types, ggml type table) come from :mod:`loaders.ggml_types`; ``gguf`` is not needed.
 
 Every problem with a file raises :class:`GGUFError`, whose message names the
 file and the offending key, tensor or type.
@@ -30,9 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-
-from .ggml_types import SUPPORTED_TYPES, type_name
+from .ggml_types import (GGML_QUANT_SIZES, SUPPORTED_TYPES, GGMLQuantizationType, GGUFValueType,
+                         type_name)
 from .vocab import TOKEN_NORMAL, Vocab
 
 GGUF_MAGIC = b"GGUF"
@@ -86,7 +84,7 @@ class TensorInfo:
     """One tensor of the file.
 
     name   GGUF tensor name, e.g. ``blk.0.attn_q.weight``
-    qtype  ggml type id (``gguf.GGMLQuantizationType`` value when known)
+    qtype  ggml type id (a ``GGMLQuantizationType`` of :mod:`loaders.ggml_types` when known)
     shape  ggml order (ne0 = row length first)
     offset absolute byte offset of the data in the file
     nbytes size of the data in bytes

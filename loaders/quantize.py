@@ -26,11 +26,10 @@ through the per-type decoders of :mod:`loaders.quants_legacy` (bit-identical to
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
 from numba import prange
 
 from . import jit, quants_legacy
-from .ggml_types import type_size
+from .ggml_types import QT, type_size
 from .quants_legacy import (deq_q4_0, deq_q4_1, deq_q5_0, deq_q5_1, deq_q8_0,
                             f32_to_f16_bits, head_d, head_d_qh, head_dm, head_dm_qh,
                             pair_q4_0, pair_q4_1, pair_q5_0, pair_q5_1, pair_q8_0, load_u16, load_u32,
@@ -38,10 +37,9 @@ from .quants_legacy import (deq_q4_0, deq_q4_1, deq_q5_0, deq_q5_1, deq_q8_0,
 
 jit.kernel_module(__file__, quants_legacy)
 
-QT = GGMLQuantizationType
 
 # type -> small integer code the kernels branch on, and bytes per block of 32 by code (the
-# block geometry is gguf's, through loaders.ggml_types)
+# block geometry: loaders.ggml_types)
 CODES: dict[QT, int] = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4}
 BLOCK_BYTES: tuple[int, ...] = tuple(type_size(t) for t in sorted(CODES, key=CODES.get))
 

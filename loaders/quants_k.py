@@ -97,14 +97,13 @@ each 16 consecutive qs); value = d * qs.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import jit, quants_legacy
-from .ggml_types import TypeKernels, type_size
+from .ggml_types import QT, TypeKernels, type_size
 from .quants_legacy import (I32, X86_64, I8_DOT, PREFETCH_BYTES, WIDE_STEPS, ROW_CHUNKS, far_pair,
                             fma32, hsum8, as_i8, stack_f32,
                             I8T as _I8, group_row, lanes_sum32, prefetch_at,
@@ -112,7 +111,6 @@ from .quants_legacy import (I32, X86_64, I8_DOT, PREFETCH_BYTES, WIDE_STEPS, ROW
 
 jit.kernel_module(__file__, quants_legacy)
 
-QT = GGMLQuantizationType
 QK_K = 256
 Q8_K_BYTES = 292  # float32 d + int8 qs[256] + int16 bsums[16]
 
