@@ -42,7 +42,7 @@ _KNOWN_TYPES = frozenset(int(t) for t in GGML_QUANT_SIZES)
 DEFAULT_ALIGNMENT = 32
 
 # value type -> (struct format, byte size) for scalar types
-_SCALARS = {
+SCALAR_FORMATS = {
     GGUFValueType.UINT8: ("<B", 1),
     GGUFValueType.INT8: ("<b", 1),
     GGUFValueType.UINT16: ("<H", 2),
@@ -55,7 +55,7 @@ _SCALARS = {
     GGUFValueType.INT64: ("<q", 8),
     GGUFValueType.FLOAT64: ("<d", 8),
 }
-_NUMPY_SCALARS = {
+SCALAR_DTYPES = {
     GGUFValueType.UINT8: np.uint8,
     GGUFValueType.INT8: np.int8,
     GGUFValueType.UINT16: np.uint16,
@@ -155,7 +155,7 @@ class _Cursor:
                                        f"file has {self.end}")
 
     def scalar(self, vtype: GGUFValueType, what: str):
-        fmt, size = _SCALARS[vtype]
+        fmt, size = SCALAR_FORMATS[vtype]
         self.need(size, what)
         (v,) = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
@@ -209,7 +209,7 @@ class _Cursor:
             raise GGUFError(self.path, f"{what}: unknown value type {vtype}") from None
         if vt == GGUFValueType.STRING:
             return self.string(what)
-        if vt in _SCALARS:
+        if vt in SCALAR_FORMATS:
             return self.scalar(vt, what)
         # array
         if depth > 0:
@@ -220,10 +220,10 @@ class _Cursor:
             et = GGUFValueType(etype)
         except ValueError:
             raise GGUFError(self.path, f"{what}: unknown array element type {etype}") from None
-        if et in _NUMPY_SCALARS:
-            size = _SCALARS[et][1]
+        if et in SCALAR_DTYPES:
+            size = SCALAR_FORMATS[et][1]
             self.need(count * size, what)
-            arr = np.frombuffer(self.buf, dtype=np.dtype(_NUMPY_SCALARS[et]).newbyteorder("<"),
+            arr = np.frombuffer(self.buf, dtype=np.dtype(SCALAR_DTYPES[et]).newbyteorder("<"),
                                 count=count, offset=self.pos)
             self.pos += count * size
             return arr
