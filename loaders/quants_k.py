@@ -1428,8 +1428,23 @@ for _qt in KERNELS:
 # ------------------------------------------------------------------ NumPy references
 
 def dequantize_reference(qtype: QT, raw: np.ndarray) -> np.ndarray:
-    """Plain NumPy dequantization (gguf-py): uint8[rows, row_bytes] -> float32[rows, n]."""
-    from gguf.quants import dequantize
+    """Plain NumPy dequantization (gguf-py's): uint8[rows, row_bytes] -> float32[rows, n].
+    Where gguf cannot be imported (the GPU machine's image has none) this module's own
+    dequantization kernel stands in; tests/test_quants_k.py checks it bit for bit against
+    gguf's."""
+    try:
+        from gguf.quants import dequantize
+    except ImportError:
+        qtype = QT(qtype)
+        r = np.ascontiguousarray(raw, dtype=np.uint8)
+        if r.ndim != 2 or r.shape[1] % type_size(qtype):
+            raise ValueError(f"{qtype.name} rows must be uint8[rows, whole blocks of "
+                             f"{type_size(qtype)} bytes], got shape {r.shape}") from None
+        out = np.empty((r.shape[0], r.shape[1] // type_size(qtype) * QK_K), np.float32)
+        r = r.view()
+        r.flags.writeable = False            # the specialization the loaders compile
+        KERNELS[qtype].dequantize(r, out)
+        return out
     return dequantize(np.asarray(raw), qtype)
 
 
