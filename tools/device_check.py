@@ -42,6 +42,7 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
@@ -86,7 +87,7 @@ class Check:
             import traceback
             res = {"status": "failed", "error": f"{type(e).__name__}: {e}",
                    "trace": traceback.format_exc()[-3000:]}
-        except BaseException as e:      # interrupted: say so, then stop as asked
+        except BaseException as e:      # interrupted (Ctrl-C, SIGTERM): say so, then stop
             self.data["steps"][name] = {"status": "interrupted", "error": type(e).__name__,
                                         "seconds": round(time.perf_counter() - t, 2)}
             self.write()
@@ -98,11 +99,15 @@ class Check:
         return res["status"] == "ok"
 
     def write(self) -> None:
+        """Both result files, each written beside itself and then renamed over the last one,
+        so a run killed while writing leaves the previous whole file."""
         os.makedirs(self.out, exist_ok=True)
-        with open(os.path.join(self.out, "device_check.json"), "w") as f:
-            json.dump(self.data, f, indent=1, default=float)
-        with open(os.path.join(self.out, "device_check.md"), "w") as f:
-            f.write(markdown(self.data))
+        for name, text in (("device_check.json", json.dumps(self.data, indent=1, default=float)),
+                           ("device_check.md", markdown(self.data))):
+            path = os.path.join(self.out, name)
+            with open(path + ".part", "w") as f:
+                f.write(text)
+            os.replace(path + ".part", path)
 
 
 def markdown(data: dict) -> str:
@@ -524,4 +529,7 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    # a SIGTERM (a timeout's) ends the run through SystemExit, so the step it cut short is
+    # written as interrupted
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sys.exit(main())
