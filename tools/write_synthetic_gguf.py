@@ -3,10 +3,10 @@
 Any shape and weight type (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 through
 :mod:`loaders.quantize`; K-quants through ggml's own quantizer from llama-cpp-python's
 libggml, or as random blocks with ``random_blocks``). Files are written by
-:mod:`loaders.gguf_writer`, so nothing here needs the ``gguf`` package. The vocabulary is copied from a vocab-only GGUF (e.g. one of
-llama.cpp's tokenizer fixtures) or, without one, a minimal byte-level SPM
-vocabulary is generated. llama.cpp loads these files, so they serve both as
-test models and as benchmark stand-ins for real shapes.
+:mod:`loaders.gguf_writer`, so nothing here needs the ``gguf`` package. The vocabulary is
+copied from a vocab-only GGUF (e.g. one of llama.cpp's tokenizer fixtures) or, without one,
+a minimal byte-level SPM vocabulary is generated. llama.cpp loads these files, so they serve
+both as test models and as benchmark stand-ins for real shapes.
 
     python -m tools.write_synthetic_gguf out.gguf --arch llama --layers 2 --embd 64 --type Q8_0
     python -m tools.write_synthetic_gguf tinyllama.gguf --preset tinyllama --type Q4_0
