@@ -1,13 +1,62 @@
 """ggml tensor types: block geometry and the per-type kernel record.
 
-Block geometry comes from ``gguf.GGML_QUANT_SIZES`` (elements per block,
-bytes per block); this module only narrows it to the types pyimp supports.
+This is the one module that takes ggml's and GGUF's constants from the ``gguf`` package:
+``GGMLQuantizationType`` (the ggml type ids), ``GGML_QUANT_SIZES`` (elements per block,
+bytes per block) and ``GGUFValueType`` (the ids of GGUF metadata value types). Where
+``gguf`` cannot be imported (the GPU machine's image has neither it nor ``pyyaml``, which it
+imports), the same names are made from :data:`OWN_QUANT_TYPES` and
+:data:`OWN_VALUE_TYPES` below: IntEnums with gguf's member names and values, for the types
+pyimp reads, computes with or converts activations to, and every GGUF value type.
+``tests/test_ggml_types.py`` checks that these tables equal gguf's for every member they
+name. Every other module takes the constants from here.
 """
 from __future__ import annotations
 
+from enum import IntEnum
 from typing import Callable, NamedTuple
 
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+# ggml type name: (type id, elements per block, bytes per block)
+OWN_QUANT_TYPES: dict[str, tuple[int, int, int]] = {
+    "F32": (0, 1, 4),
+    "F16": (1, 1, 2),
+    "Q4_0": (2, 32, 18),        # fp16 d, 16 bytes of 4-bit quants
+    "Q4_1": (3, 32, 20),        # fp16 d, m, 16 bytes of 4-bit quants
+    "Q5_0": (6, 32, 22),        # fp16 d, 4 bytes of high bits, 16 bytes of low nibbles
+    "Q5_1": (7, 32, 24),        # fp16 d, m, 4 bytes of high bits, 16 bytes of low nibbles
+    "Q8_0": (8, 32, 34),        # fp16 d, 32 int8 quants
+    "Q8_1": (9, 32, 40),        # fp16 d, s, 32 int8 quants (Q4_1 / Q5_1 activations)
+    "Q2_K": (10, 256, 84),
+    "Q3_K": (11, 256, 110),
+    "Q4_K": (12, 256, 144),
+    "Q5_K": (13, 256, 176),
+    "Q6_K": (14, 256, 210),
+    "Q8_K": (15, 256, 292),     # float32 d, 256 int8 quants, 16 int16 sums (K activations)
+    "BF16": (30, 1, 2),
+}
+
+# GGUF metadata value type name: id
+OWN_VALUE_TYPES: dict[str, int] = {
+    "UINT8": 0, "INT8": 1, "UINT16": 2, "INT16": 3, "UINT32": 4, "INT32": 5, "FLOAT32": 6,
+    "BOOL": 7, "STRING": 8, "ARRAY": 9, "UINT64": 10, "INT64": 11, "FLOAT64": 12,
+}
+
+
+def own_constants() -> tuple[type[IntEnum], dict, type[IntEnum]]:
+    """(GGMLQuantizationType, GGML_QUANT_SIZES, GGUFValueType) made from this module's own
+    tables: what the module exports where ``gguf`` cannot be imported."""
+    qt = IntEnum("GGMLQuantizationType", {k: v[0] for k, v in OWN_QUANT_TYPES.items()},
+                 module=__name__)
+    sizes = {qt[k]: (v[1], v[2]) for k, v in OWN_QUANT_TYPES.items()}
+    vt = IntEnum("GGUFValueType", OWN_VALUE_TYPES, module=__name__)
+    return qt, sizes, vt
+
+
+try:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
+    FROM_GGUF = True
+except ImportError:             # no gguf (or no pyyaml, which it imports): the own tables
+    GGMLQuantizationType, GGML_QUANT_SIZES, GGUFValueType = own_constants()
+    FROM_GGUF = False
 
 QT = GGMLQuantizationType
 
@@ -20,7 +69,7 @@ SUPPORTED_TYPES: frozenset[QT] = frozenset({
 
 
 def type_name(qtype: int) -> str:
-    """Readable name for a ggml type id, also for ids gguf does not know."""
+    """Readable name for a ggml type id, also for ids the type table does not know."""
     try:
         return QT(qtype).name
     except ValueError:

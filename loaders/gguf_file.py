@@ -3,9 +3,8 @@
 The metadata section is parsed here with a small, bounds-checked reader over
 the memory-mapped file instead of ``gguf.GGUFReader``: the latter turns every
 vocabulary string into a NumPy object and needs ~16 s to open a 262k-token
-vocabulary, while this reader needs a fraction of a second. ``gguf`` still
-provides the constants (value types, ggml type table) and is the oracle for
-dequantization.
+vocabulary, while this reader needs a fraction of a second. The constants (value
+types, ggml type table) come from :mod:`loaders.ggml_types`; ``gguf`` is not needed.
 
 Every problem with a file raises :class:`GGUFError`, whose message names the
 file and the offending key, tensor or type.
@@ -30,9 +29,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType
-
-from .ggml_types import SUPPORTED_TYPES, type_name
+from .ggml_types import (GGML_QUANT_SIZES, SUPPORTED_TYPES, GGMLQuantizationType, GGUFValueType,
+                         type_name)
 from .vocab import TOKEN_NORMAL, Vocab
 
 GGUF_MAGIC = b"GGUF"
@@ -44,7 +42,7 @@ _KNOWN_TYPES = frozenset(int(t) for t in GGML_QUANT_SIZES)
 DEFAULT_ALIGNMENT = 32
 
 # value type -> (struct format, byte size) for scalar types
-_SCALARS = {
+SCALAR_FORMATS = {
     GGUFValueType.UINT8: ("<B", 1),
     GGUFValueType.INT8: ("<b", 1),
     GGUFValueType.UINT16: ("<H", 2),
@@ -57,7 +55,7 @@ _SCALARS = {
     GGUFValueType.INT64: ("<q", 8),
     GGUFValueType.FLOAT64: ("<d", 8),
 }
-_NUMPY_SCALARS = {
+SCALAR_DTYPES = {
     GGUFValueType.UINT8: np.uint8,
     GGUFValueType.INT8: np.int8,
     GGUFValueType.UINT16: np.uint16,
@@ -86,7 +84,7 @@ class TensorInfo:
     """One tensor of the file.
 
     name   GGUF tensor name, e.g. ``blk.0.attn_q.weight``
-    qtype  ggml type id (``gguf.GGMLQuantizationType`` value when known)
+    qtype  ggml type id (a ``GGMLQuantizationType`` of :mod:`loaders.ggml_types` when known)
     shape  ggml order (ne0 = row length first)
     offset absolute byte offset of the data in the file
     nbytes size of the data in bytes
@@ -157,7 +155,7 @@ class _Cursor:
                                        f"file has {self.end}")
 
     def scalar(self, vtype: GGUFValueType, what: str):
-        fmt, size = _SCALARS[vtype]
+        fmt, size = SCALAR_FORMATS[vtype]
         self.need(size, what)
         (v,) = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
@@ -211,7 +209,7 @@ class _Cursor:
             raise GGUFError(self.path, f"{what}: unknown value type {vtype}") from None
         if vt == GGUFValueType.STRING:
             return self.string(what)
-        if vt in _SCALARS:
+        if vt in SCALAR_FORMATS:
             return self.scalar(vt, what)
         # array
         if depth > 0:
@@ -222,10 +220,10 @@ class _Cursor:
             et = GGUFValueType(etype)
         except ValueError:
             raise GGUFError(self.path, f"{what}: unknown array element type {etype}") from None
-        if et in _NUMPY_SCALARS:
-            size = _SCALARS[et][1]
+        if et in SCALAR_DTYPES:
+            size = SCALAR_FORMATS[et][1]
             self.need(count * size, what)
-            arr = np.frombuffer(self.buf, dtype=np.dtype(_NUMPY_SCALARS[et]).newbyteorder("<"),
+            arr = np.frombuffer(self.buf, dtype=np.dtype(SCALAR_DTYPES[et]).newbyteorder("<"),
                                 count=count, offset=self.pos)
             self.pos += count * size
             return arr

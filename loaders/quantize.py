@@ -21,16 +21,16 @@ type with code ``code`` (see :data:`CODES`); it is meant to be inlined into othe
 (the KV cache's writer); ``decode_qblocks(code, w, wo, nb, out, oo, step, f16)`` is its inverse,
 through the per-type decoders of :mod:`loaders.quants_legacy` (bit-identical to
 ``gguf.quants.dequantize``), writing element j at ``out[oo + j * step]``.
-:func:`quantize_rows` is the array entry point.
+:func:`quantize_rows` is the array entry point; :func:`f32_to_bf16` converts float32 to bfloat16
+bit patterns as ggml does.
 """
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
 from numba import prange
 
 from . import jit, quants_legacy
-from .ggml_types import type_size
+from .ggml_types import QT, type_size
 from .quants_legacy import (deq_q4_0, deq_q4_1, deq_q5_0, deq_q5_1, deq_q8_0,
                             f32_to_f16_bits, head_d, head_d_qh, head_dm, head_dm_qh,
                             pair_q4_0, pair_q4_1, pair_q5_0, pair_q5_1, pair_q8_0, load_u16, load_u32,
@@ -38,10 +38,9 @@ from .quants_legacy import (deq_q4_0, deq_q4_1, deq_q5_0, deq_q5_1, deq_q8_0,
 
 jit.kernel_module(__file__, quants_legacy)
 
-QT = GGMLQuantizationType
 
 # type -> small integer code the kernels branch on, and bytes per block of 32 by code (the
-# block geometry is gguf's, through loaders.ggml_types)
+# block geometry: loaders.ggml_types)
 CODES: dict[QT, int] = {QT.Q8_0: 0, QT.Q4_0: 1, QT.Q4_1: 2, QT.Q5_0: 3, QT.Q5_1: 4}
 BLOCK_BYTES: tuple[int, ...] = tuple(type_size(t) for t in sorted(CODES, key=CODES.get))
 
@@ -241,6 +240,16 @@ def _quantize_rows(x, code, bsz, out):
         wr = out[r]
         for b in range(n // 32):
             quantize_block(code, xr, b * 32, wr, b * bsz)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values -> their bfloat16 bit patterns (uint16, same shape), as ggml converts:
+    the top 16 bits rounded to nearest, ties to even (finite values past bfloat16's range
+    become infinities); a NaN keeps its sign and top payload bits and is made quiet."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    return np.where(nan, (u >> 16) | 0x40, rounded).astype(np.uint16)
 
 
 def quantize_rows(x: np.ndarray, qtype: QT) -> np.ndarray:

@@ -24,12 +24,10 @@ import time
 # pyimp's own programs: a library import must not change the host process's environment.
 import numba
 import numpy as np
-from gguf import GGMLQuantizationType
 
 from . import gemm, quants_legacy
-from .ggml_types import SUPPORTED_TYPES, TypeKernels, row_bytes, type_name
+from .ggml_types import QT, SUPPORTED_TYPES, TypeKernels, row_bytes, type_name
 
-QT = GGMLQuantizationType
 
 try:  # K-quants live in their own module
     from . import quants_k

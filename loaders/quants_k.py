@@ -97,14 +97,13 @@ each 16 consecutive qs); value = d * qs.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import jit, quants_legacy
-from .ggml_types import TypeKernels, type_size
+from .ggml_types import QT, TypeKernels, type_size
 from .quants_legacy import (I32, X86_64, I8_DOT, PREFETCH_BYTES, WIDE_STEPS, ROW_CHUNKS, far_pair,
                             fma32, hsum8, as_i8, stack_f32,
                             I8T as _I8, group_row, lanes_sum32, prefetch_at,
@@ -112,7 +111,6 @@ from .quants_legacy import (I32, X86_64, I8_DOT, PREFETCH_BYTES, WIDE_STEPS, ROW
 
 jit.kernel_module(__file__, quants_legacy)
 
-QT = GGMLQuantizationType
 QK_K = 256
 Q8_K_BYTES = 292  # float32 d + int8 qs[256] + int16 bsums[16]
 
@@ -1430,8 +1428,23 @@ for _qt in KERNELS:
 # ------------------------------------------------------------------ NumPy references
 
 def dequantize_reference(qtype: QT, raw: np.ndarray) -> np.ndarray:
-    """Plain NumPy dequantization (gguf-py): uint8[rows, row_bytes] -> float32[rows, n]."""
-    from gguf.quants import dequantize
+    """Plain NumPy dequantization (gguf-py's): uint8[rows, row_bytes] -> float32[rows, n].
+    Where gguf cannot be imported (the GPU machine's image has none) this module's own
+    dequantization kernel stands in; tests/test_quants_k.py checks it bit for bit against
+    gguf's."""
+    try:
+        from gguf.quants import dequantize
+    except ImportError:
+        qtype = QT(qtype)
+        r = np.ascontiguousarray(raw, dtype=np.uint8)
+        if r.ndim != 2 or r.shape[1] % type_size(qtype):
+            raise ValueError(f"{qtype.name} rows must be uint8[rows, whole blocks of "
+                             f"{type_size(qtype)} bytes], got shape {r.shape}") from None
+        out = np.empty((r.shape[0], r.shape[1] // type_size(qtype) * QK_K), np.float32)
+        r = r.view()
+        r.flags.writeable = False            # the specialization the loaders compile
+        KERNELS[qtype].dequantize(r, out)
+        return out
     return dequantize(np.asarray(raw), qtype)
 
 

@@ -45,21 +45,19 @@ kernel are at the end of this module (``*_ref``).
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType
 from llvmlite import ir
 from numba import prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import half, jit
-from .ggml_types import TypeKernels, type_size
+from .ggml_types import QT, TypeKernels, type_size
 # the target's architecture and the features Numba compiles for (NUMBA_CPU_NAME /
 # NUMBA_CPU_FEATURES honoured), not the host's
 from .half import FEATURES, X86_64, fma16, half_bits_to_f32
 
 jit.kernel_module(__file__, half)
 
-QT = GGMLQuantizationType
 
 # fp16 bit pattern -> float32 value (exact), passed to every kernel that reads fp16
 F16_TO_F32: np.ndarray = np.arange(65536, dtype=np.uint16).view(np.float16).astype(np.float32)

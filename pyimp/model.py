@@ -10,10 +10,10 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-from gguf import GGMLQuantizationType
 
 from loaders import quants
 from loaders.config import ModelConfig
+from loaders.ggml_types import GGMLQuantizationType
 from loaders.gguf_file import GGUFFile, QTensor
 
 

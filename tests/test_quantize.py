@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from loaders.quantize import CODES, quantize_rows
+from loaders.quantize import CODES, f32_to_bf16, quantize_rows
 
 TYPES = sorted(CODES, key=lambda t: t.name)
 
@@ -55,6 +55,23 @@ def test_quantize_rows_refuses():
     with pytest.raises(ValueError, match="multiple of 32"):
         quantize_rows(np.zeros((1, 48), np.float32), QT.Q8_0)
 
+
+
+def test_f32_to_bf16_equals_gguf():
+    """bfloat16 bits of random values, rounding ties both ways, the largest finite values (to
+    inf), infinities, subnormals, signed zeros and NaNs with payloads equal gguf's BF16."""
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.standard_normal(4000).astype(np.float32) * 10.0 ** rng.integers(-40, 39, 4000),
+                        rng.integers(0, 1 << 32, 4000, dtype=np.uint64).astype(np.uint32).view(np.float32)])
+    ties = np.array([0x3F808000, 0x3F818000, 0xBF808000, 0x7F7FFFFF, 0xFF7FFFFF, 0x7F7F8000,
+                     0x7F800000, 0xFF800000, 0x00000001, 0x80008000, 0x00000000, 0x80000000,
+                     0x7F800001, 0xFFC00000, 0x7FBFFFFF, 0xFF80FFFF], np.uint32)
+    x = np.concatenate([x, ties.view(np.float32)]).reshape(8, -1)
+    with np.errstate(all="ignore"):
+        ref = np.asarray(gq.quantize(x, QT.BF16)).view(np.uint16).reshape(x.shape)
+    got = f32_to_bf16(x)
+    assert got.dtype == np.uint16 and got.shape == x.shape
+    np.testing.assert_array_equal(got, ref)
 
 
 @functools.lru_cache(maxsize=1)

@@ -14,6 +14,8 @@ The real-model tests read the default model (Gemma 3 270M Q4_K_M, the
 ``gemma_path`` fixture). It holds Q4_K and Q6_K tensors only, so those tests run for
 these two types; random and ggml-quantized blocks cover Q2_K, Q3_K and Q5_K.
 """
+import sys
+
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as QT
@@ -196,6 +198,19 @@ def test_dequantize_random_blocks_bit_exact(qtype, rows, nb, data):
 @pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
 def test_dequantize_many_random_blocks_bit_exact(qtype):
     check_dequantize(qtype, random_blocks(qtype, 37, 5, np.random.default_rng(int(qtype))))
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=ids)
+def test_dequantize_reference_without_gguf_is_gguf_bit_for_bit(qtype, monkeypatch):
+    """dequantize_reference where gguf cannot be imported (its own kernel stands in) gives
+    gguf's values bit for bit; rows that are not whole blocks are refused."""
+    raw = random_blocks(qtype, 5, 3, np.random.default_rng(50 + int(qtype)))
+    ref = gguf_dequantize(raw, qtype)
+    monkeypatch.setitem(sys.modules, "gguf.quants", None)       # import gguf.quants fails
+    got = K.dequantize_reference(qtype, raw)
+    np.testing.assert_array_equal(got.view(np.uint32), ref.view(np.uint32))
+    with pytest.raises(ValueError, match=f"{qtype.name} rows must be"):
+        K.dequantize_reference(qtype, raw[:, 1:])
 
 
 def test_the_default_model_holds_only_the_k_types_read_here(gemma):

@@ -115,8 +115,7 @@ def bench_sequence(mats: list, qtype, reps: int) -> tuple[float, float]:
 def synthetic(qtype, rows: int = 4096, n: int = 4096) -> np.ndarray:
     """Valid random weights of ``qtype``: random quant bytes with finite fp16 scales
     (a matvec's speed does not depend on the values)."""
-    from gguf import GGMLQuantizationType as QT
-    from loaders.ggml_types import row_bytes
+    from loaders.ggml_types import QT, row_bytes
     rng = np.random.default_rng(0)
     if qtype == QT.F32:
         return rng.standard_normal((rows, n), dtype=np.float32).view(np.uint8)

@@ -3,27 +3,34 @@
     python -m tools.device_check OUT            # on a machine with a GPU (about 4 minutes)
     NUMBA_ENABLE_CUDASIM=1 python -m tools.device_check OUT --dry   # tiny shapes, simulator
 
-Writes ``OUT/device_check.json`` and ``OUT/device_check.md`` (rewritten after every step, so a
-run cut short still leaves what it measured), and ``OUT/kernel_tests.log`` (the kernel tests'
-whole output). ``--steps`` picks the steps and their order. Steps:
+Writes ``OUT/device_check.json`` and ``OUT/device_check.md``, and ``OUT/kernel_tests.log``
+(the kernel tests' whole output). Both result files are rewritten when a step starts (the step
+marked ``running``) and when it ends, and when the device requirement fails, so a run cut short
+still leaves what it measured and where it stopped. ``--steps`` picks the steps and their
+order. Needs numpy, numba and numba-cuda, not ``gguf`` (the GPU machine's image has none):
+models are written by :mod:`tools.write_synthetic_gguf`. Steps (``require`` and ``machine``
+always first):
 
-1. ``kernel_tests``: the CUDA kernel tests of ``tests/cuda`` on the GPU (``PYIMP_CUDA_HW=1``:
-   the warp-shuffle reductions included). Skipped with ``--dry`` (CI runs them on the
-   simulator in ``tests/test_cuda.py``).
-2. ``agreement``: a Gemma-3-270M-shaped model written here (random quant blocks: the device
+1. ``agreement``: a Gemma-3-270M-shaped model written here (random quant blocks: the device
    has no libggml and the real file does not travel), ``device="cuda"`` vs the CPU engine
    with f32 KV: greedy tokens on a few prompts (identical or not) and the mean KL(cpu || gpu)
    of the next-token distributions along the CPU's greedy path. ``agreement_qkv``: the same
    with q8_0 and q4_0 KV caches, one prompt each (``--dry``: q8_0, head dim 32).
-3. ``launch_cost``: host microseconds per launch of kernels that do nothing (1 argument, and
+2. ``launch_cost``: host microseconds per launch of kernels that do nothing (1 argument, and
    8 arrays + 4 scalars as a decode kernel takes), through ``device.launch`` and directly.
    ``attention``: the decode attention kernel alone at long context, dense vs block-sparse at
-   a 1/8 block budget (Gemma's and TinyLlama's head shapes).
-4. ``decode``: end-to-end decode tok/s at 1k / 4k / 16k / 32k context, dense vs sparse (1/8
-   budget), on a cache filled on the device with random keys and values; kernel launches per
-   token; the time per token the importance update and the anchor upkeep take.
-5. ``prefill``: prefill tok/s of a 1024-token prompt.
-6. ``tinyllama``: the TinyLlama-1.1B shape (22 global layers) at 32k, dense vs sparse.
+   a 1/8 block budget (Gemma's and TinyLlama's head shapes), timed on the device with CUDA
+   events.
+3. ``decode``: end-to-end decode tok/s at 1k / 4k / 16k / 32k context, dense vs sparse (1/8
+   budget), on a cache filled on the device with random keys and values; per token: host
+   microseconds, kernel launches, device allocations, host-to-device and device-to-host copies
+   (``pyimp.cuda.device.counting``); the time per token the importance update and the anchor
+   upkeep take.
+4. ``prefill``: prefill tok/s of a 1024-token prompt.
+5. ``tinyllama``: the TinyLlama-1.1B shape (22 global layers) at 32k, dense vs sparse.
+6. ``kernel_tests``: the CUDA kernel tests of ``tests/cuda`` on the GPU (``PYIMP_CUDA_HW=1``:
+   the warp-shuffle reductions included), last: they get whatever time is left. Skipped with
+   ``--dry`` (CI runs them on the simulator in ``tests/test_cuda.py``).
 
 ``--dry`` runs every step at tiny shapes (on the simulator in CI) so that this script has been
 executed end to end before it meets a GPU.
@@ -35,37 +42,44 @@ import json
 import math
 import os
 import platform
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 
 import numpy as np
-from numba import (  # NUMBA_ENABLE_CUDASIM (the simulator) must be set before this
-    cuda,
-    float32,
-)
+
+# numba-cuda is imported by the steps (this script's kernels: tools.device_check_kernels),
+# after the ``require`` step found it: a machine without it gets that step's error in the
+# results. NUMBA_ENABLE_CUDASIM (the simulator) must be set before numba is imported.
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Check:
-    """Results of the steps, written after each one."""
+    """Results of the steps, written when each one starts and ends."""
 
     def __init__(self, out: str, dry: bool, budget_s: float):
         self.out, self.dry, self.budget_s = out, dry, budget_s
         self.t0 = time.perf_counter()
         self.data: dict = {"dry": dry, "steps": {}}
+        self.models: dict = {}          # synthetic models written so far: key -> path
+        self.tmp = ""                   # their folder
 
     def left(self) -> float:
         return self.budget_s - (time.perf_counter() - self.t0)
 
-    def step(self, name: str, fn, need_s: float = 0.0) -> None:
+    def step(self, name: str, fn, need_s: float = 0.0) -> bool:
+        """Run fn(self) as step ``name``; its figures (or its error) go into the results.
+        Returns whether it finished with status ok."""
         if self.left() < need_s:
             self.data["steps"][name] = {"status": "skipped", "why": f"under {need_s:.0f} s left"}
             self.write()
-            return
+            return False
         t = time.perf_counter()
+        self.data["steps"][name] = {"status": "running"}
+        self.write()
         try:
             res = fn(self) or {}
             res = {"status": "ok", **res}
@@ -73,17 +87,27 @@ class Check:
             import traceback
             res = {"status": "failed", "error": f"{type(e).__name__}: {e}",
                    "trace": traceback.format_exc()[-3000:]}
+        except BaseException as e:      # interrupted (Ctrl-C, SIGTERM): say so, then stop
+            self.data["steps"][name] = {"status": "interrupted", "error": type(e).__name__,
+                                        "seconds": round(time.perf_counter() - t, 2)}
+            self.write()
+            raise
         res["seconds"] = round(time.perf_counter() - t, 2)
         self.data["steps"][name] = res
         self.write()
         print(f"[device_check] {name}: {res['status']} ({res['seconds']} s)", flush=True)
+        return res["status"] == "ok"
 
     def write(self) -> None:
+        """Both result files, each written beside itself and then renamed over the last one,
+        so a run killed while writing leaves the previous whole file."""
         os.makedirs(self.out, exist_ok=True)
-        with open(os.path.join(self.out, "device_check.json"), "w") as f:
-            json.dump(self.data, f, indent=1, default=float)
-        with open(os.path.join(self.out, "device_check.md"), "w") as f:
-            f.write(markdown(self.data))
+        for name, text in (("device_check.json", json.dumps(self.data, indent=1, default=float)),
+                           ("device_check.md", markdown(self.data))):
+            path = os.path.join(self.out, name)
+            with open(path + ".part", "w") as f:
+                f.write(text)
+            os.replace(path + ".part", path)
 
 
 def markdown(data: dict) -> str:
@@ -96,7 +120,7 @@ def markdown(data: dict) -> str:
     for name, r in data["steps"].items():
         figs = {k: v for k, v in r.items() if k not in ("status", "seconds", "trace")}
         lines.append(f"| {name} | {r['status']} | {r.get('seconds', '')} | "
-                     f"{json.dumps(figs, default=float)[:1500]} |")
+                     f"{json.dumps(figs, default=float)[:4000]} |")
     return "\n".join(lines) + "\n"
 
 
@@ -109,7 +133,7 @@ def _sync():
 
 
 def _timed(fn, n: int) -> float:
-    """Seconds per call of fn() (after one untimed call), synchronized."""
+    """Host seconds per call of fn() (after one untimed call), synchronized."""
     fn()
     _sync()
     t = time.perf_counter()
@@ -117,6 +141,27 @@ def _timed(fn, n: int) -> float:
         fn()
     _sync()
     return (time.perf_counter() - t) / n
+
+
+def _device_timed(fn, n: int) -> tuple[float, str]:
+    """(seconds per call of fn(), the timer): the device's time between a CUDA event recorded
+    before n calls (after one untimed call) and one recorded after them. The simulator's events
+    carry no time (``elapsed_time`` gives -1): there the host's time stands in, and the timer
+    says so."""
+    from numba import cuda
+    fn()
+    start, end = cuda.event(), cuda.event()
+    start.record()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    end.record()
+    end.synchronize()
+    host = time.perf_counter() - t
+    ms = start.elapsed_time(end)
+    if ms < 0:
+        return host / n, "host (simulator: events carry no time)"
+    return ms / 1e3 / n, "cuda events"
 
 
 def _shapes(dry: bool) -> dict:
@@ -140,7 +185,7 @@ def _shapes(dry: bool) -> dict:
 
 def _model(check: Check, key: str, weight_type: str, embd_type: str) -> str:
     from tools.write_synthetic_gguf import SynthSpec, write
-    cache = check.data.setdefault("_models", {})
+    cache = check.models
     if key not in cache:
         spec = dict(_shapes(check.dry)[key])
         spec["n_ctx"] = max(spec.get("n_ctx", 0), 40000)
@@ -151,27 +196,17 @@ def _model(check: Check, key: str, weight_type: str, embd_type: str) -> str:
     return cache[key]
 
 
-@cuda.jit
-def _fill_kernel(a, seed):
-    """Hashed values in [-1, 1] into the flat array a."""
-    i = cuda.grid(1)
-    while i < a.size:
-        h = (i * 2654435761 + seed * 97) % 4294967296
-        h = (h ^ (h >> 13)) * 1274126177 % 4294967296
-        a[i] = float32(h % 2001) * float32(0.001) - float32(1.0)
-        i += cuda.gridsize(1)
-
-
 def _fill(engine, n: int, seed: int = 0) -> None:
     """Make the device cache hold n tokens of random keys and values (and the anchors of a
     sparse engine), as if a prompt of n tokens had been evaluated."""
     from pyimp.cuda import device
+    from tools import device_check_kernels as kernels
     c = engine.cache
     c.reserve(n)
     for store in (c.k_store, c.v_store):
         flat = store.reshape(store.size)
         nt = 8 if device.SIMULATOR else 256
-        device.launch(_fill_kernel, 1 if device.SIMULATOR else device.blocks_for(store.size, nt),
+        device.launch(kernels.fill, 1 if device.SIMULATOR else device.blocks_for(store.size, nt),
                       nt, flat, np.int64(seed))
     c.commit(n)
     engine.tokens = [0] * n
@@ -183,11 +218,21 @@ def _fill(engine, n: int, seed: int = 0) -> None:
 # --------------------------------------------------------------------------- steps
 
 
+def require(check: Check) -> dict:
+    """pyimp's CUDA path can run here (numba-cuda, a GPU or the simulator): what every other
+    step needs."""
+    from pyimp import cuda as pcuda
+    pcuda.require()
+    return {}
+
+
 def machine(check: Check) -> dict:
     import numba
     from numba import cuda
+    from loaders import ggml_types
     info = {"cpus": os.cpu_count(), "python": platform.python_version(),
-            "numba": numba.__version__}
+            "numba": numba.__version__,
+            "ggml_constants": "gguf" if ggml_types.FROM_GGUF else "pyimp's own tables"}
     try:
         from importlib.metadata import version
         info["numba_cuda"] = version("numba-cuda")
@@ -307,22 +352,14 @@ def attention_kernel(check: Check) -> dict:
         sel = device.to_device(np.tile((np.arange(K) * 8).astype(np.int32), (Hkv, 1)))
         cnt = device.to_device(np.full(Hkv, K, np.int32))
         scr = CA.Scratch()
-        dense = _timed(lambda: CA.decode(q, kc, vc, bt, n, 0.1, 0, out, scratch=scr), sh["timed"])
-        sparse = _timed(lambda: CA.decode(q, kc, vc, bt, n, 0.1, 0, out, sel=sel, cnt=cnt,
-                                          scratch=scr), sh["timed"])
+        dense, timer = _device_timed(lambda: CA.decode(q, kc, vc, bt, n, 0.1, 0, out,
+                                                       scratch=scr), sh["timed"])
+        sparse, _ = _device_timed(lambda: CA.decode(q, kc, vc, bt, n, 0.1, 0, out, sel=sel,
+                                                    cnt=cnt, scratch=scr), sh["timed"])
         res[name] = {"context": n, "dense_us": dense * 1e6, "sparse_us": sparse * 1e6,
                      "speedup": dense / sparse, "goal_speedup_ge": 5.0}
+    res["timer"] = timer
     return res
-
-
-@cuda.jit
-def _empty_1(a):
-    """Does nothing: a launch's own cost."""
-
-
-@cuda.jit
-def _empty_12(a0, a1, a2, a3, a4, a5, a6, a7, i0, i1, f0, f1):
-    """Does nothing, with 8 array and 4 scalar arguments (a decode kernel's count)."""
 
 
 def launch_cost(check: Check) -> dict:
@@ -336,28 +373,35 @@ def launch_cost(check: Check) -> dict:
     a = device.zeros(32, np.float32)
     arrs = [device.zeros(32, np.float32) for _ in range(8)]
     scal = (np.int32(1), np.int32(2), np.float32(0.5), np.float32(1.5))
-    one = _timed(lambda: device.launch(_empty_1, 1, 32, a), n)
-    twelve = _timed(lambda: device.launch(_empty_12, 1, 32, *arrs, *scal), n)
-    raw = _timed(lambda: _empty_1[1, 32](a), n)
+    from tools.device_check_kernels import empty_1, empty_12
+    one = _timed(lambda: device.launch(empty_1, 1, 32, a), n)
+    twelve = _timed(lambda: device.launch(empty_12, 1, 32, *arrs, *scal), n)
+    raw = _timed(lambda: empty_1[1, 32](a), n)
     return {"us_per_launch_1_array": one * 1e6, "us_per_launch_8_arrays_4_scalars": twelve * 1e6,
             "us_per_launch_numba_cuda_direct_1_array": raw * 1e6, "launches_timed": n}
 
 
-def _decode_rate(engine, n_ctx: int, steps: int) -> tuple[float, float]:
+def _decode_rate(engine, n_ctx: int, steps: int) -> dict:
+    """Decode figures of ``engine`` at context n_ctx over ``steps`` tokens: tok/s, host
+    microseconds per token (each token ends when its logits are on the host), and per token
+    the kernel launches, device allocations, host-to-device and device-to-host copies and
+    their bytes (``device.counting``; on a GPU its wrappers add about a microsecond per
+    counted call, against milliseconds a token)."""
     from pyimp.cuda import device
     _fill(engine, n_ctx)
     tok = 5
     engine.eval([tok])                       # compile / warm
-    l0 = device.launches
-    t = time.perf_counter()
-    for _ in range(steps):
-        engine.eval([tok])
-    dt = time.perf_counter() - t
-    return steps / dt, (device.launches - l0) / steps
+    with device.counting() as c:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.eval([tok])
+        dt = time.perf_counter() - t
+    per = {f"{k}_per_token": v / steps for k, v in c.as_dict().items()}
+    return {"tok_s": steps / dt, "host_us_per_token": dt / steps * 1e6, **per}
 
 
 def _dense_vs_sparse(path: str, n: int, B: int, steps: int) -> dict:
-    """Decode tok/s and launches per token at context n, dense and at a 1/8 block budget."""
+    """Decode figures (:func:`_decode_rate`) at context n, dense and at a 1/8 block budget."""
     import pyimp
     row = {}
     for mode in ("dense", "sparse"):
@@ -365,8 +409,7 @@ def _dense_vs_sparse(path: str, n: int, B: int, steps: int) -> dict:
         if mode == "sparse":
             kw = dict(sparse=True, topk=max(1, n // B // 8 - 3), init_blocks=1, local_blocks=2)
         eng = pyimp.load(path, device="cuda", n_ctx=n + steps + 4, block_len=B, **kw)
-        rate, launches = _decode_rate(eng, n, steps)
-        row[mode] = {"tok_s": rate, "launches_per_token": launches}
+        row[mode] = _decode_rate(eng, n, steps)
         eng.close()
     return row
 
@@ -441,11 +484,12 @@ def tinyllama(check: Check) -> dict:
     return {"context": n, **row}
 
 
-# name: (step, seconds it needs left to start), in the default order
-STEPS = {"kernel_tests": (kernel_tests, 60), "agreement": (agreement, 40),
-         "agreement_qkv": (agreement_qkv, 40), "launch_cost": (launch_cost, 10),
-         "attention": (attention_kernel, 20),
-         "decode": (decode, 40), "prefill": (prefill, 15), "tinyllama": (tinyllama, 40)}
+# name: (step, seconds it needs left to start), in the default order; the kernel tests last,
+# as they take whatever time is left
+STEPS = {"agreement": (agreement, 40), "agreement_qkv": (agreement_qkv, 40),
+         "launch_cost": (launch_cost, 10), "attention": (attention_kernel, 20),
+         "decode": (decode, 40), "prefill": (prefill, 15), "tinyllama": (tinyllama, 40),
+         "kernel_tests": (kernel_tests, 60)}
 
 
 def main(argv=None) -> int:
@@ -467,27 +511,25 @@ def main(argv=None) -> int:
         a.budget_s = float("inf") if a.dry else 225.0
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
-    from pyimp import cuda as pcuda
-    try:
-        pcuda.require()
-    except pcuda.DeviceUnavailable as e:
-        print(f"device_check: {e}", file=sys.stderr)
+    check = Check(a.out, a.dry, a.budget_s)
+    if not check.step("require", require):     # written to the results too
+        print(f"device_check: {check.data['steps']['require']['error']}", file=sys.stderr)
         return 1
     import numba
     if numba.config.ENABLE_CUDASIM:
         sys.setswitchinterval(1e-4)     # simulated barriers wait for every Python thread
-    check = Check(a.out, a.dry, a.budget_s)
     with tempfile.TemporaryDirectory() as tmp:
         check.tmp = tmp
         check.step("machine", machine)
         for name in steps:
             fn, need_s = STEPS[name]
             check.step(name, fn, need_s=need_s)
-        check.data.pop("_models", None)
-        check.write()
     failed = [k for k, v in check.data["steps"].items() if v["status"] == "failed"]
     return 1 if failed else 0
 
 
 if __name__ == "__main__":
+    # a SIGTERM (a timeout's) ends the run through SystemExit, so the step it cut short is
+    # written as interrupted
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sys.exit(main())

@@ -51,7 +51,7 @@ def _probe_child() -> None:
                 m.close()
     from tools import ggml_oracle
     if ggml_oracle.available():
-        from gguf import GGMLQuantizationType as QT
+        from loaders.ggml_types import QT
         x = np.linspace(-1, 1, 256, dtype=np.float32)
         for qt in (QT.Q8_0, QT.Q4_0, QT.Q4_K):
             ggml_oracle.vec_dot(int(qt), ggml_oracle.quantize(int(qt), x[None])[0], x)

@@ -62,8 +62,7 @@ def has_isa(target: str, kernel: str) -> bool:
 
 def block_shape(kernel: str) -> tuple[int, int]:
     """(weight bytes per block, weights per block) of a kernel's type (loaders.ggml_types)."""
-    from gguf import GGMLQuantizationType as QT
-    from loaders.ggml_types import block_size, row_bytes
+    from loaders.ggml_types import QT, block_size, row_bytes
     qt = QT[kernel.split()[0]]
     return row_bytes(qt, block_size(qt)), block_size(qt)
 
@@ -72,9 +71,8 @@ _COMPILE = r"""
 import json, sys
 import numpy as np
 sys.path.insert(0, {root!r})
-from gguf import GGMLQuantizationType as QT
 from loaders import quants_legacy as L, quants_k as K
-from loaders.ggml_types import row_bytes
+from loaders.ggml_types import QT, row_bytes
 out = {{}}
 for name in {names!r}:
     t = name.split()[0]

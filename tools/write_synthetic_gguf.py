@@ -1,11 +1,12 @@
 """Write synthetic GGUF models (llama, gemma3, qwen2, qwen3, phi3) with random weights.
 
-Any shape and weight type (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 via
-``gguf.quants``; K-quants via ggml's own quantizer from llama-cpp-python's
-libggml). The vocabulary is copied from a vocab-only GGUF (e.g. one of
-llama.cpp's tokenizer fixtures) or, without one, a minimal byte-level SPM
-vocabulary is generated. llama.cpp loads these files, so they serve both as
-test models and as benchmark stand-ins for real shapes.
+Any shape and weight type (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 through
+:mod:`loaders.quantize`; K-quants through ggml's own quantizer from llama-cpp-python's
+libggml, or as random blocks with ``random_blocks``). Files are written by
+:mod:`loaders.gguf_writer`, so nothing here needs the ``gguf`` package. The vocabulary is
+copied from a vocab-only GGUF (e.g. one of llama.cpp's tokenizer fixtures) or, without one,
+a minimal byte-level SPM vocabulary is generated. llama.cpp loads these files, so they serve
+both as test models and as benchmark stand-ins for real shapes.
 
     python -m tools.write_synthetic_gguf out.gguf --arch llama --layers 2 --embd 64 --type Q8_0
     python -m tools.write_synthetic_gguf tinyllama.gguf --preset tinyllama --type Q4_0
@@ -17,11 +18,11 @@ import os
 import sys
 from dataclasses import dataclass
 
-import gguf
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
-from loaders.ggml_types import FP16_FIELDS
+from loaders.ggml_types import FP16_FIELDS, GGML_QUANT_SIZES, QT, GGUFValueType
+from loaders.gguf_writer import GGUFWriter
+from loaders.quantize import CODES, f32_to_bf16, quantize_rows
 
 PRESETS = {
     # TinyLlama-1.1B's shape
@@ -41,6 +42,7 @@ PRESETS = {
 
 
 ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "phi3")
+ROPE_SCALINGS = ("none", "linear", "yarn")   # SynthSpec.rope_scaling: what loaders.config reads
 
 
 @dataclass
@@ -84,7 +86,7 @@ _SPREAD = {QT.Q4_0: 4.6, QT.Q4_1: 4.6, QT.Q5_0: 9.2, QT.Q5_1: 9.2, QT.Q8_0: 74.0
 def _random_blocks(qtype: QT, n_out: int, n_in: int, std: float, rng) -> np.ndarray:
     """uint8[n_out, row_bytes] of random blocks whose fp16 scales are finite and positive, sized
     so that the weights spread about ``std`` (roughly: the quants are uniform random bytes)."""
-    bs, ts = gguf.GGML_QUANT_SIZES[qtype]
+    bs, ts = GGML_QUANT_SIZES[qtype]
     if n_in % bs:
         raise ValueError(f"{qtype.name} rows hold multiples of {bs} elements, not {n_in}")
     nb = n_out * (n_in // bs)
@@ -97,19 +99,22 @@ def _random_blocks(qtype: QT, n_out: int, n_in: int, std: float, rng) -> np.ndar
 
 
 def _quantize(qtype: QT, x: np.ndarray) -> np.ndarray:
-    """float32[rows, n] -> stored array for GGUFWriter (float array or uint8 blocks)."""
+    """float32[rows, n] -> the stored array GGUFWriter.add_tensor takes: float32 (F32),
+    float16 (F16), uint16 bit patterns (BF16) or uint8 blocks [rows, row bytes]."""
+    x = np.ascontiguousarray(x, dtype=np.float32)
     if qtype == QT.F32:
-        return x.astype(np.float32)
+        return x
     if qtype == QT.F16:
         return x.astype(np.float16)
+    if qtype == QT.BF16:
+        return f32_to_bf16(x)
+    if qtype in CODES:        # ggml's reference quantizers, byte for byte
+        return quantize_rows(x, qtype)
     from tools import ggml_oracle
-    if ggml_oracle.available():
-        # ggml's own quantizers (C, fast); gguf.quants gives the same bytes for legacy types
-        return ggml_oracle.quantize(int(qtype), x.astype(np.float32))
-    if qtype in (QT.Q2_K, QT.Q3_K, QT.Q4_K, QT.Q5_K, QT.Q6_K):
-        raise RuntimeError(f"{qtype.name} weights need libggml from llama-cpp-python: "
-                           f"{ggml_oracle.unavailable_reason()}")
-    return gguf.quants.quantize(x.astype(np.float32), qtype)
+    if not ggml_oracle.available():
+        raise RuntimeError(f"{qtype.name} weights need libggml from llama-cpp-python "
+                           f"({ggml_oracle.unavailable_reason()}), or random_blocks")
+    return ggml_oracle.quantize(int(qtype), x)
 
 
 def _byte_vocab(n: int):
@@ -172,45 +177,52 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
     wtype = QT[spec.weight_type]
     etype = QT[spec.embd_type or spec.weight_type]
 
-    w = gguf.GGUFWriter(os.fspath(path), spec.arch)
-    w.add_name(f"synthetic {spec.arch}")
-    w.add_block_count(spec.n_layer)
-    w.add_context_length(spec.n_ctx)
-    w.add_embedding_length(E)
-    w.add_feed_forward_length(F)
-    w.add_head_count(Hq)
-    w.add_head_count_kv(Hkv)
-    w.add_key_length(D)
-    w.add_value_length(D)
-    w.add_layer_norm_rms_eps(spec.rms_eps)
-    w.add_rope_freq_base(spec.rope_base)
+    w = GGUFWriter(path)
+    arch = spec.arch
+    w.add_string("general.architecture", arch)
+    w.add_string("general.name", f"synthetic {arch}")
+    for key, val in (("block_count", spec.n_layer), ("context_length", spec.n_ctx),
+                     ("embedding_length", E), ("feed_forward_length", F),
+                     ("attention.head_count", Hq), ("attention.head_count_kv", Hkv),
+                     ("attention.key_length", D), ("attention.value_length", D)):
+        w.add_uint32(f"{arch}.{key}", val)
+    w.add_float32(f"{arch}.attention.layer_norm_rms_epsilon", spec.rms_eps)
+    w.add_float32(f"{arch}.rope.freq_base", spec.rope_base)
     n_rot = spec.rope_dim or D
-    w.add_rope_dimension_count(n_rot)
+    w.add_uint32(f"{arch}.rope.dimension_count", n_rot)
     if spec.rope_scale != 1.0:
-        w.add_rope_scaling_type(gguf.RopeScalingType(spec.rope_scaling))
-        w.add_rope_scaling_factor(spec.rope_scale)
+        if spec.rope_scaling not in ROPE_SCALINGS:
+            raise ValueError(f"rope_scaling {spec.rope_scaling!r} is not one of "
+                             f"{', '.join(ROPE_SCALINGS)}")
+        w.add_string(f"{arch}.rope.scaling.type", spec.rope_scaling)
+        w.add_float32(f"{arch}.rope.scaling.factor", spec.rope_scale)
     if spec.rope_ctx_orig:
-        w.add_rope_scaling_orig_ctx_len(spec.rope_ctx_orig)
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", spec.rope_ctx_orig)
     if spec.rope_attn_factor:
-        w.add_float32(f"{spec.arch}.rope.scaling.attn_factor", spec.rope_attn_factor)
-    if spec.arch in ("llama", "phi3") and spec.sliding_window:
-        w.add_sliding_window(spec.sliding_window)
-    if spec.arch == "gemma3":
+        w.add_float32(f"{arch}.rope.scaling.attn_factor", spec.rope_attn_factor)
+    if arch in ("llama", "phi3") and spec.sliding_window:
+        w.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
+    if arch == "gemma3":
         if spec.sliding_window:
-            w.add_sliding_window(spec.sliding_window)
-            w.add_uint32(f"{spec.arch}.attention.sliding_window_pattern", spec.swa_pattern)
-            w.add_rope_freq_base_swa(spec.rope_base_swa)
+            w.add_uint32(f"{arch}.attention.sliding_window", spec.sliding_window)
+            w.add_uint32(f"{arch}.attention.sliding_window_pattern", spec.swa_pattern)
+            w.add_float32(f"{arch}.rope.freq_base_swa", spec.rope_base_swa)
         if spec.final_softcap:
-            w.add_final_logit_softcapping(spec.final_softcap)
-    w.add_file_type(int(wtype) if wtype in (QT.F32, QT.F16) else 7)
-    # vocabulary
-    w.add_tokenizer_model(voc["model"])
-    w.add_tokenizer_pre(voc["pre"])
-    w.add_token_list(voc["tokens"])
-    w.add_token_scores(list(map(float, voc["scores"])))
-    w.add_token_types(list(map(int, voc["types"])))
+            w.add_float32(f"{arch}.final_logit_softcapping", spec.final_softcap)
+    # llama.cpp's file type: 0 all F32, 1 mostly F16, else 7 ("mostly Q8_0", for every
+    # quantized type: readers take each tensor's own type)
+    w.add_uint32("general.file_type", int(wtype) if wtype in (QT.F32, QT.F16) else 7)
+    # vocabulary (empty strings and lists are left out)
+    for key in ("model", "pre"):
+        if voc[key]:
+            w.add_string(f"tokenizer.ggml.{key}", voc[key])
+    w.add_array("tokenizer.ggml.tokens", voc["tokens"], GGUFValueType.STRING)
+    w.add_array("tokenizer.ggml.scores", np.asarray(voc["scores"], np.float32),
+                GGUFValueType.FLOAT32)
+    w.add_array("tokenizer.ggml.token_type", np.asarray(voc["types"], np.int64),
+                GGUFValueType.INT32)
     if voc["merges"]:
-        w.add_token_merges(voc["merges"])
+        w.add_array("tokenizer.ggml.merges", voc["merges"], GGUFValueType.STRING)
     for key, val in (("bos", voc["bos"]), ("eos", voc["eos"]), ("unknown", voc["unk"])):
         if 0 <= val < V:
             w.add_uint32(f"tokenizer.ggml.{key}_token_id", int(val))
@@ -220,10 +232,10 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
     def mat(name: str, n_in: int, n_out: int, qtype: QT = wtype, std: float | None = None) -> None:
         s = (1.0 / np.sqrt(n_in)) if std is None else std
         if spec.random_blocks and qtype in _SPREAD:
-            w.add_tensor(name, _random_blocks(qtype, n_out, n_in, s, rng), raw_dtype=qtype)
+            w.add_tensor(name, _random_blocks(qtype, n_out, n_in, s, rng), qtype)
             return
         x = rng.standard_normal((n_out, n_in), dtype=np.float32) * np.float32(s)
-        w.add_tensor(name, _quantize(qtype, x), raw_dtype=qtype)
+        w.add_tensor(name, _quantize(qtype, x), qtype)
 
     def vec(name: str, n: int, center: float, spread: float) -> None:
         w.add_tensor(name, (center + spread * rng.standard_normal(n)).astype(np.float32))
@@ -265,11 +277,7 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
         if spec.arch == "gemma3":
             vec(p + "post_attention_norm.weight", E, 1.0, 0.1)
             vec(p + "post_ffw_norm.weight", E, 1.0, 0.1)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return os.fspath(path)
+    return w.write()
 
 
 def main(argv=None) -> int:

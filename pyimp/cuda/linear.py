@@ -31,10 +31,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 from numba import cuda, float32, int32, uint32
 
 from loaders import ggml_types
+from loaders.ggml_types import QT
 
 from . import device
 from .ops import bits_to_f32, check_array, mul_rn

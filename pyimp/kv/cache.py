@@ -62,10 +62,9 @@ physical order differ after a reset or a compaction.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
-from gguf import quants as gguf_quants
 
-from loaders import half, jit, quantize
+from loaders import half, jit, quants, quantize
+from loaders.ggml_types import QT
 from loaders.half import f32_to_half_bits
 from loaders.quantize import BLOCK_BYTES, CODES, quantize_block
 
@@ -141,12 +140,14 @@ class QuantizedKV:
 
     def blocks_f32(self, blocks) -> np.ndarray:
         """Dequantized blocks (physical ids) in the float layout: float32 [Hkv][n][B*D]
-        (NumPy: ``gguf.quants.dequantize``; the tail block from the tail)."""
+        (``loaders.quants.dequantize``, bit-identical to ggml's dequantization; the tail block
+        from the tail)."""
         blocks = np.asarray(blocks, dtype=np.int64).reshape(-1)
         Hkv, B, D = self.data.shape[0], self.block_len, self.head_dim
         raw = self.data[:, blocks]                                     # [Hkv, n, bytes]
-        rows = B if self.by_token else D
-        vals = gguf_quants.dequantize(raw.reshape(Hkv * blocks.size * rows, -1), self.qtype)
+        rows, n = (B, D) if self.by_token else (D, B)
+        vals = quants.dequantize(raw.reshape(Hkv * blocks.size * rows, raw.shape[2] // rows),
+                                 self.qtype, n)
         if self.by_token:
             vals = vals.reshape(Hkv, blocks.size, B, D)
             if self.side == "v":

@@ -21,9 +21,9 @@ Query head h reads kv head ``h // G`` (``G = Hq // Hkv``; heads ordered ``kv_hea
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
 from loaders import quants_k, quants_legacy
+from loaders.ggml_types import QT
 from pyimp.attention.attend import attention_decode_ref, attention_prefill_ref, sparse_attention_decode_ref
 from pyimp.attention.importance import importance_update_blocks_ref, importance_update_ref
 from pyimp.sparse.anchors import AnchorType

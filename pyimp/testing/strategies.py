@@ -20,11 +20,9 @@ Requires hypothesis (``pip install 'pyimp[testing]'``).
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES
-from gguf import GGMLQuantizationType as QT
 from hypothesis import strategies as st
 
-from loaders.ggml_types import FP16_FIELDS, SUPPORTED_TYPES
+from loaders.ggml_types import FP16_FIELDS, GGML_QUANT_SIZES, QT, SUPPORTED_TYPES
 
 # a type's name -> its ggml type, in the order ggml numbers them
 TYPES = tuple(t.name for t in sorted(SUPPORTED_TYPES, key=int))

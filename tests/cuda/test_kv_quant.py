@@ -1,5 +1,5 @@
 """Quantized KV on the device: the device quantizer is byte-identical to the CPU's (and to
-gguf.quants), the device cache stores the host cache's bytes and tails, rewinds as the host
+gguf's, through ``quant_oracle``: gguf's where it is installed), the device cache stores the host cache's bytes and tails, rewinds as the host
 does, and every attention / anchor kernel over quantized layers matches the NumPy reference
 its CPU twin is tested against.
 
@@ -9,7 +9,7 @@ last block sits in the float tail) and are uploaded with ``DeviceQuantizedKV.fro
 """
 import numpy as np
 import pytest
-from gguf import quants as gq
+import quant_oracle as gq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

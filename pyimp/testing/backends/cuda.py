@@ -10,8 +10,8 @@ exported.
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
+from loaders.ggml_types import QT
 from pyimp.cuda import attention as _att
 from pyimp.cuda import device as _dev
 from pyimp.cuda import linear as _lin

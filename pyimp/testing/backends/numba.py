@@ -9,9 +9,9 @@ passes by construction here and is meaningful for the other backends).
 from __future__ import annotations
 
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
 from loaders import quants
+from loaders.ggml_types import QT
 from pyimp.attention import attend as _att
 from pyimp.attention import importance as _imp
 from pyimp.sparse import anchors as _anc
