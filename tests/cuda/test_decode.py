@@ -5,8 +5,8 @@ update, and the head with its soft-cap and the record's advance. Tiny shapes (th
 runs a Python thread per CUDA thread)."""
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType as QT
-from gguf.quants import dequantize, quantize
+from loaders.ggml_types import QT
+from quant_oracle import dequantize, quantize
 
 from pyimp import ops as host_ops
 from pyimp.attention.attend import attention_decode_ref
