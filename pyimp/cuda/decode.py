@@ -306,16 +306,18 @@ def _rope_store(qkv, Hq, Hkv, D, q_norm, k_norm, qk_norm, eps, cos, sin, neox, q
 # ---------------------------------------------------------------- attention
 
 @cuda.jit
-def _attend(q, kc, vc, bt, rec, scale, window, nh, m_part, l_part, o_part, counter, out,
-            store, probs, bmax, importance):
-    """Dense decode attention of q [Hq, D] (position rec[0]) over a float cache, split over
-    gridDim.x / (Hq / nh) work items per unit of nh query heads; the last split of a unit to
-    finish merges the partials into out [Hq, D] and, with store, adds the probabilities to
-    importance [NB][B][Hq] (decay 1)."""
+def _attend(q, kc, vc, bt, rec, scale, window, sel, cnt, dense, nh, m_part, l_part, o_part,
+            counter, out, store, probs, bmax, importance):
+    """Decode attention of q [Hq, D] (position rec[0]) over a float cache: every visible block
+    (dense) or the blocks of each head's set (sel int32 [nsets, K], cnt [nsets]; head h uses
+    set h // (Hq / nsets)), split over gridDim.x / (Hq / nh) work items per unit of nh query
+    heads; the last split of a unit to finish merges the partials into out [Hq, D] and, with
+    store, adds the probabilities to importance [NB][B][Hq] (decay 1)."""
     Hq, D = q.shape
     Hkv = kc.shape[0]
     B = kc.shape[2] // D
     G = Hq // Hkv
+    hps = Hq // sel.shape[0]
     units = Hq // nh
     nsplit = cuda.gridDim.x // units
     bid = cuda.blockIdx.x
@@ -330,8 +332,12 @@ def _attend(q, kc, vc, bt, rec, scale, window, nh, m_part, l_part, o_part, count
     lo = 0
     if window > 0:
         lo = max(0, n_ctx - window)
+    si = h0 // hps
     lb_first = lo // B
-    n_blocks = (n_ctx - 1) // B - lb_first + 1
+    if dense != 0:
+        n_blocks = (n_ctx - 1) // B - lb_first + 1
+    else:
+        n_blocks = cnt[si]
     per = (n_blocks + nsplit - 1) // nsplit
     k_beg = sp * per
     k_end = min(n_blocks, k_beg + per)
@@ -354,11 +360,11 @@ def _attend(q, kc, vc, bt, rec, scale, window, nh, m_part, l_part, o_part, count
     cuda.syncthreads()
 
     for k in range(k_beg, k_end):
-        lb = lb_first + k
+        lb = lb_first + k if dense != 0 else sel[si, k]
         pb = bt[lb]
         base = lb * B
         t0 = max(lo - base, 0)
-        t1 = max(min(n_ctx - base, B), t0)
+        t1 = max(min(n_ctx - base, B), t0)     # a block the masks hide is an empty range
         ntok = t1 - t0
         for i in range(tid, nh * ntok, nt):
             g = i // ntok
@@ -436,7 +442,7 @@ def _attend(q, kc, vc, bt, rec, scale, window, nh, m_part, l_part, o_part, count
         l[g] = lh
     if store != 0:
         for k in range(n_blocks):
-            lb = lb_first + k
+            lb = lb_first + k if dense != 0 else sel[si, k]
             pb = bt[lb]
             base = lb * B
             t0 = max(lo - base, 0)
@@ -458,24 +464,32 @@ def _attend(q, kc, vc, bt, rec, scale, window, nh, m_part, l_part, o_part, count
 
 
 def attend(q, kc, vc, bt, rec, scale: float, window: int, out, nsplit: int, parts,
-           importance, store: bool) -> None:
+           importance, store: bool, sel=None, cnt=None, none=None) -> None:
     """Launch :func:`_attend` over q float32 [Hq, D] at position rec[0], float caches
-    kc / vc [Hkv][NB][B*D], into out [Hq, D], in ``nsplit`` splits a kv head. ``parts``:
-    (m_part, l_part [Hq, nsplit], o_part [Hq, nsplit, D], counter int32 [Hkv] (zeros; the
-    launch leaves them zero), probs [Hq, >= blocks, B], bmax [Hq, >= blocks]); with
-    ``store`` the step's probabilities are added to ``importance`` float16 [NB][B][Hq]."""
+    kc / vc [Hkv][NB][B*D], into out [Hq, D], in ``nsplit`` splits a unit (the query heads of
+    one kv head that share a set). ``sel`` / ``cnt`` (device int32 [nsets, K] / [nsets]): the
+    blocks each set attends; None: every visible block (``none``: a [1, 1] / [1] int32 pair
+    the dense launch passes instead). ``parts``: (m_part, l_part [Hq, nsplit], o_part
+    [Hq, nsplit, D], counter int32 [>= units] (zeros; the launch leaves them zero), probs
+    [Hq, >= blocks, B], bmax [Hq, >= blocks]); with ``store`` the step's probabilities are
+    added to ``importance`` float16 [NB][B][Hq]."""
     Hq, D = (int(x) for x in q.shape)
     Hkv = int(kc.shape[0])
     B = int(kc.shape[2]) // D
-    nh = Hq // Hkv
+    dense = sel is None
+    if dense:
+        sel, cnt = none if none is not None else (device.zeros((1, 1), np.int32),
+                                                  device.zeros((1,), np.int32))
+    nsets = int(sel.shape[0])
+    nh = min(Hq // nsets, Hq // Hkv)
     if nh > MAX_UNIT_HEADS:
         raise ValueError(f"{nh} query heads per kv head exceed the decode kernel's "
                          f"{MAX_UNIT_HEADS}")
     nt = ATT_THREADS
     m_part, l_part, o_part, counter, probs, bmax = parts
-    device.launch(_attend, Hkv * nsplit, nt, q, kc, vc, bt, rec, np.float32(scale),
-                  np.int32(window), np.int32(nh), m_part, l_part, o_part, counter, out,
-                  np.int32(store), probs, bmax, importance,
+    device.launch(_attend, (Hq // nh) * nsplit, nt, q, kc, vc, bt, rec, np.float32(scale),
+                  np.int32(window), sel, cnt, np.int32(dense), np.int32(nh), m_part, l_part,
+                  o_part, counter, out, np.int32(store), probs, bmax, importance,
                   shared=(2 * nh * D + nh * B + nt) * 4)
 
 
@@ -586,7 +600,8 @@ class DecodePlan:
         self.m_part = device.zeros((Hq, self.nsplit), f32)
         self.l_part = device.zeros((Hq, self.nsplit), f32)
         self.o_part = device.zeros((Hq, self.nsplit, D), f32)
-        self.counter = device.zeros((Hkv,), np.int32)
+        self.counter = device.zeros((Hq,), np.int32)           # one per unit, at most Hq
+        self.none = (device.zeros((1, 1), np.int32), device.zeros((1,), np.int32))
         self.probs = device.zeros((Hq, max_blocks, block_len), f32)
         self.bmax = device.zeros((Hq, max_blocks), f32)
         self.imp0 = device.zeros((1, 1, 1), np.float16)      # no importance: never written
@@ -715,13 +730,16 @@ class DecodePlan:
                       np.int32(A.qk_norm), fw.eps, cos, sin, np.int32(A.rope_neox), q_scale,
                       self.rec, bt, kc, vc, np.int32(store), self.q, self.k, shared=8 * D)
 
-    def attend(self, kc, vc, bt, scale: float, window: int, importance) -> None:
-        """Launch 3: dense attention, its merge, and the importance update when given."""
+    def attend(self, kc, vc, bt, scale: float, window: int, importance, sel=None,
+               cnt=None) -> None:
+        """Launch 3: attention over every visible block (or the selection sel / cnt), its
+        merge, and the importance update when given."""
         if not self._launching():
             return
         attend(self.q, kc, vc, bt, self.rec, scale, window, self.att, self.nsplit,
                (self.m_part, self.l_part, self.o_part, self.counter, self.probs, self.bmax),
-               importance if importance is not None else self.imp0, importance is not None)
+               importance if importance is not None else self.imp0, importance is not None,
+               sel, cnt, self.none)
 
     def o_proj(self, il: int) -> None:
         """Launch 4: the output projection (its bias joins the next prologue)."""

@@ -95,7 +95,8 @@ class DeviceForward:
         observers); else
         None (the step launches eagerly)."""
         c, sp = self.cache, self.sparse
-        if not step.logits or c.quantized or any(step.sparse) or (sp is not None and not sp.fused_dense_ok()):
+        if not step.logits or c.quantized or any(step.sparse) or \
+                (sp is not None and not sp.fused_ok()):
             return None
         return (id(c.k_store), id(c.v_store),
                 None if sp is None else id(sp.importance_dev))
@@ -205,13 +206,16 @@ class DeviceForward:
         # after the write: a quantized side's operand names the tail block the write left
         kc, vc, bt = cache.k_layer(il), cache.v_layer(il), cache.bt_dev
         sparse = bool(step.sparse and step.sparse[il])
-        if not cache.quantized and not sparse and (sp is None or sp.fused_dense_ok()):
-            if sp is None:
-                plan.attend(kc, vc, bt, scale, window, None)
-            else:
-                sp.dense_step(il, q3, p + 1, scale, window,
-                              lambda: plan.attend(kc, vc, bt, scale, window,
-                                                  sp.importance_dev[il]))
+        fusable = not cache.quantized and (sp is None or sp.fused_ok())
+        if fusable and sp is None:
+            plan.attend(kc, vc, bt, scale, window, None)
+        elif fusable and not sparse:
+            sp.dense_step(il, q3, p + 1, scale, window,
+                          lambda: plan.attend(kc, vc, bt, scale, window, sp.importance_dev[il]))
+        elif fusable:
+            sp.sparse_step(il, q3, p + 1, scale, window,
+                           lambda sel, cnt: plan.attend(kc, vc, bt, scale, window,
+                                                        sp.importance_dev[il], sel, cnt))
         elif sp is not None:
             sp.decode_attention(il, q3, p + 1, scale, window, plan.att3, sparse)
         else:

@@ -23,6 +23,7 @@ from numba import cuda
 from ..sparse import AnchorType
 from ..sparse.anchors import group_shared
 from ..sparse.policy import AnchorBuffer, SparseState
+from ..sparse.retrieval import n_candidates, n_sets
 from . import attention, device
 from . import sparse as dsparse
 
@@ -113,6 +114,9 @@ class DeviceSparseState(SparseState):
                                      cfg.n_head, cfg.n_head_kv, cfg.head_dim,
                                      group_shared(self.anchor_type))
         self.scratch = attention.Scratch()
+        # block ids and valid counts of an anchor refresh, in one upload (no allocation)
+        self._ids = device.zeros((2 * cache.max_blocks,), np.int32)
+        self._ret: dict = {}        # lead layer -> its retrieval's (sel, cnt, scores) buffers
 
     # importance_: the device buffer; the attribute reads a host copy, an assignment uploads
     @property
@@ -161,10 +165,15 @@ class DeviceSparseState(SparseState):
     def _anchors(self, il: int, lbs: np.ndarray, n_ctx: int) -> None:
         """The device kernel over layer il's logical blocks lbs (block ids uploaded)."""
         blocks, n_valid = self._blocks_upto(il, n_ctx, lbs)
-        dsparse.compute_anchors(self.anchor_type, self.cache.k_layer(il),
-                                device.to_device(blocks.astype(np.int32)),
-                                device.to_device(n_valid.astype(np.int32)),
-                                self.anchor_.storage(il), self.importance_dev[il])
+        n = len(blocks)
+        ids = np.concatenate([blocks, n_valid]).astype(np.int32)
+        if isinstance(self._ids, np.ndarray):               # compile_only: host arrays
+            self._ids[:2 * n] = ids
+        else:
+            self._ids[:2 * n].copy_to_device(ids)
+        dsparse.compute_anchors(self.anchor_type, self.cache.k_layer(il), self._ids[:n],
+                                self._ids[n:2 * n], self.anchor_.storage(il),
+                                self.importance_dev[il])
 
     def refresh_anchors(self, n_ctx: int | None = None, lbs: np.ndarray | None = None) -> None:
         """As the host's, with the device kernel and one slot count for every layer."""
@@ -201,15 +210,27 @@ class DeviceSparseState(SparseState):
 
     def _retrieve(self, il: int, q, n_ctx: int, scale: float):
         """The anchors' top-k on the device (q: ``[1, Hq, D]``)."""
-        o = self.opts
+        o, B = self.opts, self.cache.block_len
+        bufs = self._ret.get(il)
+        if bufs is None:               # one set of buffers per lead layer, made at its first use
+            nsets = n_sets(self.retrieval_type, self.n_head, self.n_head_kv)
+            K = o.init_blocks + o.topk + o.local_blocks + 1
+            bufs = self._ret[il] = (device.zeros((nsets, K), np.int32),
+                                    device.zeros((nsets,), np.int32),
+                                    device.zeros((self.cache.max_blocks, nsets), np.float32))
+        sel, cnt, scores = bufs
+        F = n_ctx // B
+        C = n_candidates(n_ctx, B, o.init_blocks, o.local_blocks) \
+            if F > o.init_blocks + o.topk + o.local_blocks else 0
         return dsparse.retrieve_blocks(q[0], self._fresh_anchors(il, n_ctx), self.cache.bt_dev,
-                                       n_ctx, self.cache.block_len, self.n_head_kv,
-                                       self.retrieval_type, o.init_blocks, o.topk, o.local_blocks,
-                                       self.anchor_type)
+                                       n_ctx, B, self.n_head_kv, self.retrieval_type,
+                                       o.init_blocks, o.topk, o.local_blocks, self.anchor_type,
+                                       sel=sel, cnt=cnt, scores=scores[:C] if C else None)
 
-    def fused_dense_ok(self) -> bool:
-        """Can a dense decode step of this state run as the fused decode's attention launch
-        (:mod:`pyimp.cuda.decode`: importance added with decay 1, nobody watching q)?"""
+    def fused_ok(self) -> bool:
+        """Can a decode step of this state run the fused decode's attention launch
+        (:mod:`pyimp.cuda.decode`: importance added with decay 1, nobody watching q or the
+        selections)?"""
         return self.opts.decay == 1.0 and not self._observers
 
     def dense_step(self, il: int, q, n_ctx: int, scale: float, window: int, attend) -> None:
@@ -220,6 +241,18 @@ class DeviceSparseState(SparseState):
         attend()
         self._mark(il, n_ctx, None, None)
         self._notify_attention(il, q, n_ctx, scale, window, False)
+
+    def sparse_step(self, il: int, q, n_ctx: int, scale: float, window: int, attend) -> None:
+        """A block-sparse decode step of layer il: the selection (a retrieval, a lead layer's
+        reuse or every block) and the bookkeeping around ``attend(sel, cnt)``, the launch that
+        attends the selected blocks and adds the step's importance (no observer: see
+        :meth:`fused_ok`)."""
+        if il in self._dirty:
+            self._dirty[il][-(-n_ctx // self.cache.block_len) - 1] = True
+        sel, cnt = self._selection(il, q, n_ctx, scale)
+        attend(sel, cnt)
+        self._mark(il, n_ctx, sel, cnt)
+        self._notify_attention(il, q, n_ctx, scale, window, True)
 
     def decode_attention(self, il: int, q, n_ctx: int, scale: float, window: int, out,
                          sparse: bool | None = None) -> None:

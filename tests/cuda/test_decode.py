@@ -5,11 +5,13 @@ update, and the head with its soft-cap and the record's advance. Tiny shapes (th
 runs a Python thread per CUDA thread)."""
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from loaders.ggml_types import QT
 from quant_oracle import dequantize, quantize
 
 from pyimp import ops as host_ops
-from pyimp.attention.attend import attention_decode_ref
+from pyimp.attention.attend import add_block_mass, attention_decode_ref, sparse_attention_decode_ref
 from pyimp.cuda import decode, device, linear
 
 # f32 sums of at most a few hundred terms in another order than the float64 reference, and
@@ -164,6 +166,55 @@ def test_attend_merges_in_launch_and_adds_importance(dtype, window):
     g, w = device.to_host(dimp).astype(np.float32), imp_want.astype(np.float32)
     ulp = np.spacing(np.maximum(np.abs(g), np.abs(w)).astype(np.float16)).astype(np.float32)
     assert np.all(np.abs(g - w) <= ulp)          # one fp16 rounding of P apart at most
+
+
+@settings(deadline=None, max_examples=12)
+@given(Hkv=st.sampled_from([1, 2]), G=st.sampled_from([1, 2, 4]),
+       granularity=st.sampled_from(["layer", "kvhead", "qhead"]), seed=st.integers(0, 2**16),
+       window=st.sampled_from([0, 7]), nsplit=st.sampled_from([1, 2, 3]))
+def test_attend_selection_matches_reference(Hkv, G, granularity, seed, window, nsplit):
+    """The fused launch over LAYER / KVHEAD / QHEAD selections (query head h reads kv head
+    h // G and set h // (Hq // nsets)), merged in the launch, with the importance of the
+    attended tokens; a set the window hides entirely gives zeros."""
+    rng = np.random.default_rng(seed)
+    D, B, NB = 8, 4, 8
+    Hq = Hkv * G
+    nsets = {"layer": 1, "kvhead": Hkv, "qhead": Hq}[granularity]
+    kc = rng.standard_normal((Hkv, NB, B * D)).astype(np.float16)
+    vc = rng.standard_normal((Hkv, NB, D * B)).astype(np.float16)
+    bt = rng.permutation(NB).astype(np.int32)
+    n_ctx = int(rng.integers(B + 1, NB * B + 1))
+    n_lb = -(-n_ctx // B)
+    K = min(n_lb, 4)
+    sel = np.full((nsets, K), -1, np.int32)
+    cnt = np.zeros(nsets, np.int32)
+    for si in range(nsets):
+        c = int(rng.integers(1, K + 1))
+        sel[si, :c] = rng.permutation(n_lb)[:c]
+        cnt[si] = c
+    q = rng.standard_normal((Hq, D)).astype(np.float32)
+    imp = (rng.random((NB, B, Hq)) * 2).astype(np.float16)
+    want = np.empty((Hq, D), np.float32)
+    probs = np.empty((Hq, K, B), np.float32)
+    lse = sparse_attention_decode_ref(q, kc, vc, bt, n_ctx, 0.5, window, sel, cnt, want, probs)
+    imp_want = imp.copy()
+    add_block_mass(imp_want, bt, sel, cnt, probs, n_ctx, 1.0, backend="numpy")
+    parts = (device.zeros((Hq, nsplit), np.float32), device.zeros((Hq, nsplit), np.float32),
+             device.zeros((Hq, nsplit, D), np.float32), device.zeros((Hq,), np.int32),
+             device.zeros((Hq, NB, B), np.float32), device.zeros((Hq, NB), np.float32))
+    dq, dk, dv, dbt, dsel, dcnt, dimp = (device.to_device(a) for a in (q, kc, vc, bt, sel, cnt, imp))
+    rec = device.to_device(np.array([n_ctx - 1, 0, 0, 0], np.int32))
+    out = device.zeros((Hq, D), np.float32)
+    decode.attend(dq, dk, dv, dbt, rec, 0.5, window, out, nsplit, parts, dimp, True, dsel, dcnt)
+    got = device.to_host(out)
+    live = np.isfinite(lse)
+    if live.any():
+        _close(got[live], want[live])
+    assert np.all(got[~live] == 0)
+    assert not device.to_host(parts[3]).any()               # the counters are reset
+    g, w = device.to_host(dimp).astype(np.float32), imp_want.astype(np.float32)
+    ulp = np.spacing(np.maximum(np.abs(g), np.abs(w)).astype(np.float16)).astype(np.float32)
+    assert np.all(np.abs(g - w) <= ulp)
 
 
 def test_head_softcap_and_record():

@@ -100,22 +100,36 @@ def test_dense_matches_cpu(models, name):
     _check_fused_counts(eng, n_prompt=9)
 
 
-def test_fused_importance_matches_cpu(models):
-    """A sparse engine's dense decode steps (the context within the block budget; no
-    observer) run the fused attention launch, which adds the step's importance_."""
-    kw = dict(sparse=True, anchor="quest", topk=2, init_blocks=1, local_blocks=1)
+@pytest.mark.parametrize("n_prompt", [9, 17])
+def test_fused_importance_matches_cpu(models, n_prompt):
+    """A sparse engine with no observer: its dense decode steps (9-token prompt: the context
+    within the block budget) and its block-sparse ones (17 tokens: a retrieval per layer each
+    step) run the fused attention launch, which adds the step's importance_."""
+    kw = dict(sparse=True, anchor="quest", topk=2 if n_prompt == 9 else 1, init_blocks=1,
+              local_blocks=1)
     # llama: gemma3's sliding-window layers drop blocks on the CPU (not on the device), so
     # its importance_ rows sit in other physical blocks there
-    cpu, imp_cpu, _ = _run(models["llama-q8_0"], "cpu", **kw)
-    gpu, imp_gpu, eng = _run(models["llama-q8_0"], "cuda", **kw)
+    cpu, imp_cpu, _ = _run(models["llama-q8_0"], "cpu", n_prompt=n_prompt, **kw)
+    gpu, imp_gpu, eng = _run(models["llama-q8_0"], "cuda", n_prompt=n_prompt, **kw)
     np.testing.assert_allclose(gpu, cpu, atol=LOGIT_RTOL * np.abs(cpu).max(), rtol=0)
     g, c = imp_gpu.astype(np.float32), imp_cpu.astype(np.float32)
     ulp = np.spacing(np.maximum(np.abs(g), np.abs(c)).astype(np.float16)).astype(np.float32)
     assert np.all(np.abs(g - c) <= ulp)
     bt = eng.cache.table(0)
-    for p in (9, 10, 11):              # the decoded tokens' mass comes from decode steps only
+    for p in range(n_prompt, n_prompt + 3):   # decoded tokens' mass comes from decode steps only
         assert (g[:, bt[p // 4], p % 4, :] > 0).all(), p
-    _check_fused_counts(eng, n_prompt=9)
+    if n_prompt == 9:
+        _check_fused_counts(eng, n_prompt=9)
+        return
+    L = eng.cfg.n_layer
+    for t, c in enumerate(eng.step_counts):
+        # per layer: the 6 fused launches + anchor refresh, set scores, select (the retrieval)
+        assert c.launches == 9 * L + 2, (t, c.as_dict())
+        if t == 0:  # the retrieval's buffers are made (zero-filled) at its first use
+            continue
+        assert c.allocations == 0, (t, c.as_dict())
+        # the token id, each layer's refreshed anchor block ids, a new block's table entry
+        assert c.h2d == 1 + L + ((n_prompt + t) % 4 == 0), (t, c.as_dict())
 
 
 def test_sparse_matches_cpu(models):
