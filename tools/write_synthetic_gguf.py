@@ -42,6 +42,32 @@ PRESETS = {
 
 
 ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "phi3")
+TYPE_MIXES = ("", "q4_k_m")
+
+
+def _more_bits(il: int, n_layer: int) -> bool:
+    """The layers a Q4_K_M file gives its larger attn_v / ffn_down type: the first and last
+    eighth and every third layer between (9 of Gemma 3 270M's 18, as its file has)."""
+    return il < n_layer // 8 or il >= 7 * n_layer // 8 or (il - n_layer // 8) % 3 == 2
+
+
+def mix_type(mix: str, name: str, il: int, n_layer: int, n_in: int, default: QT) -> QT:
+    """A matrix's type under a type mix. "q4_k_m", as the default model's file has them: Q4_K
+    for attn_output and ffn_down (Q6_K on the more-bits layers), and for every other matrix,
+    and for any whose rows are not a multiple of 256, Q5_0 (attn_v: Q8_0 on the more-bits
+    layers)."""
+    if not mix:
+        return default
+    if mix != "q4_k_m":
+        raise ValueError(f"type_mix {mix!r} is not one of {', '.join(repr(m) for m in TYPE_MIXES)}")
+    more = _more_bits(il, n_layer)
+    if name == "attn_v":
+        return QT.Q8_0 if more else QT.Q5_0
+    if n_in % 256:
+        return QT.Q5_0
+    if name == "ffn_down":
+        return QT.Q6_K if more else QT.Q4_K
+    return QT.Q4_K if name == "attn_output" else QT.Q5_0
 ROPE_SCALINGS = ("none", "linear", "yarn")   # SynthSpec.rope_scaling: what loaders.config reads
 
 
@@ -76,6 +102,8 @@ class SynthSpec:
     seed: int = 0
     random_blocks: bool = False  # quantized matrices as random blocks (see _random_blocks): fast,
                                  # no quantizer or libggml needed
+    type_mix: str = ""           # "q4_k_m": per-tensor types as in a Q4_K_M file (mix_type);
+                                 # "": every matrix weight_type
 
 
 # the spread of the quants each type's fp16 scale multiplies (offsets: loaders.ggml_types)
@@ -252,21 +280,25 @@ def write(path: str | os.PathLike, spec: SynthSpec, vocab_path: str | None = Non
             w.add_tensor(name, (1.0 + 3.0 * rng.random(n_rot // 2)).astype(np.float32))
     for il in range(spec.n_layer):
         p = f"blk.{il}."
+
+        def lmat(name: str, n_in: int, n_out: int) -> None:
+            mat(p + name + ".weight", n_in, n_out,
+                mix_type(spec.type_mix, name, il, spec.n_layer, n_in, wtype))
         vec(p + "attn_norm.weight", E, 1.0, 0.1)
         if spec.arch == "phi3":                     # fused q, k, v rows and gate, up rows
-            mat(p + "attn_qkv.weight", E, (Hq + 2 * Hkv) * D)
+            lmat("attn_qkv", E, (Hq + 2 * Hkv) * D)
         else:
-            mat(p + "attn_q.weight", E, Hq * D)
-            mat(p + "attn_k.weight", E, Hkv * D)
-            mat(p + "attn_v.weight", E, Hkv * D)
-        mat(p + "attn_output.weight", Hq * D, E)
+            lmat("attn_q", E, Hq * D)
+            lmat("attn_k", E, Hkv * D)
+            lmat("attn_v", E, Hkv * D)
+        lmat("attn_output", Hq * D, E)
         vec(p + "ffn_norm.weight", E, 1.0, 0.1)
         if spec.arch == "phi3":
-            mat(p + "ffn_up.weight", E, 2 * F)
+            lmat("ffn_up", E, 2 * F)
         else:
-            mat(p + "ffn_gate.weight", E, F)
-            mat(p + "ffn_up.weight", E, F)
-        mat(p + "ffn_down.weight", F, E)
+            lmat("ffn_gate", E, F)
+            lmat("ffn_up", E, F)
+        lmat("ffn_down", F, E)
         biased = (("attn_q", Hq * D), ("attn_k", Hkv * D), ("attn_v", Hkv * D))
         if spec.biases or spec.arch == "qwen2":
             for name, n in biased + ((("attn_output", E),) if spec.biases else ()):
