@@ -393,14 +393,42 @@ def _decode_rate(engine, n_ctx: int, steps: int) -> dict:
     from pyimp.cuda import device
     _fill(engine, n_ctx)
     tok = 5
-    engine.eval([tok])                       # compile / warm
+    plan = engine._backend.plan
+    for _ in range(2):                       # compile and warm; a CUDA graph is captured
+        engine.eval([tok])
+    replays = plan.replays
     with device.counting() as c:
         t = time.perf_counter()
         for _ in range(steps):
             engine.eval([tok])
         dt = time.perf_counter() - t
     per = {f"{k}_per_token": v / steps for k, v in c.as_dict().items()}
-    return {"tok_s": steps / dt, "host_us_per_token": dt / steps * 1e6, **per}
+    # a replayed step launches its kernels inside one cuGraphLaunch, which the counts above
+    # do not see: the graph's launches are the fused step's (launches_per_eager_token)
+    return {"tok_s": steps / dt, "host_us_per_token": dt / steps * 1e6, **per,
+            "graph_replays_per_token": (plan.replays - replays) / steps,
+            "graph_error": plan.graph_error}
+
+
+def _decode_eager(engine, steps: int) -> dict:
+    """The same engine's decode with CUDA graphs off (PYIMP_CUDA_GRAPHS=0): eager launches."""
+    from pyimp.cuda import device
+    prev = os.environ.get("PYIMP_CUDA_GRAPHS")
+    os.environ["PYIMP_CUDA_GRAPHS"] = "0"
+    try:
+        engine.eval([5])
+        with device.counting() as c:
+            t = time.perf_counter()
+            for _ in range(steps):
+                engine.eval([5])
+            dt = time.perf_counter() - t
+    finally:
+        if prev is None:
+            os.environ.pop("PYIMP_CUDA_GRAPHS", None)
+        else:
+            os.environ["PYIMP_CUDA_GRAPHS"] = prev
+    return {"tok_s": steps / dt, "launches_per_token": c.launches / steps,
+            "allocations_per_token": c.allocations / steps, "h2d_per_token": c.h2d / steps}
 
 
 def _dense_vs_sparse(path: str, n: int, B: int, steps: int) -> dict:
@@ -411,8 +439,10 @@ def _dense_vs_sparse(path: str, n: int, B: int, steps: int) -> dict:
         kw = {}
         if mode == "sparse":
             kw = dict(sparse=True, topk=max(1, n // B // 8 - 3), init_blocks=1, local_blocks=2)
-        eng = pyimp.load(path, device="cuda", n_ctx=n + steps + 4, block_len=B, **kw)
+        eng = pyimp.load(path, device="cuda", n_ctx=n + 2 * steps + 8, block_len=B, **kw)
         row[mode] = _decode_rate(eng, n, steps)
+        if mode == "dense":
+            row["dense_eager"] = _decode_eager(eng, steps)
         eng.close()
     return row
 

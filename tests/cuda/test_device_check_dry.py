@@ -58,4 +58,11 @@ def test_device_check_dry_without_gguf(tmp_path):
             for k in ("allocations_per_token", "d2h_per_token", "h2d_bytes_per_token",
                       "d2h_bytes_per_token"):
                 assert row[k] >= 0, k
+        # the fused dense step (2 layers): 6 launches a layer + embed + head, nothing allocated,
+        # the token id in (and a block-table entry when the token opens a block); no CUDA
+        # graph on the simulator
+        dense = where["dense"]
+        assert dense["launches_per_token"] == 14 and dense["allocations_per_token"] == 0
+        assert 1 <= dense["h2d_per_token"] <= 2 and dense["graph_replays_per_token"] == 0
+        assert where["dense_eager"]["launches_per_token"] == 14
     assert (out / "device_check.md").read_text().startswith("# device_check")
