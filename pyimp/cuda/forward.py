@@ -3,10 +3,12 @@
 
 Weights are uploaded once, still quantized (the GGUF rows as uint8), with the norms as
 float32. Activations, the KV cache (:class:`pyimp.cuda.kvcache.DeviceKVCache`),
-``importance_`` and the anchors stay on the device; a step copies the token ids and the RoPE
-tables (and a changed block table) to the device and the logits row back, nothing else.
-The kernels are those of
-:mod:`pyimp.cuda.linear`, :mod:`pyimp.cuda.ops` and :mod:`pyimp.cuda.attention`.
+``importance_`` and the anchors stay on the device. A prefill chunk copies its token ids and
+RoPE rows to the device and runs the step-by-step kernels of :mod:`pyimp.cuda.linear`,
+:mod:`pyimp.cuda.ops` and :mod:`pyimp.cuda.attention`. A one-token decode step runs the fused
+step of :mod:`pyimp.cuda.decode` (:class:`~pyimp.cuda.decode.DecodePlan`): six launches a
+layer, the token id in and the logits row out, replayed as a CUDA graph on hardware; the steps
+below hand their work to the plan when ``self.fused`` is set.
 """
 from __future__ import annotations
 
