@@ -549,12 +549,47 @@ class StepGraph:
             self.drv.cuGraphDestroy(self.graph)
         self.graph = self.exec = self.key = None
 
+    def fetch(self, d) -> np.ndarray:
+        """A host copy of device array d once the replay has run."""
+        out = d.copy_to_host(stream=self.stream)
+        self.stream.synchronize()
+        return out
+
+
+class SimStepGraph:
+    """:class:`StepGraph`'s emulation on the simulator: a capture records the step's launches
+    with their arguments (:class:`pyimp.cuda.device.Recorder`) and a replay runs them as
+    recorded, so a step that read anything but the plan's buffers and constants (a position or
+    a length passed from the host) replays wrong, as a real graph would."""
+
+    def __init__(self):
+        self.stream = self.key = None
+        self._recorded = None
+
+    def begin(self) -> None:
+        self.stream = device.Recorder()
+
+    def end(self, key) -> None:
+        self._recorded, self.key = self.stream, key
+
+    def abort(self) -> None:
+        self.stream = None
+
+    def replay(self) -> None:
+        self._recorded.replay()
+
+    def fetch(self, d) -> np.ndarray:
+        return device.to_host(d)
+
 
 def graphs_wanted() -> bool:
-    """Decode steps replay as CUDA graphs on hardware unless PYIMP_CUDA_GRAPHS=0."""
+    """Decode steps replay as CUDA graphs on hardware unless PYIMP_CUDA_GRAPHS=0; on the
+    simulator only with PYIMP_CUDA_GRAPHS=sim (:class:`SimStepGraph`)."""
     import os
-    return not device.SIMULATOR and not device.compiling() and \
-        os.environ.get("PYIMP_CUDA_GRAPHS", "1") != "0"
+    flag = os.environ.get("PYIMP_CUDA_GRAPHS", "1")
+    if device.SIMULATOR:
+        return flag == "sim"
+    return not device.compiling() and flag != "0"
 
 
 def _decoder(lin):
@@ -651,7 +686,7 @@ class DecodePlan:
         step's mode: replay the captured graph (``graph_key`` not None: every launch of the
         step is the fused dense one, and the buffers it names are ``graph_key``), capture it
         (after one eager step has compiled every kernel), or launch eagerly."""
-        stream = self.graph.stream if self.graph is not None else 0
+        stream = self.graph.stream if isinstance(self.graph, StepGraph) else 0
         dst = self.tok
         if isinstance(dst, np.ndarray):                      # compile_only: host arrays
             dst[0] = int(step.tokens[0])
@@ -672,7 +707,7 @@ class DecodePlan:
         elif self.eager_steps >= 1:
             try:
                 if self.graph is None:
-                    self.graph = StepGraph()
+                    self.graph = SimStepGraph() if device.SIMULATOR else StepGraph()
                 self.graph.begin()
             except Exception as e:                          # no bindings, no capture: eager
                 self.graph_error = f"{type(e).__name__}: {e}"
@@ -794,8 +829,7 @@ class DecodePlan:
         if self.mode == "replay":
             self.graph.replay()
             self.replays += 1
-            out = self.logits.copy_to_host(stream=self.graph.stream)
-            self.graph.stream.synchronize()
+            out = self.graph.fetch(self.logits)
         else:
             self.eager_steps += 1
             out = device.to_host(self.logits)

@@ -64,6 +64,19 @@ def compiling() -> bool:
 _stream = None           # the stream launches go to (None: the default stream)
 
 
+class Recorder:
+    """A stand-in stream for the simulator's emulation of CUDA graph capture: a launch put on
+    it is recorded (kernel, grid, block, arguments, shared bytes) instead of run."""
+
+    def __init__(self):
+        self.launches: list = []
+
+    def replay(self) -> None:
+        """Run the recorded launches in order, with the arguments they were recorded with."""
+        for kernel, grid, block, args, shared in self.launches:
+            launch(kernel, grid, block, *args, shared=shared)
+
+
 @contextlib.contextmanager
 def on_stream(stream):
     """Inside: :func:`launch` puts kernels on ``stream`` (a numba-cuda stream) instead of the
@@ -87,6 +100,9 @@ def launch(kernel, grid, block, *args, shared: int = 0) -> None:
         if key not in _compiled:
             cuda.compile_ptx(kernel.py_func, sig, cc=_compile_cc)
             _compiled.add(key)
+        return
+    if isinstance(_stream, Recorder):
+        _stream.launches.append((kernel, grid, block, args, shared))
         return
     if SIMULATOR:                 # the simulator's kernel[...] configures the kernel object itself
         kernel[grid, block, 0, shared](*args)
