@@ -20,7 +20,8 @@ always first):
    8 arrays + 4 scalars as a decode kernel takes), through ``device.launch`` and directly.
    ``attention``: the decode attention kernel alone at long context, dense vs block-sparse at
    a 1/8 block budget (Gemma's and TinyLlama's head shapes), timed on the device with CUDA
-   events.
+   events: the step-by-step kernels (``attention.decode``: attend, merge, no importance) and
+   the fused decode step's one launch (``decode.attend``: merge and importance inside).
 3. ``decode``: end-to-end decode tok/s at 1k / 4k / 16k / 32k context, dense vs sparse (1/8
    budget), on a cache filled on the device with random keys and values; per token: host
    microseconds, kernel launches, device allocations, host-to-device and device-to-host copies
@@ -359,8 +360,24 @@ def attention_kernel(check: Check) -> dict:
                                                        scratch=scr), sh["timed"])
         sparse, _ = _device_timed(lambda: CA.decode(q, kc, vc, bt, n, 0.1, 0, out, sel=sel,
                                                     cnt=cnt, scratch=scr), sh["timed"])
+        # the fused decode step's launch (pyimp.cuda.decode.attend): merge and importance
+        # update inside, the same split count for a selection as for every block
+        from pyimp.cuda import decode as DD
+        nsplit = 2 if device.SIMULATOR else max(1, min(NB, -(-264 // Hkv)))
+        parts = (device.zeros((Hq, nsplit), np.float32), device.zeros((Hq, nsplit), np.float32),
+                 device.zeros((Hq, nsplit, D), np.float32), device.zeros((Hq,), np.int32),
+                 device.zeros((Hq, NB, B), np.float32), device.zeros((Hq, NB), np.float32))
+        imp = device.zeros((NB, B, Hq), np.float16)
+        rec = device.to_device(np.array([n - 1, 0, 0, 0], np.int32))
+        q2, out2 = q.reshape(Hq, D), out.reshape(Hq, D)
+        f_dense, _ = _device_timed(lambda: DD.attend(q2, kc, vc, bt, rec, 0.1, 0, out2, nsplit,
+                                                     parts, imp, True), sh["timed"])
+        f_sparse, _ = _device_timed(lambda: DD.attend(q2, kc, vc, bt, rec, 0.1, 0, out2, nsplit,
+                                                      parts, imp, True, sel, cnt), sh["timed"])
         res[name] = {"context": n, "dense_us": dense * 1e6, "sparse_us": sparse * 1e6,
-                     "speedup": dense / sparse, "goal_speedup_ge": 5.0}
+                     "speedup": dense / sparse, "goal_speedup_ge": 5.0,
+                     "fused_dense_us": f_dense * 1e6, "fused_sparse_us": f_sparse * 1e6,
+                     "fused_speedup": f_dense / f_sparse, "fused_splits": nsplit}
     res["timer"] = timer
     return res
 

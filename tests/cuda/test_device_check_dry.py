@@ -48,6 +48,7 @@ def test_device_check_dry_without_gguf(tmp_path):
     assert cost["launches_timed"] > 0 and cost["us_per_launch_8_arrays_4_scalars"] > 0
     att = steps["attention"]
     assert att["gemma"]["dense_us"] > 0 and att["tinyllama"]["sparse_us"] > 0
+    assert att["gemma"]["fused_dense_us"] > 0 and att["tinyllama"]["fused_sparse_us"] > 0
     assert att["timer"].startswith("host (simulator")
     for where in (steps["decode"]["64"], steps["tinyllama"]):
         for mode in ("dense", "sparse"):
