@@ -94,8 +94,7 @@ class DeviceForward:
     def _graph_key(self, step):
         """The buffers a captured decode step names, when every launch of ``step`` is the
         fused dense one (logits asked for, a float cache, no sparse layer, importance without
-        observers); else
-        None (the step launches eagerly)."""
+        observers); else None (the step launches eagerly)."""
         c, sp = self.cache, self.sparse
         if not step.logits or c.quantized or any(step.sparse) or \
                 (sp is not None and not sp.fused_ok()):
