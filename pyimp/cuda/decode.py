@@ -682,16 +682,28 @@ class DecodePlan:
 
     # ------------------------------------------------------------------ host side
     def start(self, step, graph_key) -> None:
-        """Before a step: the token id in; the record when the host's position differs; the
-        step's mode: replay the captured graph (``graph_key`` not None: every launch of the
-        step is the fused dense one, and the buffers it names are ``graph_key``), capture it
-        (after one eager step has compiled every kernel), or launch eagerly."""
-        stream = self.graph.stream if isinstance(self.graph, StepGraph) else 0
-        dst = self.tok
-        if isinstance(dst, np.ndarray):                      # compile_only: host arrays
-            dst[0] = int(step.tokens[0])
+        """Before a step: its mode, then the token id in (and the record when the host's
+        position differs), on the stream the step runs on. The mode: replay the captured graph
+        (``graph_key`` not None: every launch of the step is the fused dense one, and the
+        buffers it names are ``graph_key``), capture it (after one eager step has compiled
+        every kernel), or launch eagerly."""
+        self.mode = "eager"
+        if graph_key is not None and self.graph_error is None and graphs_wanted():
+            if self.graph is not None and self.graph.key == graph_key:
+                self.mode = "replay"
+            elif self.eager_steps >= 1:
+                try:
+                    if self.graph is None:
+                        self.graph = SimStepGraph() if device.SIMULATOR else StepGraph()
+                    self.mode = "capture"
+                except Exception as e:                      # no driver bindings: eager
+                    self.graph_error = f"{type(e).__name__}: {e}"
+        graphed = self.mode != "eager" and isinstance(self.graph, StepGraph)
+        stream = self.graph.stream if graphed else 0
+        if isinstance(self.tok, np.ndarray):                 # compile_only: host arrays
+            self.tok[0] = int(step.tokens[0])
         else:
-            dst.copy_to_device(np.asarray(step.tokens[:1], np.int32), stream=stream)
+            self.tok.copy_to_device(np.asarray(step.tokens[:1], np.int32), stream=stream)
         if self.rec_pos != step.pos0:
             rec = np.array([step.pos0, 0, 0, 0], np.int32)
             if isinstance(self.rec, np.ndarray):
@@ -699,23 +711,17 @@ class DecodePlan:
             else:
                 self.rec.copy_to_device(rec, stream=stream)
             self.rec_pos = step.pos0
-        self.mode = "eager"
-        if graph_key is None or self.graph_error is not None or not graphs_wanted():
+        if self.mode != "capture":
             return
-        if self.graph is not None and self.graph.key == graph_key:
-            self.mode = "replay"
-        elif self.eager_steps >= 1:
-            try:
-                if self.graph is None:
-                    self.graph = SimStepGraph() if device.SIMULATOR else StepGraph()
-                self.graph.begin()
-            except Exception as e:                          # no bindings, no capture: eager
-                self.graph_error = f"{type(e).__name__}: {e}"
-                return
-            self.mode = "capture"
-            self._key = graph_key
-            self._on_stream = device.on_stream(self.graph.stream)
-            self._on_stream.__enter__()
+        try:
+            self.graph.begin()
+        except Exception as e:                              # capture refused: eager
+            self.graph_error = f"{type(e).__name__}: {e}"
+            self.mode = "eager"
+            return
+        self._key = graph_key
+        self._on_stream = device.on_stream(self.graph.stream)
+        self._on_stream.__enter__()
 
     def _launching(self) -> bool:
         return self.mode != "replay"
