@@ -364,15 +364,16 @@ def attention_kernel(check: Check) -> dict:
         # update inside, the same split count for a selection as for every block
         from pyimp.cuda import decode as DD
         nsplit = 2 if device.SIMULATOR else max(1, min(NB, -(-264 // Hkv)))
-        parts = (device.zeros((Hq, nsplit), np.float32), device.zeros((Hq, nsplit), np.float32),
-                 device.zeros((Hq, nsplit, D), np.float32), device.zeros((Hq,), np.int32),
+        parts = (device.zeros((1, Hq, nsplit), np.float32),
+                 device.zeros((1, Hq, nsplit), np.float32),
+                 device.zeros((1, Hq, nsplit, D), np.float32), device.zeros((Hq,), np.int32),
                  device.zeros((Hq, NB, B), np.float32), device.zeros((Hq, NB), np.float32))
         imp = device.zeros((NB, B, Hq), np.float16)
         rec = device.to_device(np.array([n - 1, 0, 0, 0], np.int32))
-        q2, out2 = q.reshape(Hq, D), out.reshape(Hq, D)
-        f_dense, _ = _device_timed(lambda: DD.attend(q2, kc, vc, bt, rec, 0.1, 0, out2, nsplit,
+        q2 = q.reshape(Hq, D)
+        f_dense, _ = _device_timed(lambda: DD.attend(q2, kc, vc, bt, rec, 0.1, 0, out, nsplit,
                                                      parts, imp, True), sh["timed"])
-        f_sparse, _ = _device_timed(lambda: DD.attend(q2, kc, vc, bt, rec, 0.1, 0, out2, nsplit,
+        f_sparse, _ = _device_timed(lambda: DD.attend(q2, kc, vc, bt, rec, 0.1, 0, out, nsplit,
                                                       parts, imp, True, sel, cnt), sh["timed"])
         res[name] = {"context": n, "dense_us": dense * 1e6, "sparse_us": sparse * 1e6,
                      "speedup": dense / sparse, "goal_speedup_ge": 5.0,

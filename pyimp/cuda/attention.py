@@ -59,6 +59,60 @@ NEG_INF = -math.inf
 # --------------------------------------------------------------------------
 
 
+@cuda.jit(device=True)
+def fold_block(s, B, t0, t1, nh, m, l, alpha, red):
+    """Fold one KV block's scores s[g*B + t0 .. g*B + t1) of each of the nh heads into the
+    heads' running max m[g] and sum l[g] (the max-stabilized rule): s becomes exp(s - m),
+    alpha[g] the factor the head's earlier output is rescaled by. Ends with a barrier (every
+    exp visible to every thread)."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    for g in range(nh):
+        v = float32(NEG_INF)
+        for t in range(t0 + tid, t1, nt):
+            v = max(v, s[g * B + t])
+        bm = device.block_max(v, red)
+        a = float32(1.0)
+        if bm > m[g]:
+            a = float32(0.0)
+            if m[g] > NEG_INF:
+                a = math.exp(m[g] - bm)
+            m[g] = bm
+        ls = float32(0.0)
+        for t in range(t0 + tid, t1, nt):
+            e = math.exp(s[g * B + t] - m[g])
+            s[g * B + t] = e
+            ls += e
+        l[g] = l[g] * a + device.block_sum(ls, red)
+        alpha[g] = a
+
+
+@cuda.jit(device=True)
+def merge_splits(m_part, l_part, o_part, r, h, out):
+    """Merge head h's split partials of row r (m_part / l_part [R, Hq, nsplit], o_part
+    [R, Hq, nsplit, D]) into out[r, h] (the block's threads over D); returns the row's max M
+    and sum L (lse = M + log L)."""
+    nsplit = m_part.shape[2]
+    D = o_part.shape[3]
+    mh = float32(NEG_INF)
+    for sp in range(nsplit):
+        mh = max(mh, m_part[r, h, sp])
+    lh = float32(0.0)
+    for sp in range(nsplit):
+        if m_part[r, h, sp] > NEG_INF:
+            lh += l_part[r, h, sp] * math.exp(m_part[r, h, sp] - mh)
+    inv = float32(1.0)
+    if lh > 0.0:
+        inv = float32(1.0) / lh
+    for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
+        acc = float32(0.0)
+        for sp in range(nsplit):
+            if m_part[r, h, sp] > NEG_INF:
+                acc += o_part[r, h, sp, d] * math.exp(m_part[r, h, sp] - mh)
+        out[r, h, d] = acc * inv if lh > 0.0 else acc
+    return mh, lh
+
+
 @functools.cache
 def _attend_kernel(kfmt: str, vfmt: str):
     """``_attend`` for K stored in format kfmt and V in vfmt (:mod:`pyimp.cuda.kvblocks`)."""
@@ -132,26 +186,7 @@ def _attend_kernel(kfmt: str, vfmt: str):
                     acc += qs[g * D + d] * kget(kc, kt, ktb, kvh, pb, t * D + d)
                 s[g * B + t] = acc * sc
             cuda.syncthreads()
-            # fold the block into each head's running (m, l)
-            for g in range(nh):
-                v = float32(NEG_INF)
-                for t in range(t0 + tid, t1, nt):
-                    v = max(v, s[g * B + t])
-                bm = device.block_max(v, red)
-                a = float32(1.0)
-                if bm > m[g]:
-                    a = float32(0.0)
-                    if m[g] > NEG_INF:
-                        a = math.exp(m[g] - bm)
-                    m[g] = bm
-                ls = float32(0.0)
-                for t in range(t0 + tid, t1, nt):
-                    e = math.exp(s[g * B + t] - m[g])
-                    s[g * B + t] = e
-                    ls += e
-                l[g] = l[g] * a + device.block_sum(ls, red)
-                alpha[g] = a
-            # (block_sum ends with a barrier: every exp is visible)
+            fold_block(s, B, t0, t1, nh, m, l, alpha, red)
             for i in range(tid, nh * D, nt):
                 g = i // D
                 d = i % D
@@ -179,41 +214,27 @@ def _attend_kernel(kfmt: str, vfmt: str):
 
 @cuda.jit
 def _merge(m_part, l_part, o_part, out, M, L):
-    R, Hq, nsplit, D = o_part.shape
+    Hq = o_part.shape[1]
     r = cuda.blockIdx.x // Hq
     h = cuda.blockIdx.x % Hq
-    tid = cuda.threadIdx.x
-    mh = float32(NEG_INF)
-    for sp in range(nsplit):
-        mh = max(mh, m_part[r, h, sp])
-    lh = float32(0.0)
-    for sp in range(nsplit):
-        if m_part[r, h, sp] > NEG_INF:
-            lh += l_part[r, h, sp] * math.exp(m_part[r, h, sp] - mh)
-    inv = float32(1.0)
-    if lh > 0.0:
-        inv = float32(1.0) / lh
-    for d in range(tid, D, cuda.blockDim.x):
-        acc = float32(0.0)
-        for sp in range(nsplit):
-            if m_part[r, h, sp] > NEG_INF:
-                acc += o_part[r, h, sp, d] * math.exp(m_part[r, h, sp] - mh)
-        out[r, h, d] = acc * inv if lh > 0.0 else acc
-    if tid == 0:
+    mh, lh = merge_splits(m_part, l_part, o_part, r, h, out)
+    if cuda.threadIdx.x == 0:
         M[r, h] = mh
         L[r, h] = lh
 
 
 @cuda.jit(device=True)
-def _prob(probs, bmax, M, L, h, k, t):
-    """P of token t of the k-th attended block of head h (0 where nothing was attended)."""
-    if L[0, h] > 0.0 and bmax[h, k] > NEG_INF:
-        return probs[h, k, t] * (math.exp(bmax[h, k] - M[0, h]) / L[0, h])
+def prob(probs, bmax, Mh, Lh, h, k, t):
+    """P of token t of the k-th attended block of head h, whose row max and sum are Mh, Lh
+    (0 where nothing was attended)."""
+    if Lh > 0.0 and bmax[h, k] > NEG_INF:
+        return probs[h, k, t] * (math.exp(bmax[h, k] - Mh) / Lh)
     return float32(0.0)
 
 
 @cuda.jit(device=True)
-def _store_mass(importance, pb, t, h, x):
+def store_mass(importance, pb, t, h, x):
+    """importance[pb, t, h] = x, clamped to the fp16 maximum (rounded once to fp16)."""
     if x > FP16_MAX:
         x = float32(FP16_MAX)
     importance[pb, t, h] = x
@@ -244,8 +265,8 @@ def _block_mass(importance, bt, sel, cnt, dense, lb_first, n_blocks, probs, bmax
         t = i // hps
         h = si * hps + i % hps
         if t0 <= t < t1:
-            x = float32(importance[pb, t, h]) + _prob(probs, bmax, M, L, h, k, t)
-            _store_mass(importance, pb, t, h, x)
+            x = float32(importance[pb, t, h]) + prob(probs, bmax, M[0, h], L[0, h], h, k, t)
+            store_mass(importance, pb, t, h, x)
 
 
 @cuda.jit
@@ -279,8 +300,8 @@ def _decay_mass(importance, bt, sel, cnt, dense, lb_first, n_blocks, probs, bmax
                     if sel[si, j] == lb:
                         k = j
             if k >= 0:
-                x += _prob(probs, bmax, M, L, h, k, t)
-        _store_mass(importance, pb, t, h, x)
+                x += prob(probs, bmax, M[0, h], L[0, h], h, k, t)
+        store_mass(importance, pb, t, h, x)
 
 
 @functools.cache
@@ -327,7 +348,7 @@ def _prefill_mass_kernel(kfmt: str):
                             dot += q[r, h, d] * kget(kc, kt, ktb, kvh, pb, t * D + d)
                         acc += math.exp(dot * sc - M[r, h]) * (float32(1.0) / L[r, h])
                 x += acc
-            _store_mass(importance, pb, t, h, x)
+            store_mass(importance, pb, t, h, x)
 
     return _prefill_mass
 

@@ -53,10 +53,10 @@ from numba import cuda, float32, int32
 
 from .. import ops as host_ops
 from . import device, linear
-from .ops import _ACTS, fma32, mul_rn
+from .attention import fold_block, merge_splits, prob, store_mass
+from .ops import _ACTS, rope_index, rope_pair
 
 NEG_INF = -math.inf
-FP16_MAX = 65504.0
 MAX_UNIT_HEADS = 16
 ATT_THREADS = 8 if device.SIMULATOR else 128
 _MAX_THREADS = linear.MV_MAX_THREADS
@@ -69,6 +69,23 @@ def _grid(rows: int) -> int:
 
 
 # ---------------------------------------------------------------- device functions
+
+@cuda.jit(device=True)
+def _rms_norm_inplace(vs, n, w, eps, red):
+    """vs[0:n] = RMSNorm(vs[0:n]) * w in place, the block's threads striding over n (as
+    :func:`pyimp.cuda.ops.rms_norm` computes a row). Ends with a barrier."""
+    tid = cuda.threadIdx.x
+    nt = cuda.blockDim.x
+    ss = float32(0.0)
+    for d in range(tid, n, nt):
+        v = vs[d]
+        ss += v * v
+    tot = device.block_sum(ss, red)
+    sc = float32(1.0) / float32(math.sqrt(tot / float32(n) + eps))
+    for d in range(tid, n, nt):
+        vs[d] = (vs[d] * sc) * w[d]
+    cuda.syncthreads()
+
 
 @cuda.jit(device=True)
 def _prologue(xin, in_scale, delta, dbias, post_w, mode, norm_w, eps, xout, xs, red):
@@ -105,15 +122,7 @@ def _prologue(xin, in_scale, delta, dbias, post_w, mode, norm_w, eps, xout, xs, 
     if cuda.blockIdx.x == 0 and xout.shape[0] == n:
         for i in range(tid, n, nt):
             xout[i] = xs[i]
-    ss = float32(0.0)
-    for i in range(tid, n, nt):
-        v = xs[i]
-        ss += v * v
-    tot = device.block_sum(ss, red)
-    sc = float32(1.0) / float32(math.sqrt(tot / float32(n) + eps))
-    for i in range(tid, n, nt):
-        xs[i] = (xs[i] * sc) * norm_w[i]
-    cuda.syncthreads()
+    _rms_norm_inplace(xs, n, norm_w, eps, red)
 
 
 # ---------------------------------------------------------------- prologue matvecs
@@ -217,23 +226,6 @@ def _head_kernel(dec):
 # ---------------------------------------------------------------- q / k norms, RoPE, store
 
 @cuda.jit(device=True)
-def _head_norm(vs, w, eps, red):
-    """vs[0:D] = RMSNorm(vs) * w in place (a block over one head)."""
-    D = vs.shape[0]
-    tid = cuda.threadIdx.x
-    nt = cuda.blockDim.x
-    ss = float32(0.0)
-    for d in range(tid, D, nt):
-        v = vs[d]
-        ss += v * v
-    tot = device.block_sum(ss, red)
-    sc = float32(1.0) / float32(math.sqrt(tot / float32(D) + eps))
-    for d in range(tid, D, nt):
-        vs[d] = (vs[d] * sc) * w[d]
-    cuda.syncthreads()
-
-
-@cuda.jit(device=True)
 def _rotate(vs, out, cos, sin, p, neox):
     """out[0:D] = vs rotated at position p (tables cos / sin [n_ctx, n_rot/2]); channels past
     n_rot copied."""
@@ -242,18 +234,8 @@ def _rotate(vs, out, cos, sin, p, neox):
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     for i in range(tid, half, nt):
-        if neox != 0:
-            i0 = i
-            i1 = i + half
-        else:
-            i0 = 2 * i
-            i1 = 2 * i + 1
-        c = cos[p, i]
-        s = sin[p, i]
-        x0 = vs[i0]
-        x1 = vs[i1]
-        out[i0] = fma32(x0, c, -mul_rn(x1, s))
-        out[i1] = fma32(x0, s, mul_rn(x1, c))
+        i0, i1 = rope_index(i, half, neox)
+        out[i0], out[i1] = rope_pair(vs[i0], vs[i1], cos[p, i], sin[p, i])
     for d in range(2 * half + tid, D, nt):
         out[d] = vs[d]
 
@@ -278,9 +260,9 @@ def _rope_store(qkv, Hq, Hkv, D, q_norm, k_norm, qk_norm, eps, cos, sin, neox, q
     cuda.syncthreads()
     if qk_norm != 0:
         if is_q:
-            _head_norm(vs, q_norm, eps, red)
+            _rms_norm_inplace(vs, D, q_norm, eps, red)
         else:
-            _head_norm(vs, k_norm, eps, red)
+            _rms_norm_inplace(vs, D, k_norm, eps, red)
     _rotate(vs, rot, cos, sin, p, neox)
     cuda.syncthreads()
     if is_q:
@@ -311,8 +293,9 @@ def _attend(q, kc, vc, bt, rec, scale, window, sel, cnt, dense, nh, m_part, l_pa
     """Decode attention of q [Hq, D] (position rec[0]) over a float cache: every visible block
     (dense) or the blocks of each head's set (sel int32 [nsets, K], cnt [nsets]; head h uses
     set h // (Hq / nsets)), split over gridDim.x / (Hq / nh) work items per unit of nh query
-    heads; the last split of a unit to finish merges the partials into out [Hq, D] and, with
-    store, adds the probabilities to importance [NB][B][Hq] (decay 1)."""
+    heads (partials m_part / l_part [1, Hq, nsplit], o_part [1, Hq, nsplit, D]); the last split
+    of a unit to finish merges them into out [1, Hq, D] and, with store, adds the probabilities
+    to importance [NB][B][Hq] (decay 1)."""
     Hq, D = q.shape
     Hkv = kc.shape[0]
     B = kc.shape[2] // D
@@ -374,24 +357,7 @@ def _attend(q, kc, vc, bt, rec, scale, window, sel, cnt, dense, nh, m_part, l_pa
                 acc += qs[g * D + d] * float32(kc[kvh, pb, t * D + d])
             s[g * B + t] = acc * sc
         cuda.syncthreads()
-        for g in range(nh):
-            v = float32(NEG_INF)
-            for t in range(t0 + tid, t1, nt):
-                v = max(v, s[g * B + t])
-            bm = device.block_max(v, red)
-            a = float32(1.0)
-            if bm > m[g]:
-                a = float32(0.0)
-                if m[g] > NEG_INF:
-                    a = math.exp(m[g] - bm)
-                m[g] = bm
-            ls = float32(0.0)
-            for t in range(t0 + tid, t1, nt):
-                e = math.exp(s[g * B + t] - m[g])
-                s[g * B + t] = e
-                ls += e
-            l[g] = l[g] * a + device.block_sum(ls, red)
-            alpha[g] = a
+        fold_block(s, B, t0, t1, nh, m, l, alpha, red)
         for i in range(tid, nh * D, nt):
             g = i // D
             d = i % D
@@ -409,10 +375,10 @@ def _attend(q, kc, vc, bt, rec, scale, window, sel, cnt, dense, nh, m_part, l_pa
         cuda.syncthreads()
 
     for i in range(tid, nh * D, nt):
-        o_part[h0 + i // D, sp, i % D] = o[i]
+        o_part[0, h0 + i // D, sp, i % D] = o[i]
     if tid < nh:
-        m_part[h0 + tid, sp] = m[tid]
-        l_part[h0 + tid, sp] = l[tid]
+        m_part[0, h0 + tid, sp] = m[tid]
+        l_part[0, h0 + tid, sp] = l[tid]
 
     # the last split of this unit to finish merges (the partials made visible first)
     cuda.threadfence()
@@ -424,22 +390,7 @@ def _attend(q, kc, vc, bt, rec, scale, window, sel, cnt, dense, nh, m_part, l_pa
         return
     cuda.threadfence()
     for g in range(nh):
-        h = h0 + g
-        mh = float32(NEG_INF)
-        for j in range(nsplit):
-            mh = max(mh, m_part[h, j])
-        lh = float32(0.0)
-        for j in range(nsplit):
-            if m_part[h, j] > NEG_INF:
-                lh += l_part[h, j] * math.exp(m_part[h, j] - mh)
-        for d in range(tid, D, nt):
-            acc = float32(0.0)
-            for j in range(nsplit):
-                if m_part[h, j] > NEG_INF:
-                    acc += o_part[h, j, d] * math.exp(m_part[h, j] - mh)
-            out[h, d] = acc * (float32(1.0) / lh) if lh > 0.0 else acc
-        m[g] = mh
-        l[g] = lh
+        m[g], l[g] = merge_splits(m_part, l_part, o_part, 0, h0 + g, out)
     if store != 0:
         for k in range(n_blocks):
             lb = lb_first + k if dense != 0 else sel[si, k]
@@ -452,13 +403,8 @@ def _attend(q, kc, vc, bt, rec, scale, window, sel, cnt, dense, nh, m_part, l_pa
                 g = i % nh
                 h = h0 + g
                 if t0 <= t < t1:
-                    pr = float32(0.0)
-                    if l[g] > 0.0 and bmax[h, k] > NEG_INF:
-                        pr = probs[h, k, t] * (math.exp(bmax[h, k] - m[g]) / l[g])
-                    x = float32(importance[pb, t, h]) + pr
-                    if x > FP16_MAX:
-                        x = float32(FP16_MAX)
-                    importance[pb, t, h] = x
+                    x = float32(importance[pb, t, h]) + prob(probs, bmax, m[g], l[g], h, k, t)
+                    store_mass(importance, pb, t, h, x)
     if tid == 0:
         counter[u] = 0                       # ready for the next step
 
@@ -469,10 +415,10 @@ def attend(q, kc, vc, bt, rec, scale: float, window: int, out, nsplit: int, part
     kc / vc [Hkv][NB][B*D], into out [Hq, D], in ``nsplit`` splits a unit (the query heads of
     one kv head that share a set). ``sel`` / ``cnt`` (device int32 [nsets, K] / [nsets]): the
     blocks each set attends; None: every visible block (``none``: a [1, 1] / [1] int32 pair
-    the dense launch passes instead). ``parts``: (m_part, l_part [Hq, nsplit], o_part
-    [Hq, nsplit, D], counter int32 [>= units] (zeros; the launch leaves them zero), probs
+    the dense launch passes instead). ``parts``: (m_part, l_part [1, Hq, nsplit], o_part
+    [1, Hq, nsplit, D], counter int32 [>= units] (zeros; the launch leaves them zero), probs
     [Hq, >= blocks, B], bmax [Hq, >= blocks]); with ``store`` the step's probabilities are
-    added to ``importance`` float16 [NB][B][Hq]."""
+    added to ``importance`` float16 [NB][B][Hq]. ``out``: [Hq, D] or [1, Hq, D]."""
     Hq, D = (int(x) for x in q.shape)
     Hkv = int(kc.shape[0])
     B = int(kc.shape[2]) // D
@@ -487,6 +433,8 @@ def attend(q, kc, vc, bt, rec, scale: float, window: int, out, nsplit: int, part
                          f"{MAX_UNIT_HEADS}")
     nt = ATT_THREADS
     m_part, l_part, o_part, counter, probs, bmax = parts
+    if len(out.shape) == 2:
+        out = out.reshape(1, Hq, D)
     device.launch(_attend, (Hq // nh) * nsplit, nt, q, kc, vc, bt, rec, np.float32(scale),
                   np.int32(window), sel, cnt, np.int32(dense), np.int32(nh), m_part, l_part,
                   o_part, counter, out, np.int32(store), probs, bmax, importance,
@@ -632,9 +580,9 @@ class DecodePlan:
             raise ValueError(f"{self.nh} query heads per kv head exceed the decode kernel's "
                              f"{MAX_UNIT_HEADS}")
         self.nsplit = 2 if device.SIMULATOR else max(1, min(max_blocks, -(-264 // Hkv)))
-        self.m_part = device.zeros((Hq, self.nsplit), f32)
-        self.l_part = device.zeros((Hq, self.nsplit), f32)
-        self.o_part = device.zeros((Hq, self.nsplit, D), f32)
+        self.m_part = device.zeros((1, Hq, self.nsplit), f32)
+        self.l_part = device.zeros((1, Hq, self.nsplit), f32)
+        self.o_part = device.zeros((1, Hq, self.nsplit, D), f32)
         self.counter = device.zeros((Hq,), np.int32)           # one per unit, at most Hq
         self.none = (device.zeros((1, 1), np.int32), device.zeros((1,), np.int32))
         self.probs = device.zeros((Hq, max_blocks, block_len), f32)
@@ -777,7 +725,7 @@ class DecodePlan:
         merge, and the importance update when given."""
         if not self._launching():
             return
-        attend(self.q, kc, vc, bt, self.rec, scale, window, self.att, self.nsplit,
+        attend(self.q, kc, vc, bt, self.rec, scale, window, self.att3, self.nsplit,
                (self.m_part, self.l_part, self.o_part, self.counter, self.probs, self.bmax),
                importance if importance is not None else self.imp0, importance is not None,
                sel, cnt, self.none)

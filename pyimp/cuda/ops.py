@@ -144,6 +144,21 @@ def rms_norm(x, w, eps, out) -> None:
 
 # ---------------------------------------------------------------- rope
 
+@cuda.jit(device=True)
+def rope_index(i, half, neox):
+    """The channels of rotated pair i: (i, i + half) NEOX, (2i, 2i + 1) NORM."""
+    if neox != 0:
+        return i, i + half
+    return 2 * i, 2 * i + 1
+
+
+@cuda.jit(device=True)
+def rope_pair(x0, x1, c, s):
+    """The pair (x0, x1) rotated by the angle of cosine c and sine s. The reference computes
+    x0*c - x1*s with x0*c exact and x1*s rounded (ggml's fma)."""
+    return fma32(x0, c, -mul_rn(x1, s)), fma32(x0, s, mul_rn(x1, c))
+
+
 @cuda.jit
 def _rope_kernel(x, cos, sin, neox):
     H = x.shape[1]
@@ -154,19 +169,8 @@ def _rope_kernel(x, cos, sin, neox):
         th = idx // half
         h = th % H
         t = th // H
-        if neox != 0:
-            i0 = i
-            i1 = i + half
-        else:
-            i0 = 2 * i
-            i1 = 2 * i + 1
-        c = cos[t, i]
-        s = sin[t, i]
-        x0 = x[t, h, i0]
-        x1 = x[t, h, i1]
-        # the reference: x0*c - x1*s with x0*c exact and x1*s rounded (ggml's fma)
-        x[t, h, i0] = fma32(x0, c, -mul_rn(x1, s))
-        x[t, h, i1] = fma32(x0, s, mul_rn(x1, c))
+        i0, i1 = rope_index(i, half, neox)
+        x[t, h, i0], x[t, h, i1] = rope_pair(x[t, h, i0], x[t, h, i1], cos[t, i], sin[t, i])
         idx += cuda.gridsize(1)
 
 

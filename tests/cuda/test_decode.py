@@ -13,6 +13,7 @@ from quant_oracle import dequantize, quantize
 from pyimp import ops as host_ops
 from pyimp.attention.attend import add_block_mass, attention_decode_ref, sparse_attention_decode_ref
 from pyimp.cuda import decode, device, linear
+from test_attention import _selection
 
 # f32 sums of at most a few hundred terms in another order than the float64 reference, and
 # the simulator's exp / tanh against NumPy's: ~1e-6 relative; a wrong row, head, slot or norm
@@ -148,8 +149,8 @@ def test_attend_merges_in_launch_and_adds_importance(dtype, window):
     bt = rng.permutation(NB).astype(np.int32)
     imp = (rng.random((NB, B, Hq)) * 3).astype(np.float16)
     nsplit = 3
-    parts = (device.zeros((Hq, nsplit), np.float32), device.zeros((Hq, nsplit), np.float32),
-             device.zeros((Hq, nsplit, D), np.float32), device.zeros((Hkv,), np.int32),
+    parts = (device.zeros((1, Hq, nsplit), np.float32), device.zeros((1, Hq, nsplit), np.float32),
+             device.zeros((1, Hq, nsplit, D), np.float32), device.zeros((Hkv,), np.int32),
              device.zeros((Hq, NB, B), np.float32), device.zeros((Hq, NB), np.float32))
     dk, dv, dbt, dimp = (device.to_device(a) for a in (kc, vc, bt, imp))
     imp_want = imp.copy()
@@ -186,12 +187,7 @@ def test_attend_selection_matches_reference(Hkv, G, granularity, seed, window, n
     n_ctx = int(rng.integers(B + 1, NB * B + 1))
     n_lb = -(-n_ctx // B)
     K = min(n_lb, 4)
-    sel = np.full((nsets, K), -1, np.int32)
-    cnt = np.zeros(nsets, np.int32)
-    for si in range(nsets):
-        c = int(rng.integers(1, K + 1))
-        sel[si, :c] = rng.permutation(n_lb)[:c]
-        cnt[si] = c
+    sel, cnt = _selection(rng, nsets, n_lb, K)
     q = rng.standard_normal((Hq, D)).astype(np.float32)
     imp = (rng.random((NB, B, Hq)) * 2).astype(np.float16)
     want = np.empty((Hq, D), np.float32)
@@ -199,8 +195,8 @@ def test_attend_selection_matches_reference(Hkv, G, granularity, seed, window, n
     lse = sparse_attention_decode_ref(q, kc, vc, bt, n_ctx, 0.5, window, sel, cnt, want, probs)
     imp_want = imp.copy()
     add_block_mass(imp_want, bt, sel, cnt, probs, n_ctx, 1.0, backend="numpy")
-    parts = (device.zeros((Hq, nsplit), np.float32), device.zeros((Hq, nsplit), np.float32),
-             device.zeros((Hq, nsplit, D), np.float32), device.zeros((Hq,), np.int32),
+    parts = (device.zeros((1, Hq, nsplit), np.float32), device.zeros((1, Hq, nsplit), np.float32),
+             device.zeros((1, Hq, nsplit, D), np.float32), device.zeros((Hq,), np.int32),
              device.zeros((Hq, NB, B), np.float32), device.zeros((Hq, NB), np.float32))
     dq, dk, dv, dbt, dsel, dcnt, dimp = (device.to_device(a) for a in (q, kc, vc, bt, sel, cnt, imp))
     rec = device.to_device(np.array([n_ctx - 1, 0, 0, 0], np.int32))
