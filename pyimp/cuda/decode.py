@@ -648,16 +648,9 @@ class DecodePlan:
                     self.graph_error = f"{type(e).__name__}: {e}"
         graphed = self.mode != "eager" and isinstance(self.graph, StepGraph)
         stream = self.graph.stream if graphed else 0
-        if isinstance(self.tok, np.ndarray):                 # compile_only: host arrays
-            self.tok[0] = int(step.tokens[0])
-        else:
-            self.tok.copy_to_device(np.asarray(step.tokens[:1], np.int32), stream=stream)
+        device.upload(self.tok, np.asarray(step.tokens[:1], np.int32), stream)
         if self.rec_pos != step.pos0:
-            rec = np.array([step.pos0, 0, 0, 0], np.int32)
-            if isinstance(self.rec, np.ndarray):
-                self.rec[...] = rec
-            else:
-                self.rec.copy_to_device(rec, stream=stream)
+            device.upload(self.rec, np.array([step.pos0, 0, 0, 0], np.int32), stream)
             self.rec_pos = step.pos0
         if self.mode != "capture":
             return

@@ -272,6 +272,17 @@ def copy(d):
     return out
 
 
+def upload(dst, a, stream=0) -> None:
+    """Copy array a (host, or a device array of the same shape) into device array dst in
+    place (no allocation; dst stays where it is); under :func:`compile_only` dst is a host
+    array and takes a's values."""
+    if isinstance(dst, np.ndarray):
+        dst[...] = a
+    else:
+        dst.copy_to_device(np.ascontiguousarray(a) if isinstance(a, np.ndarray) else a,
+                           stream=stream)
+
+
 def to_host(d) -> np.ndarray:
     """A host copy of a device array (a host array is returned as is)."""
     return d if isinstance(d, np.ndarray) else d.copy_to_host()

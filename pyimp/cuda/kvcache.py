@@ -169,10 +169,7 @@ class DeviceKVCache(KVCache):
         if changed.size == 0:
             return
         lo, hi = int(changed[0]), int(changed[-1]) + 1
-        if isinstance(self.bt_dev, np.ndarray):             # compile_only: host arrays
-            self.bt_dev[lo:hi] = now[lo:hi]
-        else:
-            self.bt_dev[lo:hi].copy_to_device(np.ascontiguousarray(now[lo:hi]))
+        device.upload(self.bt_dev[lo:hi], now[lo:hi])
 
     # ----------------------------------------------------------------- write
     def write(self, layer: int, k, v, pos0: int, seq: int = 0) -> None:
@@ -230,11 +227,7 @@ class DeviceKVCache(KVCache):
                 for side in ("k", "v") if self._tail[side] is not None}
 
     def _restore_tail(self, side: str, seq: int, tail, tail_block: np.ndarray) -> None:
-        dst = self._tail[side][seq]
-        if isinstance(dst, np.ndarray):             # compile_only: host arrays
-            dst[...] = tail
-        else:
-            dst.copy_to_device(tail)
+        device.upload(self._tail[side][seq], tail)
         self._tail_block[side][seq] = tail_block
 
     def _refill_tail(self, side: str, layer: int, seq: int, pb: int) -> None:

@@ -166,11 +166,7 @@ class DeviceSparseState(SparseState):
         """The device kernel over layer il's logical blocks lbs (block ids uploaded)."""
         blocks, n_valid = self._blocks_upto(il, n_ctx, lbs)
         n = len(blocks)
-        ids = np.concatenate([blocks, n_valid]).astype(np.int32)
-        if isinstance(self._ids, np.ndarray):               # compile_only: host arrays
-            self._ids[:2 * n] = ids
-        else:
-            self._ids[:2 * n].copy_to_device(ids)
+        device.upload(self._ids[:2 * n], np.concatenate([blocks, n_valid]).astype(np.int32))
         dsparse.compute_anchors(self.anchor_type, self.cache.k_layer(il), self._ids[:n],
                                 self._ids[n:2 * n], self.anchor_.storage(il),
                                 self.importance_dev[il])
