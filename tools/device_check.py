@@ -27,7 +27,10 @@ always first):
    microseconds, kernel launches, device allocations, host-to-device and device-to-host copies
    (``pyimp.cuda.device.counting``); the time per token the importance update and the anchor
    upkeep take.
-4. ``prefill``: prefill tok/s of a 1024-token prompt.
+4. ``prefill``: prefill tok/s of a 1024-token prompt through the engine; the prefill
+   attention kernel alone over a 32k-token prompt (Gemma's and TinyLlama's head shapes,
+   event-timed), and on its first 4k tokens with query rows tiled against one row a work
+   item.
 5. ``tinyllama``: the TinyLlama-1.1B shape (22 global layers) at 32k, dense vs sparse.
 6. ``kernel_tests``: the CUDA kernel tests of ``tests/cuda`` on the GPU (``PYIMP_CUDA_HW=1``:
    the warp-shuffle reductions included), last: they get whatever time is left. Skipped with
@@ -144,13 +147,14 @@ def _timed(fn, n: int) -> float:
     return (time.perf_counter() - t) / n
 
 
-def _device_timed(fn, n: int) -> tuple[float, str]:
+def _device_timed(fn, n: int, warm: bool = True) -> tuple[float, str]:
     """(seconds per call of fn(), the timer): the device's time between a CUDA event recorded
-    before n calls (after one untimed call) and one recorded after them. The simulator's events
-    carry no time (``elapsed_time`` gives -1): there the host's time stands in, and the timer
-    says so."""
+    before n calls (after one untimed call, unless not ``warm``: fn's kernels compiled already)
+    and one recorded after them. The simulator's events carry no time (``elapsed_time`` gives
+    -1): there the host's time stands in, and the timer says so."""
     from numba import cuda
-    fn()
+    if warm:
+        fn()
     start, end = cuda.event(), cuda.event()
     start.record()
     t = time.perf_counter()
@@ -522,7 +526,47 @@ def prefill(check: Check) -> dict:
     t = time.perf_counter()
     eng.eval(ids)
     dt = time.perf_counter() - t
-    return {"prompt_tokens": len(ids), "tok_s": len(ids) / dt}
+    return {"prompt_tokens": len(ids), "tok_s": len(ids) / dt,
+            "attention": _prefill_attention(check)}
+
+
+def _prefill_attention(check: Check) -> dict:
+    """The prefill attention kernel over a whole long prompt (``long`` tokens, in chunks of
+    512 rows as the engine feeds it), Gemma's and TinyLlama's head shapes, event-timed: query
+    rows tiled to a work item (``attention.tile_rows``, each KV block read once for the tile)
+    against one row a work item (the kernel before the tiling), the latter on the first
+    ``short`` tokens only where the whole prompt would take too long."""
+    from pyimp.cuda import attention as CA
+    from pyimp.cuda import device
+    sh = _shapes(check.dry)
+    n, B = sh["long"], sh["block_len"]
+    chunk = 8 if check.dry else 512
+    short = min(n, 16 if check.dry else 4096)
+    res = {"prompt_tokens": n, "chunk": chunk}
+    for name, (Hq, Hkv, D) in (("gemma", (4, 1, 256 if not check.dry else 16)),
+                               ("tinyllama", (32, 4, 64 if not check.dry else 16))):
+        rng = np.random.default_rng(1)
+        NB = -(-n // B)
+        kc = device.to_device(rng.standard_normal((Hkv, NB, B * D)).astype(np.float16))
+        vc = device.to_device(rng.standard_normal((Hkv, NB, D * B)).astype(np.float16))
+        bt = device.to_device(np.arange(NB, dtype=np.int32))
+        q = device.to_device(rng.standard_normal((chunk, Hq, D)).astype(np.float32))
+        out = device.empty((chunk, Hq, D), np.float32)
+        scr = CA.Scratch()
+
+        def run(tokens, rows):
+            for pos0 in range(0, tokens, chunk):
+                CA.prefill(q, kc, vc, bt, pos0, 0.1, 0, out, scratch=scr, rows=rows)
+
+        rt = CA.tile_rows(chunk, Hq // Hkv, D, B, CA.THREADS)
+        tiled_short, _ = _device_timed(lambda: run(short, None), 1)   # compiles both
+        rows1_short, _ = _device_timed(lambda: run(short, 1), 1)
+        tiled, timer = _device_timed(lambda: run(n, None), 1, warm=False)
+        res[name] = {"rows_per_item": rt, "seconds": tiled, "timer": timer,
+                     "short_tokens": short, "short_seconds_tiled": tiled_short,
+                     "short_seconds_one_row": rows1_short,
+                     "tiling_speedup": rows1_short / tiled_short if tiled_short > 0 else None}
+    return res
 
 
 def tinyllama(check: Check) -> dict:
@@ -539,7 +583,7 @@ def tinyllama(check: Check) -> dict:
 # as they take whatever time is left
 STEPS = {"agreement": (agreement, 40), "agreement_qkv": (agreement_qkv, 40),
          "launch_cost": (launch_cost, 10), "attention": (attention_kernel, 20),
-         "decode": (decode, 40), "prefill": (prefill, 15), "tinyllama": (tinyllama, 40),
+         "decode": (decode, 40), "prefill": (prefill, 30), "tinyllama": (tinyllama, 40),
          "kernel_tests": (kernel_tests, 60)}
 
 

@@ -17,16 +17,21 @@ with it. ``_attend`` and ``_prefill_mass`` are built once per pair of formats (K
 
 Kernels (one thread block per work item, ``THREADS`` threads):
 
-- ``_attend``: work item = (query row, unit, split). A unit is the query heads of one kv head
-  that share a set (as on the CPU); the unit's queries sit in shared memory. Per KV block of
-  its share of the blocks: threads compute the scores of (head, token) pairs, a block-wide max
-  and sum fold the block into the running (m, l) with the max-stabilized rule, then each thread
-  accumulates its (head, channel) outputs over the block's tokens (a contiguous row of the
-  transposed float V; neighbouring channels of each token of a quantized V). The split
-  writes its partial (m, l, o) (flash-decoding); with ``store`` it also keeps
-  exp(score - running max) per attended token and the running max per block.
-  A row's blocks are either every block its causal / sliding-window mask leaves visible
-  (dense, prefill) or the selection of its set (sparse decode).
+- ``_attend``: work item = (tile of query rows, unit, split). A unit is the query heads of one
+  kv head that share a set (as on the CPU); a prefill tile is up to ``tile_rows`` consecutive
+  rows (decode: one), and its (row, head) pairs are the work item's *virtual heads*, whose
+  queries sit in shared memory, so each KV block is read once for all of them. Per KV block
+  of its share of the blocks: a lane group (a warp on hardware) takes a key row, its lanes
+  over the channels (consecutive loads) with one partial dot product per virtual head,
+  summed over the group with warp shuffles (``score_block_fn``); each row's own causal /
+  sliding-window mask sets its hidden scores to -inf; the maxima, then the sums, of every
+  virtual head are reduced over the block together to fold the block into the running
+  (m, l) with the max-stabilized rule (``fold_block``); then each thread accumulates its
+  (head, channel) outputs over the block's tokens (a contiguous row of the transposed float
+  V; neighbouring channels of each token of a quantized V). The split writes its partial
+  (m, l, o) (flash-decoding); with ``store`` it also keeps exp(score - running max) per
+  attended token and the running max per block. A tile's blocks are either every block its
+  rows' masks leave visible (dense, prefill) or the selection of its set (sparse decode).
 - ``_merge``: work item = (row, head): merges the splits, normalizes, writes the output and the
   row's max M and sum L (lse = M + log L).
 - ``_block_mass`` / ``_decay_mass``: a decode step's probabilities
@@ -63,28 +68,69 @@ NEG_INF = -math.inf
 def fold_block(s, B, t0, t1, nh, m, l, alpha, red):
     """Fold one KV block's scores s[g*B + t0 .. g*B + t1) of each of the nh heads into the
     heads' running max m[g] and sum l[g] (the max-stabilized rule): s becomes exp(s - m),
-    alpha[g] the factor the head's earlier output is rescaled by. Ends with a barrier (every
-    exp visible to every thread)."""
+    alpha[g] the factor the head's earlier output is rescaled by. A -inf score (a masked
+    token) becomes 0, also while a head has seen nothing else. The nh maxima, then the nh
+    sums, are reduced over the block together (``device.block_max_n`` / ``block_sum_n``: red
+    holds nh * blockDim slots). Ends with a barrier (every exp visible to every thread)."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
+    v = cuda.local.array(MAX_UNIT_HEADS, float32)
     for g in range(nh):
-        v = float32(NEG_INF)
+        x = float32(NEG_INF)
         for t in range(t0 + tid, t1, nt):
-            v = max(v, s[g * B + t])
-        bm = device.block_max(v, red)
+            x = max(x, s[g * B + t])
+        v[g] = x
+    device.block_max_n(v, nh, red)
+    for g in range(nh):
+        bm = v[g]
         a = float32(1.0)
         if bm > m[g]:
             a = float32(0.0)
             if m[g] > NEG_INF:
                 a = math.exp(m[g] - bm)
             m[g] = bm
+        alpha[g] = a
         ls = float32(0.0)
         for t in range(t0 + tid, t1, nt):
-            e = math.exp(s[g * B + t] - m[g])
+            e = float32(0.0)
+            if m[g] > NEG_INF:
+                e = math.exp(s[g * B + t] - m[g])
             s[g * B + t] = e
             ls += e
-        l[g] = l[g] * a + device.block_sum(ls, red)
-        alpha[g] = a
+        v[g] = ls
+    device.block_sum_n(v, nh, red)
+    for g in range(nh):
+        l[g] = l[g] * alpha[g] + v[g]
+
+
+@functools.cache
+def score_block_fn(kfmt: str):
+    """The device function scoring one KV block, K read in format kfmt:
+    ``score_block(qs, kc, kt, ktb, kvh, pb, t0, t1, nh, D, sc, s, B, part, red)`` writes
+    s[g*B + t] = sc * (qs[g*D:(g+1)*D] . key t of physical block pb, kv head kvh) for t in
+    [t0, t1), g < nh. A lane group takes a key row: its lanes stride over the channels
+    (consecutive fp16 loads), each lane keeps nh partial dot products (``part``, a local array
+    of >= nh), and ``device.lane_sums`` adds them over the group (warp shuffles on hardware);
+    the key is read once for all nh heads. Every thread of the block calls it; the caller
+    syncs before reading s."""
+    kget = kvblocks.readers(kfmt)[0]
+
+    @cuda.jit(device=True)
+    def score_block(qs, kc, kt, ktb, kvh, pb, t0, t1, nh, D, sc, s, B, part, red):
+        lane, grp, ngrp, lanes = device.lane_group()
+        for t in range(t0 + grp, t1, ngrp):
+            for g in range(nh):
+                part[g] = float32(0.0)
+            for d in range(lane, D, lanes):
+                kv = kget(kc, kt, ktb, kvh, pb, t * D + d)
+                for g in range(nh):
+                    part[g] += qs[g * D + d] * kv
+            device.lane_sums(part, nh, red)
+            if lane == 0:
+                for g in range(nh):
+                    s[g * B + t] = part[g] * sc
+
+    return score_block
 
 
 @cuda.jit(device=True)
@@ -116,31 +162,32 @@ def merge_splits(m_part, l_part, o_part, r, h, out):
 @functools.cache
 def _attend_kernel(kfmt: str, vfmt: str):
     """``_attend`` for K stored in format kfmt and V in vfmt (:mod:`pyimp.cuda.kvblocks`)."""
-    kget = kvblocks.readers(kfmt)[0]
+    score_block = score_block_fn(kfmt)
     vget = kvblocks.readers(vfmt)[1]
 
     @cuda.jit
     def _attend(q, kc, kt, ktb, vc, vt, vtb, B, bt, pos0, scale, window, sel, cnt, dense, nsplit,
-                nh, m_part, l_part, o_part, store, probs, bmax):
+                nh, rt, m_part, l_part, o_part, store, probs, bmax):
         R, Hq, D = q.shape
         Hkv = kc.shape[0]
         G = Hq // Hkv
         hps = Hq // sel.shape[0]
         units = Hq // nh
+        nv = rt * nh                                # virtual heads: (tile row, unit head)
         bid = cuda.blockIdx.x
         sp = bid % nsplit
         u = (bid // nsplit) % units
-        r = bid // (nsplit * units)
+        r0 = (bid // (nsplit * units)) * rt
         h0 = u * nh
         kvh = h0 // G
         si = h0 // hps
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         sc = float32(scale)
-        n_ctx = pos0 + r + 1
+        n_ctx = pos0 + min(r0 + rt, R)              # the tile's last row sees the most keys
         lo = 0
         if window > 0:
-            lo = max(0, n_ctx - window)
+            lo = max(0, pos0 + r0 + 1 - window)     # ... and its first row the earliest
         lb_first = 0
         if dense:
             lb_first = lo // B
@@ -152,17 +199,19 @@ def _attend_kernel(kfmt: str, vfmt: str):
         k_end = min(n_blocks, k_beg + per)
 
         sh = cuda.shared.array(0, float32)
-        qs = sh[0:nh * D]
-        o = sh[nh * D:2 * nh * D]
-        s = sh[2 * nh * D:2 * nh * D + nh * B]
-        red = sh[2 * nh * D + nh * B:2 * nh * D + nh * B + nt]
+        qs = sh[0:nv * D]
+        o = sh[nv * D:2 * nv * D]
+        s = sh[2 * nv * D:2 * nv * D + nv * B]
+        red = sh[2 * nv * D + nv * B:2 * nv * D + nv * B + nv * nt]
         m = cuda.local.array(MAX_UNIT_HEADS, float32)
         l = cuda.local.array(MAX_UNIT_HEADS, float32)
         alpha = cuda.local.array(MAX_UNIT_HEADS, float32)
-        for i in range(tid, nh * D, nt):
-            qs[i] = q[r, h0 + i // D, i % D]
+        part = cuda.local.array(MAX_UNIT_HEADS, float32)
+        for i in range(tid, nv * D, nt):
+            r = r0 + i // (nh * D)
+            qs[i] = q[r, h0 + (i // D) % nh, i % D] if r < R else float32(0.0)
             o[i] = float32(0.0)
-        for g in range(nh):
+        for g in range(nv):
             m[g] = float32(NEG_INF)
             l[g] = float32(0.0)
         cuda.syncthreads()
@@ -177,38 +226,43 @@ def _attend_kernel(kfmt: str, vfmt: str):
             t0 = max(lo - base, 0)
             t1 = max(min(n_ctx - base, B), t0)      # a block the masks hide is an empty range
             ntok = t1 - t0
-            # scores of (head, token) pairs
-            for i in range(tid, nh * ntok, nt):
-                g = i // ntok
-                t = t0 + i % ntok
-                acc = float32(0.0)
-                for d in range(D):
-                    acc += qs[g * D + d] * kget(kc, kt, ktb, kvh, pb, t * D + d)
-                s[g * B + t] = acc * sc
+            score_block(qs, kc, kt, ktb, kvh, pb, t0, t1, nv, D, sc, s, B, part, red)
             cuda.syncthreads()
-            fold_block(s, B, t0, t1, nh, m, l, alpha, red)
-            for i in range(tid, nh * D, nt):
+            if rt > 1:                              # each row's own causal / window mask
+                for i in range(tid, nv * ntok, nt):
+                    g = i // ntok
+                    t = t0 + i % ntok
+                    r = r0 + g // nh
+                    p = base + t
+                    if r >= R or p > pos0 + r or (window > 0 and p <= pos0 + r - window):
+                        s[g * B + t] = float32(NEG_INF)
+                cuda.syncthreads()
+            fold_block(s, B, t0, t1, nv, m, l, alpha, red)
+            for i in range(tid, nv * D, nt):
                 g = i // D
                 d = i % D
                 acc = float32(0.0)
                 for t in range(t0, t1):
                     acc += s[g * B + t] * vget(vc, vt, vtb, kvh, pb, t, d, B, D)
                 o[i] = o[i] * alpha[g] + acc
-            if store:
+            if store:                               # decode only: one row, nv == nh
                 for i in range(tid, nh * ntok, nt):
                     g = i // ntok
                     t = t0 + i % ntok
                     probs[h0 + g, k, t] = s[g * B + t]
-                if tid < nh:
-                    bmax[h0 + tid, k] = m[tid]
+                for g in range(tid, nh, nt):
+                    bmax[h0 + g, k] = m[g]
             cuda.syncthreads()                      # s is rewritten by the next block
 
-        for i in range(tid, nh * D, nt):
-            o_part[r, h0 + i // D, sp, i % D] = o[i]
-        if tid < nh:
-            m_part[r, h0 + tid, sp] = m[tid]
-            l_part[r, h0 + tid, sp] = l[tid]
-
+        for i in range(tid, nv * D, nt):
+            r = r0 + i // (nh * D)
+            if r < R:
+                o_part[r, h0 + (i // D) % nh, sp, i % D] = o[i]
+        for g in range(tid, nv, nt):               # more virtual heads than threads: a loop
+            r = r0 + g // nh
+            if r < R:
+                m_part[r, h0 + g % nh, sp] = m[g]
+                l_part[r, h0 + g % nh, sp] = l[g]
 
     return _attend
 
@@ -367,8 +421,23 @@ def _unit_heads(Hq: int, Hkv: int, nsets: int) -> int:
     return nh
 
 
-def _shared_bytes(nh: int, D: int, B: int, nt: int) -> int:
-    return (2 * nh * D + nh * B + nt) * 4
+def _shared_bytes(nv: int, D: int, B: int, nt: int) -> int:
+    """Dynamic shared memory of ``_attend`` with nv virtual heads: queries, outputs, one
+    block's scores and the n-wide reductions' scratch."""
+    return (2 * nv * D + nv * B + nv * nt) * 4
+
+
+SHARED_BUDGET = 48 * 1024     # dynamic shared memory a launch gets without opting in
+
+
+def tile_rows(T: int, nh: int, D: int, B: int, nt: int) -> int:
+    """Query rows per prefill work item: as many as keep ``rows * nh`` heads within
+    MAX_UNIT_HEADS and the shared memory within SHARED_BUDGET (each KV block is then read
+    once for all of them)."""
+    rt = max(1, min(T, MAX_UNIT_HEADS // nh))
+    while rt > 1 and _shared_bytes(rt * nh, D, B, nt) > SHARED_BUDGET:
+        rt -= 1
+    return rt
 
 
 def default_splits(n_blocks: int, units: int, min_blocks: int = 4, target: int = 264) -> int:
@@ -460,7 +529,7 @@ def decode(q, kc, vc, bt, n_ctx: int, scale: float, window: int, out, sel=None, 
     attend, kv = _operands(kc, vc, scratch)
     device.launch(attend, units * nsplit, nt, q, *kv, np.int32(B), bt, np.int32(n_ctx - 1),
                   np.float32(scale), np.int32(window), sel, cnt, dense, np.int32(nsplit),
-                  np.int32(nh), m_part, l_part, o_part, store, probs, bmax,
+                  np.int32(nh), np.int32(1), m_part, l_part, o_part, store, probs, bmax,
                   shared=_shared_bytes(nh, D, B, nt))
     device.launch(_merge, Hq, min(nt, device.pow2_threads(D)), m_part, l_part, o_part, out, M, L)
     if store:
@@ -476,11 +545,13 @@ def decode(q, kc, vc, bt, n_ctx: int, scale: float, window: int, out, sel=None, 
 
 
 def prefill(q, kc, vc, bt, pos0: int, scale: float, window: int, out, importance=None,
-            obs_start: int = 0, decay: float = 1.0, scratch: Scratch | None = None):
+            obs_start: int = 0, decay: float = 1.0, scratch: Scratch | None = None,
+            rows: int | None = None):
     """Causal (optionally sliding-window) attention of a prompt chunk q ``[T, Hq, D]`` (row i at
     position pos0 + i; its K/V already cached) into out ``[T, Hq, D]``. ``importance`` receives
     the probabilities of the rows at positions >= ``obs_start`` (``decay*old + new``).
-    Returns (M, L) device arrays ``[T, Hq]``."""
+    ``rows``: query rows per work item (default :func:`tile_rows`). Returns (M, L) device
+    arrays ``[T, Hq]``."""
     T, Hq, D, Hkv, B = _check(q, kc, vc, bt)
     scratch = scratch or _SCRATCH
     nh = _unit_heads(Hq, Hkv, 1)
@@ -496,10 +567,14 @@ def prefill(q, kc, vc, bt, pos0: int, scale: float, window: int, out, importance
     dummy_b = scratch.get("bm0", (1, 1), np.float32)
     nt = THREADS
     attend, kv = _operands(kc, vc, scratch)
-    device.launch(attend, T * units, nt, q, *kv, np.int32(B), bt, np.int32(pos0), np.float32(scale),
-                  np.int32(window), dummy_sel, dummy_cnt, True, np.int32(1), np.int32(nh),
-                  m_part, l_part, o_part, False, dummy_p, dummy_b,
-                  shared=_shared_bytes(nh, D, B, nt))
+    rt = tile_rows(T, nh, D, B, nt) if rows is None else int(rows)
+    if not 1 <= rt * nh <= MAX_UNIT_HEADS:
+        raise ValueError(f"rows = {rows}: rows x {nh} heads per work item must be in "
+                         f"1..{MAX_UNIT_HEADS}")
+    device.launch(attend, -(-T // rt) * units, nt, q, *kv, np.int32(B), bt, np.int32(pos0),
+                  np.float32(scale), np.int32(window), dummy_sel, dummy_cnt, True, np.int32(1),
+                  np.int32(nh), np.int32(rt), m_part, l_part, o_part, False, dummy_p, dummy_b,
+                  shared=_shared_bytes(rt * nh, D, B, nt))
     device.launch(_merge, T * Hq, min(nt, device.pow2_threads(D)), m_part, l_part, o_part, out,
                   M, L)
     r0 = max(0, int(obs_start) - int(pos0))

@@ -24,11 +24,14 @@ A decode step, per layer (Gemma 3's order; the others skip what they do not have
    h = attn_norm(x)); the q, k and v rows (three weight types in one launch) + biases.
 2. ``rope_store``: one block per head: q / k RMSNorm, RoPE at ``rec[0]`` from the tables,
    q's scale; K and V stored into the float cache at slot ``rec[0]`` (a quantized cache is
-   written by :meth:`pyimp.cuda.kvcache.DeviceKVCache.write` instead).
+   written by :meth:`pyimp.cuda.kvcache.DeviceKVCache.write` instead); on a layer with
+   key-only anchors, the anchors of the block the key joined recomputed (so a retrieving
+   layer adds one launch, scoring and selection: :func:`pyimp.cuda.sparse.retrieve_blocks`).
 3. ``attend``: flash-decoding splits over the visible blocks; the last split of a head to
    finish (counted with an atomic) merges the partials, writes the output and adds the step's
-   probabilities to ``importance_`` (dense steps over a float cache; sparse steps and
-   quantized caches take :func:`pyimp.cuda.attention.decode`).
+   probabilities to ``importance_``; a block-sparse step attends its selection (dense and
+   block-sparse steps over a float cache with nobody observing; quantized caches and
+   observed steps take :func:`pyimp.cuda.attention.decode`).
 4. ``o``: the output projection (a plain matvec).
 5. ``gate_up``: prologue (x += post_attention_norm(o + bias); h = ffn_norm(x)); g = act(gate)
    * up, both rows in one pass.
@@ -53,8 +56,12 @@ from numba import cuda, float32, int32
 
 from .. import ops as host_ops
 from . import device, linear
-from .attention import fold_block, merge_splits, prob, store_mass
+from .attention import _shared_bytes, fold_block, merge_splits, prob, score_block_fn, store_mass
 from .ops import _ACTS, rope_index, rope_pair
+from .sparse import _anchor_body
+
+_float_anchor = _anchor_body("float")
+_score_float = score_block_fn("float")
 
 NEG_INF = -math.inf
 MAX_UNIT_HEADS = 16
@@ -242,9 +249,12 @@ def _rotate(vs, out, cos, sin, p, neox):
 
 @cuda.jit
 def _rope_store(qkv, Hq, Hkv, D, q_norm, k_norm, qk_norm, eps, cos, sin, neox, q_scale,
-                rec, bt, kc, vc, store, qo, ko):
+                rec, bt, kc, vc, store, qo, ko, akind, anchor):
     """Block h < Hq: query head h -> qo[h]; block Hq + j: kv head j's key -> ko[j] and, with
-    store, key and value into the float cache at slot rec[0] (K token-major, V transposed)."""
+    store, key and value into the float cache at slot rec[0] (K token-major, V transposed);
+    with ``akind >= 0`` (an anchor type's code, :func:`pyimp.cuda.sparse.anchor_code`) the
+    anchors of kv head j of the block the key joined are then recomputed over its tokens so
+    far, so a layer's anchors stay fresh without a launch of their own."""
     red = cuda.shared.array(_MAX_THREADS, float32)
     sh = cuda.shared.array(0, float32)
     vs = sh[0:D]
@@ -283,6 +293,9 @@ def _rope_store(qkv, Hq, Hkv, D, q_norm, k_norm, qk_norm, eps, cos, sin, neox, q
             for d in range(tid, D, nt):
                 kc[j, pb, t * D + d] = rot[d]
                 vc[j, pb, d * B + t] = qkv[vbase + d]
+            if akind >= 0:
+                cuda.syncthreads()                   # the block's keys, this one included
+                _float_anchor(akind, kc, kc, -1, B, pb, t + 1, j, anchor)
 
 
 # ---------------------------------------------------------------- attention
@@ -329,11 +342,12 @@ def _attend(q, kc, vc, bt, rec, scale, window, sel, cnt, dense, nh, m_part, l_pa
     qs = sh[0:nh * D]
     o = sh[nh * D:2 * nh * D]
     s = sh[2 * nh * D:2 * nh * D + nh * B]
-    red = sh[2 * nh * D + nh * B:2 * nh * D + nh * B + nt]
+    red = sh[2 * nh * D + nh * B:2 * nh * D + nh * B + nh * nt]
     ticket = cuda.shared.array(1, int32)
     m = cuda.local.array(MAX_UNIT_HEADS, float32)
     l = cuda.local.array(MAX_UNIT_HEADS, float32)
     alpha = cuda.local.array(MAX_UNIT_HEADS, float32)
+    part = cuda.local.array(MAX_UNIT_HEADS, float32)
     for i in range(tid, nh * D, nt):
         qs[i] = q[h0 + i // D, i % D]
         o[i] = float32(0.0)
@@ -349,13 +363,7 @@ def _attend(q, kc, vc, bt, rec, scale, window, sel, cnt, dense, nh, m_part, l_pa
         t0 = max(lo - base, 0)
         t1 = max(min(n_ctx - base, B), t0)     # a block the masks hide is an empty range
         ntok = t1 - t0
-        for i in range(tid, nh * ntok, nt):
-            g = i // ntok
-            t = t0 + i % ntok
-            acc = float32(0.0)
-            for d in range(D):
-                acc += qs[g * D + d] * float32(kc[kvh, pb, t * D + d])
-            s[g * B + t] = acc * sc
+        _score_float(qs, kc, kc, -1, kvh, pb, t0, t1, nh, D, sc, s, B, part, red)
         cuda.syncthreads()
         fold_block(s, B, t0, t1, nh, m, l, alpha, red)
         for i in range(tid, nh * D, nt):
@@ -370,15 +378,15 @@ def _attend(q, kc, vc, bt, rec, scale, window, sel, cnt, dense, nh, m_part, l_pa
                 g = i // ntok
                 t = t0 + i % ntok
                 probs[h0 + g, k, t] = s[g * B + t]
-            if tid < nh:
-                bmax[h0 + tid, k] = m[tid]
+            for g in range(tid, nh, nt):
+                bmax[h0 + g, k] = m[g]
         cuda.syncthreads()
 
     for i in range(tid, nh * D, nt):
         o_part[0, h0 + i // D, sp, i % D] = o[i]
-    if tid < nh:
-        m_part[0, h0 + tid, sp] = m[tid]
-        l_part[0, h0 + tid, sp] = l[tid]
+    for g in range(tid, nh, nt):                # a unit may have more heads than threads
+        m_part[0, h0 + g, sp] = m[g]
+        l_part[0, h0 + g, sp] = l[g]
 
     # the last split of this unit to finish merges (the partials made visible first)
     cuda.threadfence()
@@ -438,7 +446,7 @@ def attend(q, kc, vc, bt, rec, scale: float, window: int, out, nsplit: int, part
     device.launch(_attend, (Hq // nh) * nsplit, nt, q, kc, vc, bt, rec, np.float32(scale),
                   np.int32(window), sel, cnt, np.int32(dense), np.int32(nh), m_part, l_part,
                   o_part, counter, out, np.int32(store), probs, bmax, importance,
-                  shared=(2 * nh * D + nh * B + nt) * 4)
+                  shared=_shared_bytes(nh, D, B, nt))
 
 
 # ---------------------------------------------------------------- the plan
@@ -588,6 +596,7 @@ class DecodePlan:
         self.probs = device.zeros((Hq, max_blocks, block_len), f32)
         self.bmax = device.zeros((Hq, max_blocks), f32)
         self.imp0 = device.zeros((1, 1, 1), np.float16)      # no importance: never written
+        self.anchor0 = device.zeros((1, 1, 1, 1), np.float16)  # no anchors: never written
         # RoPE tables of every position, one pair per distinct argument set
         self.rope = []
         tables: dict = {}
@@ -695,8 +704,10 @@ class DecodePlan:
                       fw.eps, self.xa, q.raw, k.raw, v.raw, np.int32(q.n_out),
                       np.int32(k.n_out), L["qkv_bias"], self.qkv_out, shared=4 * E)
 
-    def rope_store(self, il: int, kc, vc, bt, store: bool) -> None:
-        """Launch 2: q / k norms, RoPE, q's scale; K / V into the float cache when store."""
+    def rope_store(self, il: int, kc, vc, bt, store: bool, anchors=None) -> None:
+        """Launch 2: q / k norms, RoPE, q's scale; K / V into the float cache when store;
+        ``anchors`` (kind code, anchor storage ``[NB][A][Ha][D]``): the anchors of the block
+        the key joined, recomputed after the store."""
         if not self._launching():
             return
         fw, lw, A = self.fwd, self.fwd.layers[il], self.arch
@@ -707,10 +718,12 @@ class DecodePlan:
         q_scale = np.float32(1.0 / math.sqrt(D)) if A.q_prescale else np.float32(1.0)
         if not store:
             kc = vc = self.imp0
+        akind, anchor = (-1, self.anchor0) if anchors is None or not store else anchors
         device.launch(_rope_store, self.Hq + self.Hkv, self.rope_threads,
                       self.qkv_out, np.int32(self.Hq), np.int32(self.Hkv), np.int32(D), qn, kn,
                       np.int32(A.qk_norm), fw.eps, cos, sin, np.int32(A.rope_neox), q_scale,
-                      self.rec, bt, kc, vc, np.int32(store), self.q, self.k, shared=8 * D)
+                      self.rec, bt, kc, vc, np.int32(store), self.q, self.k, np.int32(akind),
+                      anchor, shared=8 * D)
 
     def attend(self, kc, vc, bt, scale: float, window: int, importance, sel=None,
                cnt=None) -> None:

@@ -377,3 +377,104 @@ else:
         r = _warp_max(w)
         cuda.syncthreads()
         return r
+
+
+# ---------------------------------------------------------------- lane groups, n-wide reductions
+#
+# A *lane group* strides over one row (a key's channels) with consecutive threads, so its loads
+# are coalesced: a warp on hardware, the whole block on the simulator (no warp operations
+# there). ``lane_sums`` sums a thread's n partials over its group; ``block_max_n`` /
+# ``block_sum_n`` reduce n values over the whole block at once (two barriers for all n).
+# ``red``: float32 shared scratch of n * blockDim slots.
+
+if SIMULATOR:
+    @cuda.jit(device=True)
+    def lane_group():
+        """(lane, group, groups, lanes) of this thread: one group of every thread."""
+        return cuda.threadIdx.x, 0, 1, cuda.blockDim.x
+
+    @cuda.jit(device=True)
+    def lane_sums(v, n, red):
+        """v[0:n] <- their sums over this thread's lane group (every lane gets them); every
+        thread of the block calls it (two barriers)."""
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        for g in range(n):
+            red[g * nt + tid] = v[g]
+        cuda.syncthreads()
+        for g in range(n):
+            r = float32(0.0)
+            for i in range(nt):
+                r += red[g * nt + i]
+            v[g] = r
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def block_max_n(v, n, red):
+        """v[0:n] <- their maxima over the block (two barriers)."""
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        for g in range(n):
+            red[g * nt + tid] = v[g]
+        cuda.syncthreads()
+        for g in range(n):
+            r = red[g * nt]
+            for i in range(1, nt):
+                r = max(r, red[g * nt + i])
+            v[g] = r
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def block_sum_n(v, n, red):
+        """v[0:n] <- their sums over the block (two barriers)."""
+        lane_sums(v, n, red)
+else:
+    @cuda.jit(device=True)
+    def lane_group():
+        """(lane, group, groups, lanes) of this thread: a warp is a group (blockDim a multiple
+        of 32)."""
+        tid = cuda.threadIdx.x
+        return tid % WARP, tid // WARP, cuda.blockDim.x // WARP, WARP
+
+    @cuda.jit(device=True)
+    def lane_sums(v, n, red):
+        """v[0:n] <- their sums over this thread's warp (butterfly shuffles: every lane gets
+        them); no barrier, so a warp may call it alone."""
+        for g in range(n):
+            v[g] = _warp_sum(v[g])
+
+    @cuda.jit(device=True)
+    def block_max_n(v, n, red):
+        """v[0:n] <- their maxima over the block: warp shuffles, then the warps' results in
+        order from shared memory (two barriers)."""
+        tid = cuda.threadIdx.x
+        nw = cuda.blockDim.x // WARP
+        for g in range(n):
+            x = _warp_max(v[g])
+            if tid % WARP == 0:
+                red[g * nw + tid // WARP] = x
+        cuda.syncthreads()
+        for g in range(n):
+            r = red[g * nw]
+            for i in range(1, nw):
+                r = max(r, red[g * nw + i])
+            v[g] = r
+        cuda.syncthreads()
+
+    @cuda.jit(device=True)
+    def block_sum_n(v, n, red):
+        """v[0:n] <- their sums over the block: warp shuffles, then the warps' sums in order
+        from shared memory (two barriers)."""
+        tid = cuda.threadIdx.x
+        nw = cuda.blockDim.x // WARP
+        for g in range(n):
+            x = _warp_sum(v[g])
+            if tid % WARP == 0:
+                red[g * nw + tid // WARP] = x
+        cuda.syncthreads()
+        for g in range(n):
+            r = float32(0.0)
+            for i in range(nw):
+                r += red[g * nw + i]
+            v[g] = r
+        cuda.syncthreads()

@@ -150,7 +150,8 @@ class DeviceForward:
             c = self.cache
             store = not c.quantized
             kc, vc = (c.k_layer(il), c.v_layer(il)) if store else (None, None)
-            self.plan.rope_store(il, kc, vc, c.bt_dev, store)
+            anchors = self.sparse.fused_anchors(il) if self.sparse is not None else None
+            self.plan.rope_store(il, kc, vc, c.bt_dev, store, anchors)
             return self.plan.q3, self.plan.k3
         cfg, A, T, lw = self.cfg, self.arch, step.T, self.layers[il]
         Hq, Hkv, D = cfg.n_head, cfg.n_head_kv, cfg.head_dim
@@ -212,11 +213,13 @@ class DeviceForward:
             plan.attend(kc, vc, bt, scale, window, None)
         elif fusable and not sparse:
             sp.dense_step(il, q3, p + 1, scale, window,
-                          lambda: plan.attend(kc, vc, bt, scale, window, sp.importance_dev[il]))
+                          lambda: plan.attend(kc, vc, bt, scale, window, sp.importance_dev[il]),
+                          sp.fused_anchors(il) is not None)
         elif fusable:
             sp.sparse_step(il, q3, p + 1, scale, window,
                            lambda sel, cnt: plan.attend(kc, vc, bt, scale, window,
-                                                        sp.importance_dev[il], sel, cnt))
+                                                        sp.importance_dev[il], sel, cnt),
+                           sp.fused_anchors(il) is not None)
         elif sp is not None:
             sp.decode_attention(il, q3, p + 1, scale, window, plan.att3, sparse)
         else:

@@ -16,7 +16,8 @@ storage format, ``_anchor_kernels``): a quantized layer's anchors are those of i
 keys (the tail block's from the float tail), decoded where they are read, which is what the
 CPU computes from ``QuantizedKV.blocks_f32``.
 
-- ``_anchor_kernel``: grid ``(n, Hkv)``, one thread block per (listed block, kv head);
+- ``_anchor_kernel``: grid ``(n, Hkv)``, one thread block per (listed block, kv head) running
+  ``_anchor_body`` (also called by the decode step's K store, :mod:`pyimp.cuda.decode`);
   ``anchor_threads(D)`` threads stride over the D channels, each runs over the block's valid
   tokens in order (float32 sums in token order, as NumPy's reduction over the token axis
   does), and writes the A slots of its channel into each of the ``Ha / Hkv`` head slots of
@@ -41,6 +42,9 @@ CPU computes from ``QuantizedKV.blocks_f32``.
   block order, ties taken lowest block first, as the CPU's stable order does. Init, local
   and tail blocks, the -1 padding and the dense case ("attend everything") are written by
   the same kernel.
+- ``_retrieve_kernel``: scoring and selection in one launch (``retrieve_blocks``): the scoring
+  grid and threads; the last thread block to finish (an atomic ticket) selects each set in
+  turn with the selection's code.
 - ``_decay_kernel``: a 1-D grid over the ``n_ctx * Hq`` valid entries, one thread per entry:
   ``fp16(min(float32(decay) * old, 65504))`` as the CPU update rounds it.
 
@@ -49,8 +53,8 @@ QUEST and CUBOID_MEAN store their upper slot rounded up and their lower slot rou
 inward), bit-identical to the CPU's ``round_up_f16`` / ``_round_down_f16``; every other
 store rounds to nearest even.
 
-Launches: ``compute_anchors`` 1, ``set_scores`` 1, ``select_blocks`` 1, ``retrieve_blocks`` 2
-(1 when the context is attended densely), ``decay_importance`` 1 (0 when decay == 1).
+Launches: ``compute_anchors`` 1, ``set_scores`` 1, ``select_blocks`` 1, ``retrieve_blocks`` 1,
+``decay_importance`` 1 (0 when decay == 1).
 
 Differences from the CPU path: anchors are float16 only (the CPU also takes float32 anchor
 buffers); the block ids a device array holds are not
@@ -153,20 +157,20 @@ def _sampled(t, A, B):
 
 
 @functools.cache
-def _anchor_kernels(kfmt: str):
-    """(_anchor_kernel, _dynamic_kernel) reading K stored in format kfmt
-    (:mod:`pyimp.cuda.kvblocks`)."""
+def _anchor_body(kfmt: str):
+    """The device function that writes one block's anchors of one kv head, K read in format
+    kfmt: ``body(kind, k_cache, kt, ktb, B, pb, nv, kvh, anchor)`` over physical block pb's
+    first nv tokens, the thread block's threads striding over the D channels (each runs over
+    the tokens in order: float32 sums in token order, as NumPy's reduction over the token axis
+    does), the A slots of a channel written into each of the ``Ha / Hkv`` head slots of kv head
+    kvh. Called by ``_anchor_kernel`` and by the decode step's store
+    (:mod:`pyimp.cuda.decode`), which refreshes the block it wrote into."""
     kget = kvblocks.readers(kfmt)[0]
 
-    @cuda.jit
-    def _anchor_kernel(kind, k_cache, kt, ktb, B, blocks, n_valid, anchor):
+    @cuda.jit(device=True)
+    def body(kind, k_cache, kt, ktb, B, pb, nv, kvh, anchor):
         _, A, Ha, D = anchor.shape
-        Hkv = k_cache.shape[0]
-        rep = Ha // Hkv
-        i = cuda.blockIdx.x
-        kvh = cuda.blockIdx.y
-        pb = blocks[i]
-        nv = n_valid[i]
+        rep = Ha // k_cache.shape[0]
         for d in range(cuda.threadIdx.x, D, cuda.blockDim.x):
             if kind == _MEAN or kind == _FIXED:
                 acc = float32(0.0)
@@ -205,6 +209,26 @@ def _anchor_kernels(kfmt: str):
                 v = v1 if a == 1 else v0
                 for g in range(rep):
                     anchor[pb, a, kvh * rep + g, d] = v
+
+    return body
+
+
+def anchor_code(anchor_type: AnchorType) -> int:
+    """The kind code the anchor body takes for a key-only anchor type (not DYNAMIC)."""
+    return _KIND[AnchorType(anchor_type)]
+
+
+@functools.cache
+def _anchor_kernels(kfmt: str):
+    """(_anchor_kernel, _dynamic_kernel) reading K stored in format kfmt
+    (:mod:`pyimp.cuda.kvblocks`)."""
+    kget = kvblocks.readers(kfmt)[0]
+    body = _anchor_body(kfmt)
+
+    @cuda.jit
+    def _anchor_kernel(kind, k_cache, kt, ktb, B, blocks, n_valid, anchor):
+        i = cuda.blockIdx.x
+        body(kind, k_cache, kt, ktb, B, blocks[i], n_valid[i], cuda.blockIdx.y, anchor)
 
     @cuda.jit
     def _dynamic_kernel(k_cache, kt, ktb, blocks, n_valid, importance, anchor):
@@ -263,8 +287,10 @@ def _anchor_kernels(kfmt: str):
 # --------------------------------------------------------------------------
 
 
-@cuda.jit
-def _set_scores_kernel(q, anchor, bt, lb_start, n_slots, gdiv, astep, out):
+@cuda.jit(device=True)
+def _score_rows(q, anchor, bt, lb_start, n_slots, gdiv, astep, out, s):
+    """This thread block's candidates' set scores into out (see ``_set_scores_kernel``); s:
+    shared float32 scratch of MAX_THREADS."""
     C, nsets = out.shape
     Hq, D = q.shape
     hps = Hq // nsets
@@ -272,7 +298,6 @@ def _set_scores_kernel(q, anchor, bt, lb_start, n_slots, gdiv, astep, out):
     nt = cuda.blockDim.x
     cpb = max(1, nt // Hq)                      # candidates per thread block
     i0 = cuda.blockIdx.x * cpb
-    s = cuda.shared.array(MAX_THREADS, float32)  # per-head scores of the block's candidates
     for e in range(tid, cpb * Hq, nt):
         i = i0 + e // Hq
         if i < C:
@@ -298,6 +323,12 @@ def _set_scores_kernel(q, anchor, bt, lb_start, n_slots, gdiv, astep, out):
             for j in range(hps):
                 acc += s[base + j]
             out[i, si] = acc
+
+
+@cuda.jit
+def _set_scores_kernel(q, anchor, bt, lb_start, n_slots, gdiv, astep, out):
+    s = cuda.shared.array(MAX_THREADS, float32)  # per-head scores of the block's candidates
+    _score_rows(q, anchor, bt, lb_start, n_slots, gdiv, astep, out, s)
 
 
 # --------------------------------------------------------------------------
@@ -382,9 +413,10 @@ else:
         return incl, tot
 
 
-@cuda.jit
-def _select_kernel(sbits, init, pick, loc, F, n_lb, dense, sel, cnt):
-    si = cuda.blockIdx.x
+@cuda.jit(device=True)
+def _select_set(sbits, si, init, pick, loc, F, n_lb, dense, sel, cnt, hist, buf, bc):
+    """Set si's selection (see ``_select_kernel``) by the whole thread block; hist, buf, bc:
+    shared int32 scratch of 256, MAX_THREADS and 2 slots."""
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     K = sel.shape[1]
@@ -406,9 +438,6 @@ def _select_kernel(sbits, init, pick, loc, F, n_lb, dense, sel, cnt):
         return
 
     C = sbits.shape[0]
-    hist = cuda.shared.array(256, int32)
-    buf = cuda.shared.array(MAX_THREADS, int32)
-    bc = cuda.shared.array(2, int32)
     # radix select: kstar = the pick-th largest key, krem = how many keys == kstar are taken
     prefix = int64(0)
     krem = int64(pick)
@@ -460,6 +489,42 @@ def _select_kernel(sbits, init, pick, loc, F, n_lb, dense, sel, cnt):
         taken += (tot & 0xFFFF) + min(tot >> 16, rem)
         ties += tot >> 16
         c0 += nt
+
+
+@cuda.jit
+def _select_kernel(sbits, init, pick, loc, F, n_lb, dense, sel, cnt):
+    hist = cuda.shared.array(256, int32)
+    buf = cuda.shared.array(MAX_THREADS, int32)
+    bc = cuda.shared.array(2, int32)
+    _select_set(sbits, cuda.blockIdx.x, init, pick, loc, F, n_lb, dense, sel, cnt, hist, buf, bc)
+
+
+@cuda.jit
+def _retrieve_kernel(q, anchor, bt, lb_start, n_slots, gdiv, astep, scores, sbits, counter,
+                     init, pick, loc, F, n_lb, sel, cnt):
+    """Scoring and selection in one launch: the thread blocks score their candidates as
+    ``_set_scores_kernel`` does; the last one to finish (an atomic ticket on counter[0], the
+    scores made visible first) selects every set in turn as ``_select_kernel`` does, and
+    resets the counter for the next launch."""
+    s = cuda.shared.array(MAX_THREADS, float32)
+    hist = cuda.shared.array(256, int32)
+    buf = cuda.shared.array(MAX_THREADS, int32)
+    bc = cuda.shared.array(2, int32)
+    ticket = cuda.shared.array(1, int32)
+    _score_rows(q, anchor, bt, lb_start, n_slots, gdiv, astep, scores, s)
+    cuda.threadfence()
+    cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        ticket[0] = cuda.atomic.add(counter, 0, 1)
+    cuda.syncthreads()
+    if ticket[0] != cuda.gridDim.x - 1:
+        return
+    cuda.threadfence()
+    for si in range(sel.shape[0]):
+        _select_set(sbits, si, init, pick, loc, F, n_lb, False, sel, cnt, hist, buf, bc)
+        cuda.syncthreads()
+    if cuda.threadIdx.x == 0:
+        counter[0] = 0                          # ready for the next launch
 
 
 # --------------------------------------------------------------------------
@@ -694,10 +759,11 @@ def retrieve_blocks(q, anchor, block_table, n_ctx: int, block_len: int, n_kv_hea
                     retrieval_type: RetrievalType = RetrievalType.LAYER, init_block_num: int = 1,
                     pick_block_num: int = 8, local_block_num: int = 2,
                     anchor_type: AnchorType = AnchorType.QUEST, sel=None, cnt=None,
-                    scores=None):
-    """Score the candidate blocks and select, on the device with no host round trip (twin of
-    :func:`pyimp.sparse.retrieval.retrieve_blocks`). Returns device ``(sel, cnt)``; ``sel``,
-    ``cnt`` and the float32 ``[C, nsets]`` scratch ``scores`` may be given to reuse buffers."""
+                    scores=None, counter=None):
+    """Score the candidate blocks and select, on the device in one launch with no host round
+    trip (twin of :func:`pyimp.sparse.retrieval.retrieve_blocks`). Returns device ``(sel,
+    cnt)``; ``sel``, ``cnt``, the float32 ``[C, nsets]`` scratch ``scores`` and the int32
+    ``[1]`` zeroed ``counter`` (the launch leaves it zero) may be given to reuse buffers."""
     init, pick, local = int(init_block_num), int(pick_block_num), int(local_block_num)
     check_budget(n_ctx, block_len, init, pick, local)
     n_ctx, B = int(n_ctx), int(block_len)
@@ -716,9 +782,25 @@ def retrieve_blocks(q, anchor, block_table, n_ctx: int, block_len: int, n_kv_hea
     if F <= init + pick + local:
         return _launch_select(None, n_ctx, B, init, pick, local, nsets, sel, cnt)
     lb_end = F - recent_blocks(n_ctx, B, local)
-    s = set_scores(q, anchor, bt, init, lb_end, nsets, anchor_slots(anchor_type, A), G, shared,
-                   out=scores)
-    return _launch_select(s, n_ctx, B, init, pick, local, nsets, sel, cnt)
+    C = lb_end - init
+    if scores is None:
+        scores = device.empty((C, nsets), np.float32)
+    elif _arr("scores", scores, (np.float32,), 2, "[C, nsets]") != (C, nsets):
+        raise ValueError(f"scores must have shape {(C, nsets)}, got {tuple(scores.shape)}")
+    if counter is None:
+        counter = device.zeros((1,), np.int32)
+    elif _arr("counter", counter, (np.int32,), 1, "[1]") != (1,):
+        raise ValueError(f"counter must have shape (1,), got {tuple(counter.shape)}")
+    if Hq > MAX_THREADS:
+        raise ValueError(f"q has {Hq} query heads: scoring supports up to {MAX_THREADS}")
+    sel, cnt = _outputs(nsets, init + pick + local + 1, sel, cnt)
+    _, _, _, _, gdiv, astep = _check_q_anchor(q, anchor, G, shared)
+    device.launch(_retrieve_kernel, device.blocks_for(C, max(1, THREADS // Hq)), THREADS, q,
+                  anchor, bt, np.int32(init), np.int32(anchor_slots(anchor_type, A)),
+                  np.int32(gdiv), np.int32(astep), scores, scores.view(np.int32), counter,
+                  np.int32(init), np.int32(pick), np.int32(recent_blocks(n_ctx, B, local)),
+                  np.int32(F), np.int32(n_lb), sel, cnt)
+    return sel, cnt
 
 
 def decay_importance(importance, block_table, n_ctx: int, decay) -> None:

@@ -91,7 +91,9 @@ class DeviceSparseState(SparseState):
       goes through a host copy; the device cache never compacts, so one block table and one
       count serve every layer);
     - ``_anchors`` and ``refresh_anchors``: the anchors are computed by the device kernel (one
-      slot count for every layer);
+      slot count for every layer); in a fused decode step (:meth:`fused_anchors`) the K store
+      itself recomputes the anchors of the block its key joined, so that block is not marked
+      stale and a retrieval refreshes nothing;
     - ``_mark``: the attended blocks are not seen on the host, so a DYNAMIC layer's every block
       turns stale;
     - ``_all_blocks``, ``_retrieve`` and ``_extend``: the selections are device arrays, made by
@@ -213,15 +215,17 @@ class DeviceSparseState(SparseState):
             K = o.init_blocks + o.topk + o.local_blocks + 1
             bufs = self._ret[il] = (device.zeros((nsets, K), np.int32),
                                     device.zeros((nsets,), np.int32),
-                                    device.zeros((self.cache.max_blocks, nsets), np.float32))
-        sel, cnt, scores = bufs
+                                    device.zeros((self.cache.max_blocks, nsets), np.float32),
+                                    device.zeros((1,), np.int32))
+        sel, cnt, scores, counter = bufs
         F = n_ctx // B
         C = n_candidates(n_ctx, B, o.init_blocks, o.local_blocks) \
             if F > o.init_blocks + o.topk + o.local_blocks else 0
         return dsparse.retrieve_blocks(q[0], self._fresh_anchors(il, n_ctx), self.cache.bt_dev,
                                        n_ctx, B, self.n_head_kv, self.retrieval_type,
                                        o.init_blocks, o.topk, o.local_blocks, self.anchor_type,
-                                       sel=sel, cnt=cnt, scores=scores[:C] if C else None)
+                                       sel=sel, cnt=cnt, scores=scores[:C] if C else None,
+                                       counter=counter)
 
     def fused_ok(self) -> bool:
         """Can a decode step of this state run the fused decode's attention launch
@@ -229,22 +233,38 @@ class DeviceSparseState(SparseState):
         selections)?"""
         return self.opts.decay == 1.0 and not self._observers
 
-    def dense_step(self, il: int, q, n_ctx: int, scale: float, window: int, attend) -> None:
-        """A dense decode step of layer il: the bookkeeping around ``attend()``, the launch
-        that attends and adds the step's importance."""
-        if il in self._dirty:
+    def fused_anchors(self, il: int):
+        """(kind code, anchor storage) for the fused step's K store to refresh layer il's
+        anchors of the block the new key joins (:mod:`pyimp.cuda.decode`), or None: layers
+        without anchors, DYNAMIC anchors (they follow importance_, not the keys), and steps
+        the fused attention does not take (:meth:`fused_ok`)."""
+        if (il not in self._dirty or self.anchor_type is AnchorType.DYNAMIC
+                or not self.fused_ok()):
+            return None
+        return dsparse.anchor_code(self.anchor_type), self.anchor_.storage(il)
+
+    def _joined(self, il: int, n_ctx: int, anchors_fresh: bool) -> None:
+        """The newest key joined its block: stale anchors, unless the store refreshed them."""
+        if il in self._dirty and not anchors_fresh:
             self._dirty[il][-(-n_ctx // self.cache.block_len) - 1] = True
+
+    def dense_step(self, il: int, q, n_ctx: int, scale: float, window: int, attend,
+                   anchors_fresh: bool = False) -> None:
+        """A dense decode step of layer il: the bookkeeping around ``attend()``, the launch
+        that attends and adds the step's importance. ``anchors_fresh``: the step's K store
+        recomputed the anchors of the block the key joined (:meth:`fused_anchors`)."""
+        self._joined(il, n_ctx, anchors_fresh)
         attend()
         self._mark(il, n_ctx, None, None)
         self._notify_attention(il, q, n_ctx, scale, window, False)
 
-    def sparse_step(self, il: int, q, n_ctx: int, scale: float, window: int, attend) -> None:
+    def sparse_step(self, il: int, q, n_ctx: int, scale: float, window: int, attend,
+                    anchors_fresh: bool = False) -> None:
         """A block-sparse decode step of layer il: the selection (a retrieval, a lead layer's
         reuse or every block) and the bookkeeping around ``attend(sel, cnt)``, the launch that
         attends the selected blocks and adds the step's importance (no observer: see
-        :meth:`fused_ok`)."""
-        if il in self._dirty:
-            self._dirty[il][-(-n_ctx // self.cache.block_len) - 1] = True
+        :meth:`fused_ok`); ``anchors_fresh`` as in :meth:`dense_step`."""
+        self._joined(il, n_ctx, anchors_fresh)
         sel, cnt = self._selection(il, q, n_ctx, scale)
         attend(sel, cnt)
         self._mark(il, n_ctx, sel, cnt)

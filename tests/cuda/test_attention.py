@@ -36,6 +36,19 @@ def _dev(*arrays):
     return [device.to_device(a) for a in arrays]
 
 
+class _Poisoned(CA.Scratch):
+    """Scratch whose float buffers start as NaN: a partial the kernels fail to write shows in
+    the output instead of a value an earlier call left there."""
+
+    def get(self, name, shape, dtype):
+        b = self._bufs.get(name)
+        fresh = b is None or b.shape != tuple(shape) or b.dtype != np.dtype(dtype)
+        b = super().get(name, shape, dtype)
+        if fresh and np.dtype(dtype).kind == "f":
+            b.copy_to_device(np.full(shape, np.nan, dtype))
+        return b
+
+
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
 @pytest.mark.parametrize("window", [0, 9])
 def test_decode_dense_matches_reference(dtype, window):
@@ -157,8 +170,11 @@ def test_sparse_at_full_budget_equals_dense():
     np.testing.assert_allclose(device.to_host(sparse), device.to_host(dense), atol=ATOL, rtol=ATOL)
 
 
+@pytest.mark.parametrize("rows", [1, 4, None])
 @pytest.mark.parametrize("window,obs_start", [(0, 0), (0, 9), (5, 4)])
-def test_prefill_matches_reference(window, obs_start):
+def test_prefill_matches_reference(window, obs_start, rows):
+    """Query rows tiled 1, 4 (the last tile partial) or tile_rows' 8 (2 heads a unit) to a
+    work item: each row keeps its own causal and window mask inside the tile."""
     rng = np.random.default_rng(7)
     Hkv, G, D, B, NB = 2, 2, 8, 4, 6
     Hq = Hkv * G
@@ -172,8 +188,10 @@ def test_prefill_matches_reference(window, obs_start):
     lse = attention_prefill_ref(q, kc, vc, bt, pos0, 0.35, window, want, imp_want, obs_start)
     dq, dk, dv, dbt, dimp = _dev(q, kc, vc, bt, imp)
     out = device.zeros((T, Hq, D), np.float32)
+    if rows is None:
+        assert CA.tile_rows(T, G, D, B, CA.THREADS) == 8
     M, L = CA.prefill(dq, dk, dv, dbt, pos0, 0.35, window, out, importance=dimp,
-                      obs_start=obs_start)
+                      obs_start=obs_start, rows=rows, scratch=_Poisoned())
     np.testing.assert_allclose(device.to_host(out), want, atol=ATOL, rtol=ATOL)
     np.testing.assert_allclose(device.to_host(M) + np.log(device.to_host(L)), lse, atol=ATOL,
                                rtol=ATOL)
@@ -191,7 +209,7 @@ def test_prefill_importance_conservation():
     dq, dk, dv, dbt, dimp = _dev(rng.standard_normal((T, Hq, D)).astype(np.float32), kc, vc, bt,
                                  np.zeros((NB, B, Hq), np.float16))
     CA.prefill(dq, dk, dv, dbt, 0, 0.3, 0, device.zeros((T, Hq, D), np.float32),
-               importance=dimp, obs_start=T - W)
+               importance=dimp, obs_start=T - W, scratch=_Poisoned())
     tot = device.to_host(dimp).astype(np.float32).sum(axis=(0, 1))
     # T entries per head, each rounded to fp16 once (relative error <= 2**-11)
     np.testing.assert_allclose(tot, W, rtol=T * 2.0 ** -11)

@@ -13,6 +13,8 @@ from quant_oracle import dequantize, quantize
 from pyimp import ops as host_ops
 from pyimp.attention.attend import add_block_mass, attention_decode_ref, sparse_attention_decode_ref
 from pyimp.cuda import decode, device, linear
+from pyimp.cuda import sparse as dsparse
+from pyimp.sparse.anchors import AnchorType, compute_anchors
 from test_attention import _selection
 
 # f32 sums of at most a few hundred terms in another order than the float64 reference, and
@@ -92,11 +94,14 @@ def test_gate_up_matches_numpy(act):
     _close(device.to_host(xout), xn)
 
 
-@pytest.mark.parametrize("neox,qk_norm,n_rot", [(True, True, 16), (False, False, 16),
-                                                (True, False, 8)])
-def test_rope_store_matches_numpy(neox, qk_norm, n_rot):
+@pytest.mark.parametrize("neox,qk_norm,n_rot,atype", [(True, True, 16, AnchorType.QUEST),
+                                                      (False, False, 16, AnchorType.BLOCK_MEAN),
+                                                      (True, False, 8, None)])
+def test_rope_store_matches_numpy(neox, qk_norm, n_rot, atype):
     """q / k norms, RoPE at the record's position (partial rotary: the rest copied), q's
-    scale, and K / V stored at that slot through a permuted block table (f16)."""
+    scale, and K / V stored at that slot through a permuted block table (f16); with an
+    anchor type, the anchors of the block the key joined (its earlier keys random) are the
+    CPU anchor code's over its keys so far, and no other block's anchors are written."""
     rng = np.random.default_rng(7)
     Hq, Hkv, D, B, NB, n_ctx = 4, 2, 16, 4, 5, 20
     p = 13
@@ -106,6 +111,8 @@ def test_rope_store_matches_numpy(neox, qk_norm, n_rot):
     bt = rng.permutation(NB).astype(np.int32)
     kc = np.zeros((Hkv, NB, B * D), np.float16)
     vc = np.zeros((Hkv, NB, D * B), np.float16)
+    p_b, p_t = bt[p // B], p % B
+    kc[:, p_b, :p_t * D] = rng.standard_normal((Hkv, p_t * D))   # the block's earlier keys
     q_scale = np.float32(0.25)
     heads = qkv.reshape(-1, D)
     q, k, v = heads[:Hq], heads[Hq:Hq + Hkv], heads[Hq + Hkv:]
@@ -119,9 +126,19 @@ def test_rope_store_matches_numpy(neox, qk_norm, n_rot):
     rec = device.to_device(np.array([p, 0, 0, 0], np.int32))
     qo = device.zeros((Hq, D), np.float32)
     ko = device.zeros((Hkv, D), np.float32)
+    anchor = device.to_device(np.full((NB, 2, Hkv, D), 7, np.float16))
+    akind = -1 if atype is None else dsparse.anchor_code(atype)
     device.launch(decode._rope_store, Hq + Hkv, 8, d[0], np.int32(Hq), np.int32(Hkv),
                   np.int32(D), d[1], d[2], np.int32(qk_norm), EPS, d[3], d[4], np.int32(neox),
-                  q_scale, rec, d[5], d[6], d[7], np.int32(1), qo, ko, shared=8 * D)
+                  q_scale, rec, d[5], d[6], d[7], np.int32(1), qo, ko, np.int32(akind), anchor,
+                  shared=8 * D)
+    got_a = device.to_host(anchor)
+    want_a = np.full_like(got_a, 7)
+    if atype is not None:
+        compute_anchors(atype, device.to_host(d[6]), np.array([p_b]), np.array([p_t + 1]),
+                        want_a, backend="numpy")
+        assert not np.array_equal(want_a[p_b], np.full_like(want_a[p_b], 7))
+    np.testing.assert_array_equal(got_a, want_a)
     _close(device.to_host(qo), want_q)
     _close(device.to_host(ko), want_k)
     got_k, got_v = device.to_host(d[6]), device.to_host(d[7])
@@ -130,7 +147,7 @@ def test_rope_store_matches_numpy(neox, qk_norm, n_rot):
                                want_k.astype(np.float16).astype(np.float32), rtol=1e-3, atol=1e-3)
     np.testing.assert_array_equal(got_v[:, pb, t::B], v.astype(np.float16))
     kc_other = got_k.copy()
-    kc_other[:, pb, t * D:(t + 1) * D] = 0
+    kc_other[:, pb, :(t + 1) * D] = 0
     vc_other = got_v.copy()
     vc_other[:, pb, t::B] = 0
     assert not kc_other.any() and not vc_other.any()          # nothing else written

@@ -66,4 +66,9 @@ def test_device_check_dry_without_gguf(tmp_path):
         assert dense["launches_per_token"] == 14 and dense["allocations_per_token"] == 0
         assert 1 <= dense["h2d_per_token"] <= 2 and dense["graph_replays_per_token"] == 0
         assert where["dense_eager"]["launches_per_token"] == 14
+    # the prefill attention kernel over the long prompt, its query rows tiled to a work item
+    pa = steps["prefill"]["attention"]
+    for name in ("gemma", "tinyllama"):
+        assert pa[name]["rows_per_item"] > 1 and pa[name]["seconds"] > 0
+        assert pa[name]["short_seconds_one_row"] > 0
     assert (out / "device_check.md").read_text().startswith("# device_check")

@@ -251,7 +251,8 @@ def _score_bound(q, anc, bt, lb_start, lb_end, nsets, n_slots, G, shared):
 @pytest.mark.parametrize("G", [1, 2, 4])
 def test_set_scores_and_chain(atype, G):
     """Random float data: device set scores == set_scores_ref within the summation bound, for
-    every retrieval type; the chained device retrieval == the CPU selection of those scores."""
+    every retrieval type; the one-launch device retrieval (its last thread block selecting)
+    == the CPU selection of those scores, twice over one counter."""
     rng = np.random.default_rng([G, list(AnchorType).index(atype)])
     Hkv, B, D, A = 2, 4, 8, 2
     n_ctx = 22 * B + 3                                  # 22 full blocks and a partial tail
@@ -271,16 +272,20 @@ def test_set_scores_and_chain(atype, G):
         ref = set_scores_ref(q, anc, bt, init, lb_end, nsets, n_slots, G, shared)
         bound = _score_bound(q, anc, bt, init, lb_end, nsets, n_slots, G, shared)
         assert np.all(np.abs(got.astype(np.float64) - ref) <= bound)
-        n0 = device.launches
         scratch = device.empty(got.shape, np.float32)
-        sel, cnt = cs.retrieve_blocks(d_q, d_anc, d_bt, n_ctx, B, Hkv, rtype, init, pick, local,
-                                      atype, scores=scratch)
-        assert device.launches - n0 == 2                # scores + selection, nothing in between
-        np.testing.assert_array_equal(device.to_host(scratch), got)
-        assert not isinstance(sel, np.ndarray) and not isinstance(cnt, np.ndarray)  # on the device
+        counter = device.zeros((1,), np.int32)
         rsel, rcnt = select_blocks_ref(got, n_ctx, B, init, pick, local)
-        np.testing.assert_array_equal(device.to_host(sel), rsel)
-        np.testing.assert_array_equal(device.to_host(cnt), rcnt)
+        assert -(-got.shape[0] // max(1, cs.THREADS // (Hkv * G))) > 1   # several thread blocks
+        for _ in range(2):        # the launch leaves its counter zero: a second one selects too
+            n0 = device.launches
+            sel, cnt = cs.retrieve_blocks(d_q, d_anc, d_bt, n_ctx, B, Hkv, rtype, init, pick,
+                                          local, atype, scores=scratch, counter=counter)
+            assert device.launches - n0 == 1       # scores and selection in one launch
+            assert device.to_host(counter)[0] == 0
+            np.testing.assert_array_equal(device.to_host(scratch), got)
+            assert not isinstance(sel, np.ndarray) and not isinstance(cnt, np.ndarray)
+            np.testing.assert_array_equal(device.to_host(sel), rsel)
+            np.testing.assert_array_equal(device.to_host(cnt), rcnt)
 
 
 @st.composite
