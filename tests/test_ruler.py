@@ -133,3 +133,51 @@ def test_a_case_runs_under_full_attention_and_a_policy(tmp_path):
     assert list(tmp_path.glob("*.pkv")) == []                # the saved context is removed
     nbr = run_case(path, 1400, ctx, qs[:1], case, "h2o+nbr2", "f16", 0.25)   # eval_kv's suffixes
     assert (nbr[0]["policy"], nbr[0]["budget_tokens"]) == ("h2o+nbr2", h2o[0]["budget_tokens"])
+
+
+def test_block_sparse_configurations_parse_and_run(tmp_path):
+    """sparse:MODE runs block-sparse decode at a block budget of fraction x the context; it
+    holds the whole cache (the same KV bytes as full attention); bad names are refused."""
+    import pyimp
+    from tools import eval_kv
+    from tools.eval_ruler import config_options, parse_sparse, run_case
+    from tools.write_synthetic_gguf import SynthSpec, write
+    assert parse_sparse("sparse:quest@rt0.9") == dict(sparse=True, anchor="quest",
+                                                      select="anchors", recall_target=0.9)
+    assert parse_sparse("sparse:lowrank") == dict(sparse=True, select="lowrank")
+    for bad, what in (("sparse:nope", "an anchor type"), ("sparse:quest@rt2", "recall target"),
+                      ("sparse:lsh@rt0.5", "an anchor type")):
+        with pytest.raises(ValueError, match=what):
+            parse_sparse(bad)
+    base, opts, budget = config_options("sparse:quest", "f16", 0.25, 1200)
+    # 0.25 x 1200 tokens = 9.4 blocks of 32: 9 blocks, init 1 + local 2 + 6 picked
+    assert (base, opts["topk"], budget) == ("sparse", 6, 9 * 32)
+    path = write(tmp_path / "m.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4,
+                                                n_head_kv=2, n_ff=128, vocab_size=512))
+    eng = pyimp.load(path, n_ctx=16)
+    c = ruler.make_case("niah_single_1", 1000, 0, 1200, eng.tokenize)
+    ctx = eng.tokenize(c.context)
+    qs = [(eng.tokenize(q, add_bos=False), a) for q, a in c.questions[:1]]
+    case = {"task": c.task, "seed": c.seed, "index": c.index, "max_new_tokens": 4}
+    full = run_case(path, 1400, ctx, qs, case, "full", "f16", 1.0)
+    sp = run_case(path, 1400, ctx, qs, case, "sparse:quest", "f16", 0.25)
+    _, opts, budget = config_options("sparse:quest", "f16", 0.25, len(ctx))
+    assert (sp[0]["policy"], sp[0]["fraction"], sp[0]["budget_tokens"]) == ("sparse:quest", 0.25,
+                                                                            budget)
+    assert sp[0]["kv_bytes"] == full[0]["kv_bytes"]
+    engines = [e for e in eval_kv._ENGINES.values() if e.sparse is not None
+               and e.sparse.opts.topk == opts["topk"]]
+    e = engines[-1] if engines else None
+    assert e is not None and e.sparse.step > 0          # it decoded with a sparse state ...
+    n = len(ctx) + len(qs[0][0])
+    assert any(e.sparse.is_sparse_step(il, n) for il in range(e.cfg.n_layer))   # ... sparsely
+
+
+def test_the_plot_has_a_panel_per_task(tmp_path):
+    pytest.importorskip("matplotlib")
+    from tools.eval_ruler import plot
+    rows = [{"policy": p, "kv": "f16", "fraction": f, "task": t, "mean": m}
+            for t in ("a", "b", "c") for p, f, m in (("full", 1.0, 0.5), ("h2o", 0.25, 0.1),
+                                                     ("h2o", 0.5, 0.3))]
+    plot(rows, ["a", "b", "c"], str(tmp_path / "p.png"))
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -5,7 +5,11 @@
         [--modes aware,once] [--all-questions]     # policies take tools.eval_kv's suffixes: h2o+nbr4
     python -m tools.eval_ruler --scheduler tcp://host:8786 ...      # an existing Dask cluster
 
-The grid is task x case x policy x KV type x memory fraction. A case is RULER's prompt for
+The grid is task x case x policy x KV type x memory fraction. Besides the eviction policies,
+``--policies`` takes block-sparse decode configurations, ``sparse:ANCHOR[@rtR]`` (an anchor type,
+optionally with a recall target) or ``sparse:lowrank`` / ``lsh`` / ``sink_window`` /
+``strided``: they keep the whole cache and attend, per step, blocks worth the fraction of the
+context (their rows hold full attention's KV bytes). A case is RULER's prompt for
 its task, fitted to ``--ctx`` tokens (answer prefix included), drawn by ``--seed``: seeds in
 ``DEV_SEEDS`` are for tuning, every other seed is held out, and a figure is only quoted from
 held-out seeds. A policy keeps ``fraction`` x the context's tokens per layer (at least 64).
@@ -18,7 +22,8 @@ other keys of the multi-key needle tasks), so one compressed context answers sev
 question's answer is decoded greedily (RULER's tokens to generate, stopping at the end of
 generation) and scored with RULER's ``string_match_all``.
 
-Output: ``DIR/eval_ruler.csv`` (one row per question run: prediction, references, score,
+Output: ``DIR/eval_ruler.png`` (score against the budget, a panel per task),
+``DIR/eval_ruler.csv`` (one row per question run: prediction, references, score,
 budget in tokens per layer, KV bytes held after the compression, seconds) and a markdown table per
 policy and fraction of each task's mean score with its 95 % t interval over the cases, the
 case count, and the average over the tasks (on stdout and in ``DIR/eval_ruler.md``).
@@ -42,6 +47,57 @@ from tools.eval_kv import (dask_client, greedy_answer, kv_options, mean_interval
                            parse_policy, worker_engine)
 
 DEV_SEEDS = range(0, 100)          # tuning; figures come from the other seeds
+SPARSE_PREFIX = "sparse:"          # block-sparse decode configurations (see parse_sparse)
+SPARSE_BLOCK = 32                  # their block length (the engine's default)
+
+
+def parse_sparse(name: str) -> dict:
+    """``"sparse:quest"`` -> the engine's block-sparse options without the budget: ``sparse:``
+    and an anchor type (``quest``, ``cuboid_mean``, ...), optionally ``@rtR`` (a recall target
+    R in (0, 1)), or a selection mode other than the anchors (``lowrank``, ``lsh``,
+    ``sink_window``, ``strided``). Such a configuration keeps the whole KV cache and attends,
+    per decode step, the blocks its selection picks: its fraction is the share of the context
+    a step reads, not the memory held. ValueError naming the part that is wrong."""
+    from pyimp.choices import ANCHOR_TYPES, SELECT_MODES
+    mode = name[len(SPARSE_PREFIX):]
+    rt = 0.0
+    if "@rt" in mode:
+        mode, _, r = mode.partition("@rt")
+        try:
+            rt = float(r)
+        except ValueError:
+            rt = -1.0
+        if not 0.0 < rt < 1.0:
+            raise ValueError(f"policy {name!r}: the recall target after @rt must be in (0, 1)")
+    selects = [m for m in SELECT_MODES if m != "anchors"]
+    if mode in ANCHOR_TYPES:
+        return dict(sparse=True, anchor=mode, select="anchors", recall_target=rt)
+    if mode in selects and not rt:
+        return dict(sparse=True, select=mode)
+    raise ValueError(f"policy {name!r}: after {SPARSE_PREFIX} an anchor type "
+                     f"({', '.join(ANCHOR_TYPES)}, optionally @rtR) or a selection mode "
+                     f"({', '.join(selects)})")
+
+
+def config_options(policy: str, kv: str, fraction: float, n_context: int) -> tuple:
+    """(base name, engine options, budget in tokens) of one configuration over a context of
+    n_context tokens: an eviction policy keeps ``fraction`` x n_context tokens per layer (at
+    least 64); a block-sparse one (``sparse:...``) attends blocks worth that many tokens per
+    step (init + picked + local blocks of SPARSE_BLOCK tokens)."""
+    if policy.startswith(SPARSE_PREFIX):
+        from tools.eval_sparse import topk_for_budget
+        opts = {**kv_options(kv), **parse_sparse(policy), "block_len": SPARSE_BLOCK,
+                "init_blocks": 1, "local_blocks": 2,
+                "topk": topk_for_budget(fraction, n_context, SPARSE_BLOCK, 1, 2)}
+        return "sparse", opts, (opts["topk"] + 3) * SPARSE_BLOCK
+    base, extra = parse_policy(policy)       # e.g. "h2o+nbr4": tools.eval_kv's suffixes
+    extra.pop("batch_size", None)
+    opts = {**kv_options(kv), **extra}
+    budget = 0
+    if base != "full":
+        budget = max(64, int(round(fraction * n_context)))
+        opts.update(kv_policy=base, kv_budget=budget)
+    return base, opts, budget
 
 
 def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict, policy: str,
@@ -52,14 +108,9 @@ def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict,
     observation window over the context's end), saved as a prompt-cache file, then each
     question appended to the loaded state. The budget is ``fraction`` x the context's tokens
     per layer in both."""
-    base, extra = parse_policy(policy)       # e.g. "h2o+nbr4": tools.eval_kv's suffixes
-    extra.pop("batch_size", None)
-    opts = {**kv_options(kv), **extra}
-    budget = 0
-    if base != "full":
-        budget = max(64, int(round(fraction * len(ctx_ids))))
-        opts.update(kv_policy=base, kv_budget=budget)
-    eng = worker_engine(model, n_ctx, batch_size=n_ctx, track=base != "full", **opts)
+    base, opts, budget = config_options(policy, kv, fraction, len(ctx_ids))
+    eng = worker_engine(model, n_ctx, batch_size=n_ctx, track=base not in ("full", "sparse"),
+                        **opts)
     rows = []
     state = None
     if mode == "once":
@@ -153,6 +204,40 @@ def format_markdown(summary: list, tasks: list) -> str:
     return "\n".join(lines)
 
 
+def plot(summary: list, tasks: list, path: str) -> None:
+    """Score against the budget, one panel per task: a line per configuration (policy and KV
+    type) over its fractions, full attention as a dashed level."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    cols = min(4, len(tasks))
+    rows = -(-len(tasks) // cols)
+    fig = Figure(figsize=(3.2 * cols, 2.6 * rows))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(rows, cols, squeeze=False).ravel()
+    labels = list(dict.fromkeys((r["policy"], r["kv"]) for r in summary))
+    for ax, task in zip(axes, tasks):
+        for pol, kv in labels:
+            pts = sorted((r["fraction"], r["mean"]) for r in summary
+                         if (r["policy"], r["kv"], r["task"]) == (pol, kv, task))
+            if not pts:
+                continue
+            name = pol if kv == "f16" else f"{pol} {kv}"
+            if pol == "full":
+                ax.axhline(100 * pts[0][1], ls="--", color="k", label=name)
+            else:
+                ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], "o-", label=name)
+        ax.set_title(task, fontsize=9)
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-5, 105)
+        ax.set_xlabel("budget / context", fontsize=8)
+        ax.set_ylabel("score", fontsize=8)
+    for ax in axes[len(tasks):]:
+        ax.set_visible(False)
+    axes[0].legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tools.eval_ruler",
                                  description=__doc__.split("\n\n")[0])
@@ -162,7 +247,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=1000,
                     help=f"case seed (development: {DEV_SEEDS.start}-{DEV_SEEDS.stop - 1})")
     ap.add_argument("--tasks", default=",".join(ruler.TASKS))
-    ap.add_argument("--policies", default="full")
+    ap.add_argument("--policies", default="full",
+                    help="eviction policies (tools.eval_kv's, with its +suffixes) and block-sparse "
+                         "decode configurations: sparse:ANCHOR[@rtR] or sparse:lowrank, "
+                         "sparse:lsh, sparse:sink_window, sparse:strided")
     ap.add_argument("--fractions", default="0.25", help="eviction budgets, share of the prompt")
     ap.add_argument("--kv-types", default="f16")
     ap.add_argument("--modes", default="aware",
@@ -186,7 +274,7 @@ def main(argv=None) -> int:
             if t not in ruler.TASKS:
                 raise ValueError(f"--tasks: unknown task {t!r} (tasks: {', '.join(ruler.TASKS)})")
         for p in policies:
-            parse_policy(p)
+            parse_sparse(p) if p.startswith(SPARSE_PREFIX) else parse_policy(p)
         try:
             fractions = [float(x) for x in args.fractions.split(",") if x]
         except ValueError:
@@ -221,7 +309,8 @@ def main(argv=None) -> int:
     os.makedirs(workdir, exist_ok=True)
     print(f"seed {args.seed} ({'development' if args.seed in DEV_SEEDS else 'held out'}): "
           f"{len(tasks)} tasks x {args.cases} cases at {args.ctx} tokens", flush=True)
-    full = {p: parse_policy(p)[0] == "full" for p in policies}
+    full = {p: not p.startswith(SPARSE_PREFIX) and parse_policy(p)[0] == "full"
+            for p in policies}
     configs = [(p, kv, f, m) for p in policies for kv in kvs
                for f in ([1.0] if full[p] else fractions)
                for m in (["aware"] if full[p] else modes)]
@@ -235,7 +324,12 @@ def main(argv=None) -> int:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    table = format_markdown(summarize(rows), tasks)
+    summary = summarize(rows)
+    table = format_markdown(summary, tasks)
+    try:
+        plot(summary, tasks, os.path.join(args.out, "eval_ruler.png"))
+    except ImportError:
+        print("eval_ruler: no matplotlib, no plot (pip install 'pyimp[eval]')", file=sys.stderr)
     with open(os.path.join(args.out, "eval_ruler.md"), "w") as f:
         f.write(f"{args.ctx} tokens, seed {args.seed}, {args.cases} cases per task, "
                 f"{time.perf_counter() - t0:.0f} s\n\n{table}\n")
