@@ -538,11 +538,18 @@ class SimStepGraph:
         return device.to_host(d)
 
 
+GRAPH_FLAGS = ("0", "1", "sim")
+
+
 def graphs_wanted() -> bool:
     """Decode steps replay as CUDA graphs on hardware unless PYIMP_CUDA_GRAPHS=0; on the
-    simulator only with PYIMP_CUDA_GRAPHS=sim (:class:`SimStepGraph`)."""
+    simulator only with PYIMP_CUDA_GRAPHS=sim (:class:`SimStepGraph`). Another value raises
+    ValueError naming it (a device engine checks at load)."""
     import os
     flag = os.environ.get("PYIMP_CUDA_GRAPHS", "1")
+    if flag not in GRAPH_FLAGS:
+        raise ValueError(f"PYIMP_CUDA_GRAPHS={flag!r}: use 0 (eager launches), 1 (CUDA graphs, "
+                         f"the default) or sim (the simulator's emulation of them)")
     if device.SIMULATOR:
         return flag == "sim"
     return not device.compiling() and flag != "0"
@@ -557,6 +564,7 @@ class DecodePlan:
     (:class:`pyimp.cuda.forward.DeviceForward` drives it; see the module docstring)."""
 
     def __init__(self, fwd, n_ctx: int, max_blocks: int, block_len: int):
+        graphs_wanted()                             # a bad PYIMP_CUDA_GRAPHS fails the load
         cfg, A = fwd.cfg, fwd.arch
         self.fwd, self.cfg, self.arch = fwd, cfg, A
         E, F, V = cfg.n_embd, cfg.n_ff, cfg.n_vocab

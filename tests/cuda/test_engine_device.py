@@ -361,3 +361,10 @@ def test_device_refuses_quantized_v_by_channel(models):
     with pytest.raises(ValueError, match="v_layout='channel'"):
         pyimp.load(models["llama-hd32"], n_ctx=64, block_len=32, device="cuda",
                    cache_type_v="q8_0", v_layout="channel")
+
+
+def test_a_bad_graph_flag_fails_the_load(models, monkeypatch):
+    """PYIMP_CUDA_GRAPHS takes 0, 1 or sim: another value is one error at load naming it."""
+    monkeypatch.setenv("PYIMP_CUDA_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="PYIMP_CUDA_GRAPHS='yes'"):
+        pyimp.load(models["llama-q8_0"], n_ctx=64, block_len=4, device="cuda")
