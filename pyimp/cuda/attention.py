@@ -26,9 +26,11 @@ Kernels (one thread block per work item, ``THREADS`` threads):
   summed over the group with warp shuffles (``score_block_fn``); each row's own causal /
   sliding-window mask sets its hidden scores to -inf; the maxima, then the sums, of every
   virtual head are reduced over the block together to fold the block into the running
-  (m, l) with the max-stabilized rule (``fold_block``); then each thread accumulates its
-  (head, channel) outputs over the block's tokens (a contiguous row of the transposed float
-  V; neighbouring channels of each token of a quantized V). The split writes its partial
+  (m, l) with the max-stabilized rule (``fold_block``); then the block's values are staged
+  into shared memory 32 channels at a time by loads in storage order (consecutive threads,
+  consecutive elements: a transposed float V's rows, a quantized V's tokens) and each thread
+  accumulates its (head, channel) outputs over the block's tokens from there
+  (``accumulate_v_fn``). The split writes its partial
   (m, l, o) (flash-decoding); with ``store`` it also keeps exp(score - running max) per
   attended token and the running max per block. A tile's blocks are either every block its
   rows' masks leave visible (dense, prefill) or the selection of its set (sparse decode).
@@ -133,6 +135,52 @@ def score_block_fn(kfmt: str):
     return score_block
 
 
+VROWS = 32               # V rows (channels) a block stages into shared memory at a time
+
+
+@functools.cache
+def accumulate_v_fn(vfmt: str):
+    """The device function adding one KV block's values to the outputs, V read in format vfmt:
+    ``accumulate_v(vc, vt, vtb, kvh, pb, t0, t1, nh, D, B, s, alpha, o, vs)`` makes
+    o[g*D + d] = o[g*D + d] * alpha[g] + sum over t in [t0, t1) of s[g*B + t] * V[t, d] (in
+    token order). VROWS channels at a time, the block's values are staged into the shared
+    ``vs`` (VROWS * (B + 1) slots: a row stride of B + 1 keeps the threads of neighbouring
+    channels on different banks) by loads in storage order, consecutive threads reading
+    consecutive elements (a float V row is its tokens, a quantized V's its channels); then a
+    thread per (head, channel) sums from shared memory. Every thread of the block calls it;
+    it ends with a barrier."""
+    vget = kvblocks.readers(vfmt)[1]
+    by_token = vfmt != "float"
+
+    @cuda.jit(device=True)
+    def accumulate_v(vc, vt, vtb, kvh, pb, t0, t1, nh, D, B, s, alpha, o, vs):
+        tid = cuda.threadIdx.x
+        nt = cuda.blockDim.x
+        ntok = t1 - t0
+        for d0 in range(0, D, VROWS):
+            nd = min(VROWS, D - d0)
+            for i in range(tid, nd * ntok, nt):
+                if by_token:
+                    t = t0 + i // nd
+                    dd = i % nd
+                else:
+                    dd = i // ntok
+                    t = t0 + i % ntok
+                vs[dd * (B + 1) + t] = vget(vc, vt, vtb, kvh, pb, t, d0 + dd, B, D)
+            cuda.syncthreads()
+            for i in range(tid, nh * nd, nt):
+                g = i // nd
+                dd = i % nd
+                acc = float32(0.0)
+                for t in range(t0, t1):
+                    acc += s[g * B + t] * vs[dd * (B + 1) + t]
+                j = g * D + d0 + dd
+                o[j] = o[j] * alpha[g] + acc
+            cuda.syncthreads()
+
+    return accumulate_v
+
+
 @cuda.jit(device=True)
 def merge_splits(m_part, l_part, o_part, r, h, out):
     """Merge head h's split partials of row r (m_part / l_part [R, Hq, nsplit], o_part
@@ -163,7 +211,7 @@ def merge_splits(m_part, l_part, o_part, r, h, out):
 def _attend_kernel(kfmt: str, vfmt: str):
     """``_attend`` for K stored in format kfmt and V in vfmt (:mod:`pyimp.cuda.kvblocks`)."""
     score_block = score_block_fn(kfmt)
-    vget = kvblocks.readers(vfmt)[1]
+    accumulate_v = accumulate_v_fn(vfmt)
 
     @cuda.jit
     def _attend(q, kc, kt, ktb, vc, vt, vtb, B, bt, pos0, scale, window, sel, cnt, dense, nsplit,
@@ -203,6 +251,7 @@ def _attend_kernel(kfmt: str, vfmt: str):
         o = sh[nv * D:2 * nv * D]
         s = sh[2 * nv * D:2 * nv * D + nv * B]
         red = sh[2 * nv * D + nv * B:2 * nv * D + nv * B + nv * nt]
+        vs = sh[2 * nv * D + nv * B + nv * nt:2 * nv * D + nv * B + nv * nt + VROWS * (B + 1)]
         m = cuda.local.array(MAX_UNIT_HEADS, float32)
         l = cuda.local.array(MAX_UNIT_HEADS, float32)
         alpha = cuda.local.array(MAX_UNIT_HEADS, float32)
@@ -238,13 +287,7 @@ def _attend_kernel(kfmt: str, vfmt: str):
                         s[g * B + t] = float32(NEG_INF)
                 cuda.syncthreads()
             fold_block(s, B, t0, t1, nv, m, l, alpha, red)
-            for i in range(tid, nv * D, nt):
-                g = i // D
-                d = i % D
-                acc = float32(0.0)
-                for t in range(t0, t1):
-                    acc += s[g * B + t] * vget(vc, vt, vtb, kvh, pb, t, d, B, D)
-                o[i] = o[i] * alpha[g] + acc
+            accumulate_v(vc, vt, vtb, kvh, pb, t0, t1, nv, D, B, s, alpha, o, vs)
             if store:                               # decode only: one row, nv == nh
                 for i in range(tid, nh * ntok, nt):
                     g = i // ntok
@@ -423,8 +466,8 @@ def _unit_heads(Hq: int, Hkv: int, nsets: int) -> int:
 
 def _shared_bytes(nv: int, D: int, B: int, nt: int) -> int:
     """Dynamic shared memory of ``_attend`` with nv virtual heads: queries, outputs, one
-    block's scores and the n-wide reductions' scratch."""
-    return (2 * nv * D + nv * B + nv * nt) * 4
+    block's scores, the n-wide reductions' scratch and the staged values."""
+    return (2 * nv * D + nv * B + nv * nt + VROWS * (B + 1)) * 4
 
 
 SHARED_BUDGET = 48 * 1024     # dynamic shared memory a launch gets without opting in

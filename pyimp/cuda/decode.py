@@ -56,12 +56,14 @@ from numba import cuda, float32, int32
 
 from .. import ops as host_ops
 from . import device, linear
-from .attention import _shared_bytes, fold_block, merge_splits, prob, score_block_fn, store_mass
+from .attention import (VROWS, _shared_bytes, accumulate_v_fn, fold_block, merge_splits, prob,
+                        score_block_fn, store_mass)
 from .ops import _ACTS, rope_index, rope_pair
 from .sparse import _anchor_body
 
 _float_anchor = _anchor_body("float")
 _score_float = score_block_fn("float")
+_accumulate_float = accumulate_v_fn("float")
 
 NEG_INF = -math.inf
 MAX_UNIT_HEADS = 16
@@ -343,6 +345,7 @@ def _attend(q, kc, vc, bt, rec, scale, window, sel, cnt, dense, nh, m_part, l_pa
     o = sh[nh * D:2 * nh * D]
     s = sh[2 * nh * D:2 * nh * D + nh * B]
     red = sh[2 * nh * D + nh * B:2 * nh * D + nh * B + nh * nt]
+    vs = sh[2 * nh * D + nh * B + nh * nt:2 * nh * D + nh * B + nh * nt + VROWS * (B + 1)]
     ticket = cuda.shared.array(1, int32)
     m = cuda.local.array(MAX_UNIT_HEADS, float32)
     l = cuda.local.array(MAX_UNIT_HEADS, float32)
@@ -366,13 +369,7 @@ def _attend(q, kc, vc, bt, rec, scale, window, sel, cnt, dense, nh, m_part, l_pa
         _score_float(qs, kc, kc, -1, kvh, pb, t0, t1, nh, D, sc, s, B, part, red)
         cuda.syncthreads()
         fold_block(s, B, t0, t1, nh, m, l, alpha, red)
-        for i in range(tid, nh * D, nt):
-            g = i // D
-            d = i % D
-            acc = float32(0.0)
-            for t in range(t0, t1):
-                acc += s[g * B + t] * float32(vc[kvh, pb, d * B + t])
-            o[i] = o[i] * alpha[g] + acc
+        _accumulate_float(vc, vc, -1, kvh, pb, t0, t1, nh, D, B, s, alpha, o, vs)
         if store != 0:
             for i in range(tid, nh * ntok, nt):
                 g = i // ntok
