@@ -782,3 +782,20 @@ def test_engine_keeps_what_the_neighbour_keep_function_decides(llama, policy):
             decided += 1
             differs += not np.array_equal(k, k0)
     assert decided > 0 and differs > 0
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "pyramidkv"])
+def test_tracking_keeps_the_policys_importance_rows(llama, policy):
+    """Asking for importance tracking (track=True, as the evaluation tools do) must not change
+    which prompt rows score the tokens: h2o every row, snapkv / pyramidkv the last
+    kv_obs_window. Tracking's own default (the last 128 rows) made snapkv rank by 128 rows
+    instead of its 16-row window here: other positions were kept, other logits came out."""
+    ids = _ids(200)                          # more rows than the tracking default's 128
+    kw = dict(kv_policy=policy, kv_budget=64 if policy != "pyramidkv" else 96, kv_obs_window=16)
+    plain, want = _run(llama, ids, 4, **kw)
+    tracked, got = _run(llama, ids, 4, track=True, **kw)
+    assert tracked.sparse.opts.importance_window == (0 if policy == "h2o" else 16)
+    assert plain.sparse.opts.importance_window == tracked.sparse.opts.importance_window
+    for il in range(plain.cache.n_layer):
+        assert np.array_equal(plain.cache.positions(il), tracked.cache.positions(il))
+    assert plain.policy.evicted > 0 and np.array_equal(want, got)
