@@ -245,6 +245,11 @@ class EngineOptions:
                                   "within R positions of it, so a kept token keeps its "
                                   "neighbours (a number's digits after the one attended to); "
                                   "0: off")
+    kv_follow: int = opt(0, flag="--kv-follow", min=0, metavar="F", group="eviction",
+                         help="h2o / snapkv / pyramidkv: rank a token by the largest score among "
+                              "itself and the F positions before it, so a kept token keeps the F "
+                              "tokens that follow it (the value after a key the question "
+                              "attends to); 0: off")
     kv_merge: float = opt(0.0, flag="--kv-merge", min=0.0, max=1.0, metavar="COS",
                           group="eviction",
                           help="merge cached tokens whose keys share a SimHash signature and "
@@ -296,7 +301,7 @@ class EngineOptions:
         from .kv.policy import PolicyOptions
         return PolicyOptions(self.kv_policy, self.kv_budget, self.keep, self.kv_recent,
                              self.kv_obs_window, self.kv_pool, self.kv_depth_ratio,
-                             self.kv_obs_weight, self.kv_neighbours)
+                             self.kv_obs_weight, self.kv_neighbours, self.kv_follow)
 
     def sparse_options(self) -> SparseOptions:
         """The sparse state's options: the given ones, with importance tracking and the
