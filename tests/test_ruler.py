@@ -187,3 +187,25 @@ def test_shared_prefills_give_the_direct_paths_rows(tmp_path, monkeypatch, arch)
     assert sorted(starts) == direct_starts and len(starts) == len(direct)
     assert len({s[3] for s in starts}) > len(policies)       # the policies kept different tokens
     assert list(tmp_path.glob("*.pkv")) == []                # the shared states are removed
+
+
+def test_rows_count_what_decoding_evicts(tmp_path):
+    """h2o keeps evicting as the answer grows (a block of 32 slots at a time), snapkv only at the
+    prefill's end; full attention never: the rows say how many tokens each generated and
+    evicted meanwhile, and the KV bytes held at the answer's end."""
+    import pyimp
+    from tools.eval_ruler import run_case
+    from tools.write_synthetic_gguf import SynthSpec, write
+    path = write(tmp_path / "m.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4,
+                                                n_head_kv=2, n_ff=128, vocab_size=512))
+    eng = pyimp.load(path, n_ctx=16)
+    c = ruler.make_case("vt", 1000, 0, 600, eng.tokenize)
+    ctx = eng.tokenize(c.context)
+    qs = [(eng.tokenize(q, add_bos=False), a) for q, a in c.questions]
+    case = {"task": c.task, "seed": c.seed, "index": c.index, "max_new_tokens": 70}
+    rows = {p: run_case(path, 720, ctx, qs, case, p, "f16", 0.25)[0]
+            for p in ("full", "h2o", "snapkv")}
+    assert all(r["generated"] == 70 for r in rows.values())      # no end of generation here
+    assert rows["full"]["evicted_decoding"] == rows["snapkv"]["evicted_decoding"] == 0
+    assert rows["h2o"]["evicted_decoding"] >= 2 * 32           # 70 steps: two whole blocks
+    assert rows["h2o"]["kv_bytes_end"] <= rows["h2o"]["kv_bytes"] < rows["snapkv"]["kv_bytes_end"]

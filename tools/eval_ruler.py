@@ -19,7 +19,9 @@ question's answer is decoded greedily (RULER's tokens to generate, stopping at t
 generation) and scored with RULER's ``string_match_all``.
 
 Output: ``DIR/eval_ruler.csv`` (one row per question run: prediction, references, score,
-budget in tokens per layer, KV bytes held after the compression, seconds) and a markdown table per
+budget in tokens per layer, KV bytes held after the compression and at the answer's end, the
+tokens generated and those evicted while generating them: h2o and streaming keep evicting as
+an answer grows, seconds) and a markdown table per
 policy and fraction of each task's mean score with its 95 % t interval over the cases, the
 case count, and the average over the tasks (on stdout and in ``DIR/eval_ruler.md``).
 
@@ -70,14 +72,27 @@ def _config(policy: str, kv: str, fraction: float, n_context: int) -> tuple[str,
     return base, budget, opts
 
 
+def _answer(eng, logits, n: int) -> tuple[str, dict]:
+    """The greedy answer (up to n tokens) and what decoding it did to the cache: the tokens
+    generated, the tokens the policy evicted meanwhile (h2o and streaming keep evicting as the
+    answer grows; snapkv and pyramidkv only at a prefill's end), the KV bytes held at the
+    end."""
+    n0, ev0 = len(eng.tokens), eng.policy.evicted
+    pred = greedy_answer(eng, logits, n)
+    return pred, {"generated": len(eng.tokens) - n0,
+                  "evicted_decoding": eng.policy.evicted - ev0,
+                  "kv_bytes_end": int(eng.cache.bytes_held())}
+
+
 def _row(case: dict, qi: int, mode: str, policy: str, kv: str, fraction: float, base: str,
-         budget: int, n_tokens: int, pred: str, answers, held: int, seconds: float,
+         budget: int, n_tokens: int, pred: tuple, answers, held: int, seconds: float,
          shared_s: float = 0.0) -> dict:
+    text, decoding = pred
     return {"task": case["task"], "seed": case["seed"], "index": case["index"],
             "question": qi, "mode": mode, "policy": policy, "kv": kv,
             "fraction": fraction if base != "full" else 1.0, "budget_tokens": budget,
-            "n_tokens": n_tokens, "score": ruler.string_match_all(pred, answers),
-            "prediction": pred, "answers": "|".join(answers), "kv_bytes": held,
+            "n_tokens": n_tokens, "score": ruler.string_match_all(text, answers),
+            "prediction": text, "answers": "|".join(answers), "kv_bytes": held, **decoding,
             "seconds": round(seconds, 3), "shared_s": round(shared_s, 3)}
 
 
@@ -109,7 +124,7 @@ def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict,
             eng.reset()
             logits = eng.eval(list(ctx_ids) + list(q_ids))[-1]
             held = int(eng.cache.bytes_held())
-        pred = greedy_answer(eng, logits, min(case["max_new_tokens"],
+        pred = _answer(eng, logits, min(case["max_new_tokens"],
                                         n_ctx - len(ctx_ids) - len(q_ids) - 1))
         rows.append(_row(case, qi, mode, policy, kv, fraction, base, budget,
                          len(ctx_ids) + len(q_ids), pred, answers, held,
@@ -183,7 +198,7 @@ def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case
             eng.load_state(path)
             eng.evict()
             held = int(eng.cache.bytes_held())
-            pred = greedy_answer(eng, logits, n_new)
+            pred = _answer(eng, logits, n_new)
             rows.append(_row(case, qi, "aware", policy, kv, fraction, base, budget,
                              len(ctx_ids) + len(q_ids), pred, answers, held,
                              time.perf_counter() - t0, dt))
@@ -203,7 +218,7 @@ def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case
                 t0 = time.perf_counter()
                 eng.load_state(state)
                 logits = eng.eval(q_ids)[-1]
-                pred = greedy_answer(eng, logits, min(case["max_new_tokens"],
+                pred = _answer(eng, logits, min(case["max_new_tokens"],
                                                       n_ctx - len(ctx_ids) - len(q_ids) - 1))
                 rows.append(_row(case, qi, "once", policy, kv, fraction, base, budget,
                                  len(ctx_ids) + len(q_ids), pred, answers, held,
