@@ -95,7 +95,9 @@ class SparseOptions:
     # 0: every row (the flag's 'all')
     importance_window: int = opt(128, flag="--importance-window", parse=_window,
                                  help="prompt rows that add importance at prefill (an integer "
-                                      "or 'all')")
+                                      "or 'all'); an eviction policy that scores by importance "
+                                      "sets its own (h2o: all, snapkv / pyramidkv: "
+                                      "--kv-obs-window)")
     token_step: int = opt(1, flag="--token-step", min=1,
                           help="reuse a block selection for this many decode steps")
     layer_step: int = opt(1, flag="--layer-step", min=1,
@@ -243,6 +245,11 @@ class EngineOptions:
                                   "within R positions of it, so a kept token keeps its "
                                   "neighbours (a number's digits after the one attended to); "
                                   "0: off")
+    kv_follow: int = opt(0, flag="--kv-follow", min=0, metavar="F", group="eviction",
+                         help="h2o / snapkv / pyramidkv: rank a token by the largest score among "
+                              "itself and the F positions before it, so a kept token keeps the F "
+                              "tokens that follow it (the value after a key the question "
+                              "attends to); 0: off")
     kv_merge: float = opt(0.0, flag="--kv-merge", min=0.0, max=1.0, metavar="COS",
                           group="eviction",
                           help="merge cached tokens whose keys share a SimHash signature and "
@@ -294,14 +301,18 @@ class EngineOptions:
         from .kv.policy import PolicyOptions
         return PolicyOptions(self.kv_policy, self.kv_budget, self.keep, self.kv_recent,
                              self.kv_obs_window, self.kv_pool, self.kv_depth_ratio,
-                             self.kv_obs_weight, self.kv_neighbours)
+                             self.kv_obs_weight, self.kv_neighbours, self.kv_follow)
 
     def sparse_options(self) -> SparseOptions:
-        """The sparse state's options: the given ones, or importance tracking where the eviction
-        policy scores tokens by importance_ (h2o: every prompt row adds; snapkv / pyramidkv:
-        the observation window)."""
+        """The sparse state's options: the given ones, with importance tracking and the
+        policy's prompt rows where the eviction policy scores tokens by importance_ (h2o: every
+        prompt row adds; snapkv / pyramidkv: the observation window, ``kv_obs_window``). The
+        policy's rows replace ``importance_window`` also when tracking, a report or sparse
+        attention was asked for: a snapkv that scored by the last 128 rows (the tracking
+        default) instead of its observation window would rank by the haystack's end more than
+        by the question, and an h2o that scored by them would not be H2O."""
         pol = self.kv_policy
-        if self.sparse.active or pol not in ("h2o", "snapkv", "pyramidkv"):
+        if pol not in ("h2o", "snapkv", "pyramidkv"):
             return self.sparse
         return dataclasses.replace(self.sparse, track=True,
                                    importance_window=0 if pol == "h2o" else self.kv_obs_window)

@@ -782,3 +782,88 @@ def test_engine_keeps_what_the_neighbour_keep_function_decides(llama, policy):
             decided += 1
             differs += not np.array_equal(k, k0)
     assert decided > 0 and differs > 0
+
+
+@pytest.mark.parametrize("policy", ["h2o", "snapkv", "pyramidkv"])
+def test_tracking_keeps_the_policys_importance_rows(llama, policy):
+    """Asking for importance tracking (track=True, as the evaluation tools do) must not change
+    which prompt rows score the tokens: h2o every row, snapkv / pyramidkv the last
+    kv_obs_window. Tracking's own default (the last 128 rows) made snapkv rank by 128 rows
+    instead of its 16-row window here: other positions were kept, other logits came out."""
+    ids = _ids(200)                          # more rows than the tracking default's 128
+    kw = dict(kv_policy=policy, kv_budget=64 if policy != "pyramidkv" else 96, kv_obs_window=16)
+    plain, want = _run(llama, ids, 4, **kw)
+    tracked, got = _run(llama, ids, 4, track=True, **kw)
+    assert tracked.sparse.opts.importance_window == (0 if policy == "h2o" else 16)
+    assert plain.sparse.opts.importance_window == tracked.sparse.opts.importance_window
+    for il in range(plain.cache.n_layer):
+        assert np.array_equal(plain.cache.positions(il), tracked.cache.positions(il))
+    assert plain.policy.evicted > 0 and np.array_equal(want, got)
+
+
+# --------------------------------------------------------------------------
+# keeping what follows a kept token (--kv-follow)
+# --------------------------------------------------------------------------
+
+
+def test_follow_keeps_the_value_after_the_attended_key():
+    """The question attends to a key's last token (slot 20); the value's digits (21-27) score
+    nothing. Plain snapkv (no pooling) and 2 neighbours keep at most 2 of them; following 7
+    keeps all 7 and nothing before the key beyond what its own score earns."""
+    pos = np.arange(64)
+    score = np.zeros(64)
+    score[20] = 9.0                              # "... for named-executing is"
+    score[[2, 6, 10, 14, 30, 34, 37, 39]] = 1.0  # filler heavy hitters elsewhere
+    score[40:60] = 0.5
+    B = 32                                       # n % B == 0: only the last slot is forced
+    value = set(range(21, 28))
+    plain = snapkv_keep(pos, score, 0, 1, 1, 9, B)
+    nbr = snapkv_keep(pos, score, 0, 1, 1, 9, B, neighbours=2)
+    fol = snapkv_keep(pos, score, 0, 1, 1, 9, B, follow=7)
+    assert len(value & set(plain.tolist())) == 0 and len(value & set(nbr.tolist())) == 2
+    assert fol.tolist() == list(range(20, 28)) + [63]
+    # h2o ranks the same way; the neighbours' look-ahead still applies beside follow
+    assert h2o_keep(pos, score, 0, 0, 9, B, follow=7).tolist() == fol.tolist()
+    both = h2o_keep(pos, score, 0, 0, 11, B, neighbours=2, follow=7)
+    assert set(range(18, 28)) <= set(both.tolist())
+
+
+@settings(deadline=None, max_examples=100)
+@given(st.integers(1, 60), st.integers(0, 6), st.integers(0, 9), st.integers(0, 2 ** 31))
+def test_maxpool_behind_and_ahead_is_the_windowed_max(n, ahead, behind, seed):
+    """maxpool1d(score, ahead, pos, behind) is the brute-force max over the held positions from
+    ``behind`` before to ``ahead`` after each slot's (compacted: positions with gaps)."""
+    from pyimp.kv.policy import maxpool1d
+    rng = np.random.default_rng(seed)
+    pos = np.sort(rng.choice(3 * n + 5, n, replace=False))
+    score = rng.random(n) * (rng.random(n) < 0.3)
+    ref = [score[(pos >= pos[i] - behind) & (pos <= pos[i] + ahead)].max() for i in range(n)]
+    assert np.array_equal(maxpool1d(score, ahead, pos, behind=behind), ref)
+
+
+def test_follow_option_refusals_and_engine_wiring(llama):
+    with pytest.raises(ValueError, match="applies to h2o, snapkv and pyramidkv"):
+        PolicyOptions("streaming", budget=100, follow=2).validate()
+    with pytest.raises(ValueError, match="follow must be >= 0"):
+        PolicyOptions("snapkv", budget=100, follow=-1).validate()
+    from tools import eval_kv as ev
+    assert ev.parse_policy("snapkv+follow8+nbr2") == ("snapkv", {"kv_follow": 8,
+                                                                 "kv_neighbours": 2})
+    for bad, msg in (("snapkv+follow0", "kept after a kept one"),
+                     ("streaming+follow4", "\\+follow applies to h2o")):
+        with pytest.raises(ValueError, match=msg):
+            ev.parse_policy(bad)
+    B, budget = 8, 40
+    kw = dict(n_ctx=256, block_len=B, batch_size=16, kv_policy="snapkv", kv_budget=budget,
+              kv_obs_window=16)
+    eng = pyimp.load(llama, kv_follow=6, **kw)
+    assert eng.policy.opts.follow == 6
+    seen = _record_evictions(eng)
+    eng.eval(_ids(100))
+    (n_ctx, done, before, held), = [s for s in seen if s[1]]     # the prefill's end
+    for il in range(2):
+        pos, score = before[il]
+        m = target_size(pos.size, budget, B)
+        k = snapkv_keep(pos, score, 4, 16, 5, m, B, follow=6)
+        assert np.array_equal(held[il], pos[k])
+        assert not np.array_equal(k, snapkv_keep(pos, score, 4, 16, 5, m, B))

@@ -140,7 +140,7 @@ def test_block_sparse_configurations_parse_and_run(tmp_path):
     holds the whole cache (the same KV bytes as full attention); bad names are refused."""
     import pyimp
     from tools import eval_kv
-    from tools.eval_ruler import config_options, parse_sparse, run_case
+    from tools.eval_ruler import _config, parse_sparse, run_case
     from tools.write_synthetic_gguf import SynthSpec, write
     assert parse_sparse("sparse:quest@rt0.9") == dict(sparse=True, anchor="quest",
                                                       select="anchors", recall_target=0.9)
@@ -149,7 +149,7 @@ def test_block_sparse_configurations_parse_and_run(tmp_path):
                       ("sparse:lsh@rt0.5", "an anchor type")):
         with pytest.raises(ValueError, match=what):
             parse_sparse(bad)
-    base, opts, budget = config_options("sparse:quest", "f16", 0.25, 1200)
+    base, budget, opts = _config("sparse:quest", "f16", 0.25, 1200)
     # 0.25 x 1200 tokens = 9.4 blocks of 32: 9 blocks, init 1 + local 2 + 6 picked
     assert (base, opts["topk"], budget) == ("sparse", 6, 9 * 32)
     path = write(tmp_path / "m.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4,
@@ -161,7 +161,7 @@ def test_block_sparse_configurations_parse_and_run(tmp_path):
     case = {"task": c.task, "seed": c.seed, "index": c.index, "max_new_tokens": 4}
     full = run_case(path, 1400, ctx, qs, case, "full", "f16", 1.0)
     sp = run_case(path, 1400, ctx, qs, case, "sparse:quest", "f16", 0.25)
-    _, opts, budget = config_options("sparse:quest", "f16", 0.25, len(ctx))
+    _, budget, opts = _config("sparse:quest", "f16", 0.25, len(ctx))
     assert (sp[0]["policy"], sp[0]["fraction"], sp[0]["budget_tokens"]) == ("sparse:quest", 0.25,
                                                                             budget)
     assert sp[0]["kv_bytes"] == full[0]["kv_bytes"]
@@ -181,3 +181,79 @@ def test_the_plot_has_a_panel_per_task(tmp_path):
                                                      ("h2o", 0.5, 0.3))]
     plot(rows, ["a", "b", "c"], str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_shared_prefills_give_the_direct_paths_rows(tmp_path, monkeypatch, arch):
+    """tools.eval_ruler.run_case_shared (one full-attention prefill per prompt and importance
+    window, loaded and evicted by each configuration) gives run_case's rows (its own prefill
+    per configuration and question), and each answer starts from the same state: bit-equal
+    first logits, the same positions held in every layer (gemma3: sliding-window layers
+    trimmed) and the same importance_ on them."""
+    import pyimp
+    from tools import eval_ruler as er
+    from tools.write_synthetic_gguf import SynthSpec, write
+    spec = (SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4, n_head_kv=2, n_ff=128,
+                      vocab_size=512) if arch == "llama" else
+            SynthSpec(arch="gemma3", n_layer=4, n_embd=64, n_head=4, n_head_kv=1, head_dim=16,
+                      n_ff=128, vocab_size=512, sliding_window=96, swa_pattern=2,
+                      rope_base=1e6, rope_base_swa=1e4, seed=3))
+    path = write(tmp_path / "m.gguf", spec)
+    eng = pyimp.load(path, n_ctx=16)
+    c = ruler.make_case("niah_multikey_1", 1000, 0, 640, eng.tokenize)
+    ctx = eng.tokenize(c.context)
+    qs = [(eng.tokenize(q, add_bos=False), a) for q, a in c.questions[:2]]
+    case = {"task": c.task, "seed": c.seed, "index": c.index, "max_new_tokens": 3}
+    starts = []
+    answer = er.greedy_answer
+
+    def recording(e, logits, n):
+        blocks = [e.cache.slots(0, e.cache.slot_count(il), layer=il) for il in range(e.cfg.n_layer)]
+        # streaming reads no importance (its engine tracks the default 128 rows, the shared
+        # state every row): compared where a policy ranks by it
+        imp = () if e.policy.opts.policy == "streaming" else tuple(
+            e.sparse.importance_[il, b, r].tobytes() for il, (b, r) in enumerate(blocks))
+        starts.append((repr(e.policy.opts), tuple(e.tokens), logits.tobytes(),
+                       tuple(e.cache.positions(il).tobytes() for il in range(e.cfg.n_layer)),
+                       imp))
+        return answer(e, logits, n)
+
+    monkeypatch.setattr(er, "greedy_answer", recording)
+    policies = ["streaming", "h2o+nbr2+depth2", "snapkv", "pyramidkv+follow4"]
+    assert all(er.shares_prefill(p) for p in policies)
+    assert not any(er.shares_prefill(p) for p in ("full", "h2o+obs1", "snapkv+merge0.9"))
+    configs = [(p, 0.25, m) for p in policies for m in ("aware", "once")]
+    direct = [r for p, f, m in configs
+              for r in er.run_case(path, 720, ctx, qs, case, p, "f16", f, m, str(tmp_path))]
+    direct_starts, starts[:] = sorted(starts), []
+    shared = er.run_case_shared(path, 720, ctx, qs, case, configs, "f16", str(tmp_path))
+
+    def key(r):
+        return {k: v for k, v in r.items() if k not in ("seconds", "shared_s")}
+    assert len(direct) == len(shared) == len(configs) * len(qs)
+    assert sorted(map(repr, map(key, direct))) == sorted(map(repr, map(key, shared)))
+    assert sorted(starts) == direct_starts and len(starts) == len(direct)
+    assert len({s[3] for s in starts}) > len(policies)       # the policies kept different tokens
+    assert list(tmp_path.glob("*.pkv")) == []                # the shared states are removed
+
+
+def test_rows_count_what_decoding_evicts(tmp_path):
+    """h2o keeps evicting as the answer grows (a block of 32 slots at a time), snapkv only at the
+    prefill's end; full attention never: the rows say how many tokens each generated and
+    evicted meanwhile, and the KV bytes held at the answer's end."""
+    import pyimp
+    from tools.eval_ruler import run_case
+    from tools.write_synthetic_gguf import SynthSpec, write
+    path = write(tmp_path / "m.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4,
+                                                n_head_kv=2, n_ff=128, vocab_size=512))
+    eng = pyimp.load(path, n_ctx=16)
+    c = ruler.make_case("vt", 1000, 0, 600, eng.tokenize)
+    ctx = eng.tokenize(c.context)
+    qs = [(eng.tokenize(q, add_bos=False), a) for q, a in c.questions]
+    case = {"task": c.task, "seed": c.seed, "index": c.index, "max_new_tokens": 70}
+    rows = {p: run_case(path, 720, ctx, qs, case, p, "f16", 0.25)[0]
+            for p in ("full", "h2o", "snapkv")}
+    assert all(r["generated"] == 70 for r in rows.values())      # no end of generation here
+    assert rows["full"]["evicted_decoding"] == rows["snapkv"]["evicted_decoding"] == 0
+    assert rows["h2o"]["evicted_decoding"] >= 2 * 32           # 70 steps: two whole blocks
+    assert rows["h2o"]["kv_bytes_end"] <= rows["h2o"]["kv_bytes"] < rows["snapkv"]["kv_bytes_end"]

@@ -41,7 +41,8 @@ depth over the layers that evict (``--kv-depth-ratio``); ``+recentN`` sets h2o's
 streaming's recent window (``--kv-recent``); ``+obsW`` adds h2o's observation-window term
 (``--kv-obs-weight``): such a task loads the state saved before the prompt's last
 ``--obs-window`` rows and runs them through its own engine; ``+nbrR`` ranks h2o's, snapkv's
-and pyramidkv's tokens by the largest score within R positions (``--kv-neighbours``).
+and pyramidkv's tokens by the largest score within R positions (``--kv-neighbours``);
+``+followF`` by the largest among a token's own and the F positions before it (``--kv-follow``).
 
 Policies evict here once the prompt is in and then as decode goes on; ``pyimp-run`` evicts
 streaming and h2o during a long prefill too, after every ``--batch-size`` chunk: a policy with
@@ -96,14 +97,15 @@ def parse_policy(name: str) -> tuple[str, dict]:
     """``"h2o+depth3+merge0.9"`` -> ("h2o", {"kv_depth_ratio": 3.0, "kv_merge": 0.9}); the
     suffixes are ``+mergeCOS`` (--kv-merge, a cosine in (0, 1]), ``+depthR`` (--kv-depth-ratio,
     R >= 1), ``+recentN`` (--kv-recent, N >= 1), ``+obsW`` (--kv-obs-weight, h2o, W > 0) and
-    ``+nbrR`` (--kv-neighbours, h2o / snapkv / pyramidkv, R >= 1) and ``+chunkN`` (the
+    ``+nbrR`` (--kv-neighbours, h2o / snapkv / pyramidkv, R >= 1), ``+followF``
+    (--kv-follow, h2o / snapkv / pyramidkv, F >= 1) and ``+chunkN`` (the
     prompt prefilled through the policy in chunks of N, as pyimp-run's --batch-size: the
     engine option batch_size).
     ValueError naming the part that is wrong."""
     base, *parts = name.split("+")
     if base not in POLICIES:
         raise ValueError(f"unknown policy {base!r} (one of {', '.join(POLICIES)}, optionally "
-                         f"+mergeCOS, +depthR, +recentN, +obsW)")
+                         f"+mergeCOS, +depthR, +recentN, +obsW, +nbrR, +followF, +chunkN)")
     opts: dict = {}
     for part in parts:
         for prefix, key, conv, ok, what in (
@@ -117,6 +119,8 @@ def parse_policy(name: str) -> tuple[str, dict]:
                  "the observation weight must be a number > 0"),
                 ("nbr", "kv_neighbours", int, lambda v: v >= 1,
                  "the neighbour radius must be an integer >= 1"),
+                ("follow", "kv_follow", int, lambda v: v >= 1,
+                 "the tokens kept after a kept one must be an integer >= 1"),
                 ("chunk", "batch_size", int, lambda v: v >= 1,
                  "the prefill chunk must be an integer >= 1")):
             if part.startswith(prefix):
@@ -131,11 +135,13 @@ def parse_policy(name: str) -> tuple[str, dict]:
                 break
         else:
             raise ValueError(f"policy {name!r}: unknown suffix +{part} (+mergeCOS, +depthR, "
-                             f"+recentN, +obsW, +nbrR, +chunkN)")
+                             f"+recentN, +obsW, +nbrR, +followF, +chunkN)")
     if "kv_obs_weight" in opts and base != "h2o":
         raise ValueError(f"policy {name!r}: +obs applies to h2o")
     if "kv_neighbours" in opts and base not in ("h2o", "snapkv", "pyramidkv"):
         raise ValueError(f"policy {name!r}: +nbr applies to h2o, snapkv and pyramidkv")
+    if "kv_follow" in opts and base not in ("h2o", "snapkv", "pyramidkv"):
+        raise ValueError(f"policy {name!r}: +follow applies to h2o, snapkv and pyramidkv")
     if base == "full" and set(opts) - {"kv_merge", "batch_size"}:
         raise ValueError(f"policy {name!r}: full evicts nothing; only +merge applies")
     if base == "pyramidkv" and "kv_depth_ratio" in opts:

@@ -24,9 +24,21 @@ generation) and scored with RULER's ``string_match_all``.
 
 Output: ``DIR/eval_ruler.png`` (score against the budget, a panel per task),
 ``DIR/eval_ruler.csv`` (one row per question run: prediction, references, score,
-budget in tokens per layer, KV bytes held after the compression, seconds) and a markdown table per
+budget in tokens per layer, KV bytes held after the compression and at the answer's end, the
+tokens generated and those evicted while generating them: h2o and streaming keep evicting as
+an answer grows, seconds) and a markdown table per
 policy and fraction of each task's mean score with its 95 % t interval over the cases, the
 case count, and the average over the tasks (on stdout and in ``DIR/eval_ruler.md``).
+
+Shared prefills: every policy evicts once, at the end of its one-chunk prefill, from the
+importance that prefill accumulated, so the policies of a prompt need not prefill it each:
+a Dask task per case prefills each of its prompts once per importance window the policies
+read (every row for h2o and streaming, the observation window for snapkv and pyramidkv) with
+a full-attention engine that tracks importance as theirs do, saves the state, and each
+configuration loads it, evicts and decodes (:func:`run_case_shared`). The rows are the ones
+each configuration's own prefill gives (tests/test_ruler.py checks them, the logits and the
+kept positions and importance against :func:`run_case`); full attention, ``+merge`` and
+``+obs`` run their own prefills, and ``--direct`` runs every configuration that way.
 
 Dask: a ``LocalCluster`` of ``--workers`` single-threaded processes by default, or
 ``--scheduler``; workers keep an engine per configuration (``tools.eval_kv``'s cache).
@@ -43,6 +55,7 @@ import numpy as np
 
 from loaders.gguf_file import GGUFError
 from tools import ruler
+from pyimp.kv.policy import PolicyOptions
 from tools.eval_kv import (dask_client, greedy_answer, kv_options, mean_interval, parse_kv,
                            parse_policy, worker_engine)
 
@@ -79,17 +92,22 @@ def parse_sparse(name: str) -> dict:
                      f"({', '.join(selects)})")
 
 
-def config_options(policy: str, kv: str, fraction: float, n_context: int) -> tuple:
-    """(base name, engine options, budget in tokens) of one configuration over a context of
+# suffixes that only change which tokens a policy keeps, not the prefill it keeps them from
+DECISION_SUFFIXES = {"kv_depth_ratio", "kv_recent", "kv_neighbours", "kv_follow"}
+
+
+def _config(policy: str, kv: str, fraction: float, n_context: int) -> tuple[str, int, dict]:
+    """(base name, budget in tokens, engine options) of one configuration over a context of
     n_context tokens: an eviction policy keeps ``fraction`` x n_context tokens per layer (at
-    least 64); a block-sparse one (``sparse:...``) attends blocks worth that many tokens per
-    step (init + picked + local blocks of SPARSE_BLOCK tokens)."""
+    least 64; 0 under full attention); a block-sparse one (``sparse:...``, base "sparse")
+    attends blocks worth that many tokens per step (init + picked + local blocks of
+    SPARSE_BLOCK tokens)."""
     if policy.startswith(SPARSE_PREFIX):
         from tools.eval_sparse import topk_for_budget
         opts = {**kv_options(kv), **parse_sparse(policy), "block_len": SPARSE_BLOCK,
                 "init_blocks": 1, "local_blocks": 2,
                 "topk": topk_for_budget(fraction, n_context, SPARSE_BLOCK, 1, 2)}
-        return "sparse", opts, (opts["topk"] + 3) * SPARSE_BLOCK
+        return "sparse", (opts["topk"] + 3) * SPARSE_BLOCK, opts
     base, extra = parse_policy(policy)       # e.g. "h2o+nbr4": tools.eval_kv's suffixes
     extra.pop("batch_size", None)
     opts = {**kv_options(kv), **extra}
@@ -97,7 +115,31 @@ def config_options(policy: str, kv: str, fraction: float, n_context: int) -> tup
     if base != "full":
         budget = max(64, int(round(fraction * n_context)))
         opts.update(kv_policy=base, kv_budget=budget)
-    return base, opts, budget
+    return base, budget, opts
+
+
+def _answer(eng, logits, n: int) -> tuple[str, dict]:
+    """The greedy answer (up to n tokens) and what decoding it did to the cache: the tokens
+    generated, the tokens the policy evicted meanwhile (h2o and streaming keep evicting as the
+    answer grows; snapkv and pyramidkv only at a prefill's end), the KV bytes held at the
+    end."""
+    n0, ev0 = len(eng.tokens), eng.policy.evicted
+    pred = greedy_answer(eng, logits, n)
+    return pred, {"generated": len(eng.tokens) - n0,
+                  "evicted_decoding": eng.policy.evicted - ev0,
+                  "kv_bytes_end": int(eng.cache.bytes_held())}
+
+
+def _row(case: dict, qi: int, mode: str, policy: str, kv: str, fraction: float, base: str,
+         budget: int, n_tokens: int, pred: tuple, answers, held: int, seconds: float,
+         shared_s: float = 0.0) -> dict:
+    text, decoding = pred
+    return {"task": case["task"], "seed": case["seed"], "index": case["index"],
+            "question": qi, "mode": mode, "policy": policy, "kv": kv,
+            "fraction": fraction if base != "full" else 1.0, "budget_tokens": budget,
+            "n_tokens": n_tokens, "score": ruler.string_match_all(text, answers),
+            "prediction": text, "answers": "|".join(answers), "kv_bytes": held, **decoding,
+            "seconds": round(seconds, 3), "shared_s": round(shared_s, 3)}
 
 
 def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict, policy: str,
@@ -108,7 +150,7 @@ def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict,
     observation window over the context's end), saved as a prompt-cache file, then each
     question appended to the loaded state. The budget is ``fraction`` x the context's tokens
     per layer in both."""
-    base, opts, budget = config_options(policy, kv, fraction, len(ctx_ids))
+    base, budget, opts = _config(policy, kv, fraction, len(ctx_ids))
     eng = worker_engine(model, n_ctx, batch_size=n_ctx, track=base not in ("full", "sparse"),
                         **opts)
     rows = []
@@ -129,17 +171,110 @@ def run_case(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict,
             eng.reset()
             logits = eng.eval(list(ctx_ids) + list(q_ids))[-1]
             held = int(eng.cache.bytes_held())
-        pred = greedy_answer(eng, logits, min(case["max_new_tokens"],
+        pred = _answer(eng, logits, min(case["max_new_tokens"],
                                         n_ctx - len(ctx_ids) - len(q_ids) - 1))
-        rows.append({"task": case["task"], "seed": case["seed"], "index": case["index"],
-                     "question": qi, "mode": mode, "policy": policy, "kv": kv,
-                     "fraction": fraction if base != "full" else 1.0, "budget_tokens": budget,
-                     "n_tokens": len(ctx_ids) + len(q_ids),
-                     "score": ruler.string_match_all(pred, answers), "prediction": pred,
-                     "answers": "|".join(answers), "kv_bytes": held,
-                     "seconds": round(time.perf_counter() - t0, 3)})
+        rows.append(_row(case, qi, mode, policy, kv, fraction, base, budget,
+                         len(ctx_ids) + len(q_ids), pred, answers, held,
+                         time.perf_counter() - t0))
     if state is not None:
         os.remove(state)
+    return rows
+
+
+def shares_prefill(policy: str) -> bool:
+    """Can this policy's runs start from a shared full-attention prefill? Every policy evicts
+    once at the end of the one-chunk prefill (the policy engines' batch is the context), from
+    the importance that prefill accumulated; what differs is only the decision, unless the
+    policy is full attention (no tracking: its own prefill), merges tokens during the prefill
+    (+merge) or runs its observation window as a chunk of its own (+obs)."""
+    if policy.startswith(SPARSE_PREFIX):
+        return False                    # block-sparse decoding: its own (dense) prefill
+    base, extra = parse_policy(policy)
+    extra.pop("batch_size", None)
+    return base != "full" and set(extra) <= DECISION_SUFFIXES
+
+
+def importance_rows(base: str) -> int:
+    """The importance window a policy's engine prefills with (pyimp.options'
+    sparse_options): every row for h2o (and streaming, which reads none), the observation
+    window for snapkv / pyramidkv."""
+    return 0 if base in ("h2o", "streaming") else PolicyOptions().obs_window
+
+
+def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict,
+                    configs: list, kv: str, workdir: str) -> list:
+    """The rows :func:`run_case` gives for each (policy, fraction, mode) of ``configs`` (all
+    :func:`shares_prefill`, one KV type), from shared prefills: each prompt (mode "aware":
+    context and question; "once": the context) is prefilled once per importance window the
+    policies need, by a full-attention engine tracking importance as theirs do, and saved;
+    each configuration loads the state into its own engine, evicts (:meth:`Engine.evict`: what
+    the end of its own prefill does) and decodes from the prefill's last logits. The rows are
+    those of the direct path (tests/test_ruler.py checks them against it); ``shared_s`` gives
+    the prefill time each row started from, ``seconds`` the row's own time."""
+    rows = []
+    windows = sorted({importance_rows(parse_policy(p)[0]) for p, _, _ in configs})
+    tag = os.path.join(workdir, f"{os.getpid()}-{case['task']}-{case['seed']}-{case['index']}-"
+                                f"{kv.replace('/', '-')}")
+    kv_opts = kv_options(kv)
+
+    def prefill(ids: list) -> dict:
+        out = {}
+        for w in windows:
+            eng = worker_engine(model, n_ctx, batch_size=n_ctx, track=True,
+                                importance_window=w, **kv_opts)
+            eng.reset()
+            t0 = time.perf_counter()
+            logits = np.array(eng.eval(ids)[-1])        # a copy: the engine may be reused
+            path = f"{tag}-w{w}.pkv"
+            eng.save_state(path)
+            out[w] = (path, logits, time.perf_counter() - t0)
+        return out
+
+    def policy_engine(policy: str, fraction: float):
+        base, budget, opts = _config(policy, kv, fraction, len(ctx_ids))
+        eng = worker_engine(model, n_ctx, batch_size=n_ctx, track=True, **opts)
+        return eng, base, budget
+
+    aware = [(p, f) for p, f, m in configs if m == "aware"]
+    once = [(p, f) for p, f, m in configs if m == "once"]
+    for qi, (q_ids, answers) in enumerate(questions if aware else []):
+        shared = prefill(list(ctx_ids) + list(q_ids))
+        n_new = min(case["max_new_tokens"], n_ctx - len(ctx_ids) - len(q_ids) - 1)
+        for policy, fraction in aware:
+            eng, base, budget = policy_engine(policy, fraction)
+            path, logits, dt = shared[importance_rows(base)]
+            t0 = time.perf_counter()
+            eng.load_state(path)
+            eng.evict()
+            held = int(eng.cache.bytes_held())
+            pred = _answer(eng, logits, n_new)
+            rows.append(_row(case, qi, "aware", policy, kv, fraction, base, budget,
+                             len(ctx_ids) + len(q_ids), pred, answers, held,
+                             time.perf_counter() - t0, dt))
+        for path, _, _ in shared.values():
+            os.remove(path)
+    if once:
+        shared = prefill(list(ctx_ids))
+        for policy, fraction in once:
+            eng, base, budget = policy_engine(policy, fraction)
+            path, _, dt = shared[importance_rows(base)]
+            eng.load_state(path)
+            eng.evict()
+            held = int(eng.cache.bytes_held())
+            state = f"{tag}-once.pkv"
+            eng.save_state(state)
+            for qi, (q_ids, answers) in enumerate(questions):
+                t0 = time.perf_counter()
+                eng.load_state(state)
+                logits = eng.eval(q_ids)[-1]
+                pred = _answer(eng, logits, min(case["max_new_tokens"],
+                                                      n_ctx - len(ctx_ids) - len(q_ids) - 1))
+                rows.append(_row(case, qi, "once", policy, kv, fraction, base, budget,
+                                 len(ctx_ids) + len(q_ids), pred, answers, held,
+                                 time.perf_counter() - t0, dt))
+            os.remove(state)
+        for path, _, _ in shared.values():
+            os.remove(path)
     return rows
 
 
@@ -259,6 +394,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--all-questions", action="store_true",
                     help="ask every question a context has (needle tasks' other keys), not only "
                          "RULER's")
+    ap.add_argument("--direct", action="store_true",
+                    help="prefill every configuration's prompt itself instead of sharing one "
+                         "full-attention prefill per prompt among the policies (the same rows, "
+                         "slower)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--scheduler", help="address of an existing Dask scheduler")
     ap.add_argument("--out", default="eval_ruler_out")
@@ -314,11 +453,19 @@ def main(argv=None) -> int:
     configs = [(p, kv, f, m) for p in policies for kv in kvs
                for f in ([1.0] if full[p] else fractions)
                for m in (["aware"] if full[p] else modes)]
+    shared = [] if args.direct else [c for c in configs if shares_prefill(c[0])]
+    direct = [c for c in configs if c not in shared]
     with dask_client(args.scheduler, args.workers) as client:
         # a configuration's tasks one after another: a worker reuses its engine
         futures = [client.submit(run_case, model, n_ctx, ctx_ids, qs, case, p, kv, f, m,
                                  workdir, pure=False)
-                   for (p, kv, f, m) in configs for ctx_ids, qs, case in cases]
+                   for (p, kv, f, m) in direct for ctx_ids, qs, case in cases]
+        # a case's shared prefills serve every configuration that shares them
+        futures += [client.submit(run_case_shared, model, n_ctx, ctx_ids, qs, case,
+                                  [(p, f, m) for (p, k, f, m) in shared if k == kv], kv,
+                                  workdir, pure=False)
+                    for kv in kvs if any(k == kv for _, k, _, _ in shared)
+                    for ctx_ids, qs, case in cases]
         rows = [r for part in client.gather(futures) for r in part]
     with open(os.path.join(args.out, "eval_ruler.csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -332,7 +479,8 @@ def main(argv=None) -> int:
         print("eval_ruler: no matplotlib, no plot (pip install 'pyimp[eval]')", file=sys.stderr)
     with open(os.path.join(args.out, "eval_ruler.md"), "w") as f:
         f.write(f"{args.ctx} tokens, seed {args.seed}, {args.cases} cases per task, "
-                f"{time.perf_counter() - t0:.0f} s\n\n{table}\n")
+                f"{time.perf_counter() - t0:.0f} s, {len(shared)} of {len(configs)} "
+                f"configurations from shared prefills\n\n{table}\n")
     print(table)
     print(f"{len(rows)} runs in {time.perf_counter() - t0:.0f} s -> {args.out}")
     return 0

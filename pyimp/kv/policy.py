@@ -69,6 +69,13 @@ passes, so a kept token keeps its neighbours. A multi-token unit that the query 
 digit after "The pass key is") otherwise loses the tokens that continue it, and a copy
 of it stops there.
 
+``follow`` F > 0 (``--kv-follow``) makes them rank a token by the largest score among itself and the
+held tokens up to F positions before it: a kept token keeps the F tokens that follow it. A
+question attends to a needle's key ("... for named-executing is:"), not to the value after
+it, which the answer copies one token at a time during decoding; ranking the value by its
+own score (or by its neighbours' within a few positions) drops most of its digits. With
+``neighbours`` too, a token looks back max(R, F) positions and ahead R.
+
 The decision functions (``*_keep``) are plain NumPy over a layer's positions and scores.
 """
 from __future__ import annotations
@@ -95,6 +102,8 @@ class PolicyOptions:
     depth_ratio: float = 1.0  # first / last evicting layer's budget (1: uniform)
     obs_weight: float = 0.0   # h2o: weight of the observation window's attention (0: off)
     neighbours: int = 0       # h2o / snapkv / pyramidkv: rank by the max score within R positions
+    follow: int = 0           # h2o / snapkv / pyramidkv: rank by the max score of the F positions
+                              # before a token and its own (a kept token keeps what follows it)
 
     def validate(self) -> None:
         if self.policy not in POLICIES:
@@ -107,6 +116,11 @@ class PolicyOptions:
         if self.neighbours and self.policy not in ("h2o", "snapkv", "pyramidkv"):
             raise ValueError(f"neighbour keeping ranks tokens by their scores: it applies to h2o, "
                              f"snapkv and pyramidkv, not {self.policy}")
+        if self.follow < 0:
+            raise ValueError(f"follow must be >= 0, got {self.follow}")
+        if self.follow and self.policy not in ("h2o", "snapkv", "pyramidkv"):
+            raise ValueError(f"keeping what follows a kept token ranks tokens by their scores: it "
+                             f"applies to h2o, snapkv and pyramidkv, not {self.policy}")
         if self.pool < 1 or self.pool % 2 == 0:
             raise ValueError(f"pooling kernel must be odd and >= 1, got {self.pool}")
         if not 1.0 <= self.depth_ratio < float("inf"):
@@ -233,30 +247,36 @@ def _top_up(must: np.ndarray, score: np.ndarray, m: int,
     return np.sort(chosen)
 
 
-def maxpool1d(score: np.ndarray, radius: int, pos: np.ndarray | None = None) -> np.ndarray:
-    """``out[i]``: the largest ``score[j]`` over the slots j whose position is within ``radius``
-    of slot i's (``pos``: increasing positions of the slots; default the slot indices), float64.
-    Slots of a compacted layer that hold distant positions are not each other's neighbours."""
+def maxpool1d(score: np.ndarray, radius: int, pos: np.ndarray | None = None,
+              behind: int | None = None) -> np.ndarray:
+    """``out[i]``: the largest ``score[j]`` over the slots j whose position lies from ``behind``
+    (default ``radius``) positions before slot i's to ``radius`` after it (``pos``: increasing
+    positions of the slots; default the slot indices), float64. Slots of a compacted layer that
+    hold distant positions are not each other's neighbours."""
     s = np.asarray(score, np.float64)
     out = s.copy()
     p = np.arange(s.size) if pos is None else np.asarray(pos, np.int64)
-    for d in range(1, min(radius, s.size - 1) + 1):       # positions increase: |i - j| <= R
-        near = p[d:] - p[:-d] <= radius
-        out[:-d] = np.where(near, np.maximum(out[:-d], s[d:]), out[:-d])
-        out[d:] = np.where(near, np.maximum(out[d:], s[:-d]), out[d:])
+    behind = radius if behind is None else behind
+    for d in range(1, min(max(radius, behind), s.size - 1) + 1):   # positions increase
+        gap = p[d:] - p[:-d]                             # slot k + d's position minus slot k's
+        ahead = gap <= radius                            # slot k sees slot k + d
+        out[:-d] = np.where(ahead, np.maximum(out[:-d], s[d:]), out[:-d])
+        back = gap <= behind                             # slot k + d sees slot k
+        out[d:] = np.where(back, np.maximum(out[d:], s[:-d]), out[d:])
     return out
 
 
 def _ranked_top_up(must: np.ndarray, score: np.ndarray, m: int, neighbours: int,
-                   pos: np.ndarray) -> np.ndarray:
+                   pos: np.ndarray, follow: int = 0) -> np.ndarray:
     """_top_up by ``score``, or with ``neighbours`` R > 0 by its max over the positions within
     R (ties: the slot's own score): the slots ranked above a threshold are those within R of
     a slot whose own score is above it, so a kept token's neighbours are kept with it, as long
     as the budget lasts (the digits after the one a question attends to, a word's other
-    pieces)."""
-    if neighbours <= 0:
+    pieces). ``follow`` F > 0: the max also looks F positions back, so the F tokens after a
+    slot whose own score is above the threshold rank above it too (a key's value)."""
+    if neighbours <= 0 and follow <= 0:
         return _top_up(must, score, m)
-    return _top_up(must, maxpool1d(score, neighbours, pos), m,
+    return _top_up(must, maxpool1d(score, neighbours, pos, behind=max(neighbours, follow)), m,
                    tie=np.asarray(score, np.float64))
 
 
@@ -267,10 +287,12 @@ def streaming_keep(pos: np.ndarray, keep: int, m: int, block_len: int) -> np.nda
 
 
 def h2o_keep(pos: np.ndarray, score: np.ndarray, keep: int, recent: int, m: int,
-             block_len: int, neighbours: int = 0) -> np.ndarray:
+             block_len: int, neighbours: int = 0, follow: int = 0) -> np.ndarray:
     """H2O: sinks, the ``recent`` newest, and the highest accumulated ``score`` of the rest
-    (``neighbours`` R: ranked by the score max-pooled over the positions within R)."""
-    return _ranked_top_up(_forced(pos, keep, recent, block_len), score, m, neighbours, pos)
+    (``neighbours`` R: ranked by the score max-pooled over the positions within R; ``follow``
+    F: and over the F positions before)."""
+    return _ranked_top_up(_forced(pos, keep, recent, block_len), score, m, neighbours, pos,
+                          follow)
 
 
 def pool1d(score: np.ndarray, kernel: int) -> np.ndarray:
@@ -285,12 +307,12 @@ def pool1d(score: np.ndarray, kernel: int) -> np.ndarray:
 
 
 def snapkv_keep(pos: np.ndarray, score: np.ndarray, keep: int, window: int, pool: int, m: int,
-                block_len: int, neighbours: int = 0) -> np.ndarray:
+                block_len: int, neighbours: int = 0, follow: int = 0) -> np.ndarray:
     """SnapKV: the last ``window`` slots (the observation window), sinks, and the top of the
     pooled observation-window ``score`` among the rest (``neighbours`` R: that pooled score
-    max-pooled over the positions within R)."""
+    max-pooled over the positions within R; ``follow`` F: and over the F positions before)."""
     return _ranked_top_up(_forced(pos, keep, window, block_len), pool1d(score, pool), m,
-                          neighbours, pos)
+                          neighbours, pos, follow)
 
 
 def window_keep(pos: np.ndarray, next_pos: int, window: int, block_len: int) -> np.ndarray:
@@ -416,8 +438,9 @@ class KVPolicy:
         if sub is not None:
             score = score[sub]
         if o.policy == "h2o":
-            return h2o_keep(pos, score, o.keep, self.recent[il], m, B, o.neighbours)
-        return snapkv_keep(pos, score, o.keep, o.obs_window, o.pool, m, B, o.neighbours)
+            return h2o_keep(pos, score, o.keep, self.recent[il], m, B, o.neighbours, o.follow)
+        return snapkv_keep(pos, score, o.keep, o.obs_window, o.pool, m, B, o.neighbours,
+                           o.follow)
 
     def _scores(self, il: int) -> np.ndarray:
         """importance_ of each slot of layer il summed over query heads, float64 [slots]."""
