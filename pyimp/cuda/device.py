@@ -9,9 +9,9 @@ kernel for the given compute capability with the launch's argument types
 (the device engine included) type-checks every kernel it would launch. The
 simulator does no type checking; this is how CI catches what would not compile.
 
-**Reductions** over the threads of a block (:func:`block_sum`, :func:`block_max`): every
-thread calls them with its value and gets the result; ``red`` is a float32 shared
-array with one slot per thread. On hardware a warp reduces with ``shfl_xor_sync`` and
+**Reductions** over the threads of a block (:func:`block_sum`; :func:`block_max_n` /
+:func:`block_sum_n` for n values at once): every thread calls them with its value(s) and gets
+the result; ``red`` is a float32 shared array with one slot per thread (n per thread). On hardware a warp reduces with ``shfl_xor_sync`` and
 the warps' results meet in ``red``; the simulator has no warp operations, so there every
 thread sums all of ``red`` after one barrier (block sizes are powers of two, <= 1024).
 """
@@ -323,16 +323,6 @@ if SIMULATOR:
         cuda.syncthreads()
         return r
 
-    @cuda.jit(device=True)
-    def block_max(v, red):
-        tid = cuda.threadIdx.x
-        red[tid] = v
-        cuda.syncthreads()
-        r = red[0]
-        for i in range(1, cuda.blockDim.x):
-            r = max(r, red[i])
-        cuda.syncthreads()
-        return r
 else:
     @cuda.jit(device=True)
     def _warp_sum(v):
@@ -364,19 +354,6 @@ else:
         cuda.syncthreads()
         return r
 
-    @cuda.jit(device=True)
-    def block_max(v, red):
-        tid = cuda.threadIdx.x
-        nw = (cuda.blockDim.x + WARP - 1) // WARP
-        v = _warp_max(v)
-        if tid % WARP == 0:
-            red[tid // WARP] = v
-        cuda.syncthreads()
-        lane = tid % WARP
-        w = red[lane] if lane < nw else float32(-math.inf)
-        r = _warp_max(w)
-        cuda.syncthreads()
-        return r
 
 
 # ---------------------------------------------------------------- lane groups, n-wide reductions
@@ -394,24 +371,9 @@ if SIMULATOR:
         return cuda.threadIdx.x, 0, 1, cuda.blockDim.x
 
     @cuda.jit(device=True)
-    def lane_sums(v, n, red):
-        """v[0:n] <- their sums over this thread's lane group (every lane gets them); every
-        thread of the block calls it (two barriers)."""
-        tid = cuda.threadIdx.x
-        nt = cuda.blockDim.x
-        for g in range(n):
-            red[g * nt + tid] = v[g]
-        cuda.syncthreads()
-        for g in range(n):
-            r = float32(0.0)
-            for i in range(nt):
-                r += red[g * nt + i]
-            v[g] = r
-        cuda.syncthreads()
-
-    @cuda.jit(device=True)
-    def block_max_n(v, n, red):
-        """v[0:n] <- their maxima over the block (two barriers)."""
+    def _block_reduce_n(v, n, red, take_max):
+        """v[0:n] <- their maxima (take_max) or sums over the block, each in thread order
+        (two barriers)."""
         tid = cuda.threadIdx.x
         nt = cuda.blockDim.x
         for g in range(n):
@@ -420,14 +382,16 @@ if SIMULATOR:
         for g in range(n):
             r = red[g * nt]
             for i in range(1, nt):
-                r = max(r, red[g * nt + i])
+                x = red[g * nt + i]
+                r = max(r, x) if take_max else r + x
             v[g] = r
         cuda.syncthreads()
 
     @cuda.jit(device=True)
-    def block_sum_n(v, n, red):
-        """v[0:n] <- their sums over the block (two barriers)."""
-        lane_sums(v, n, red)
+    def lane_sums(v, n, red):
+        """v[0:n] <- their sums over this thread's lane group, the whole block here (every
+        lane gets them); every thread of the block calls it (two barriers)."""
+        _block_reduce_n(v, n, red, False)
 else:
     @cuda.jit(device=True)
     def lane_group():
@@ -444,37 +408,32 @@ else:
             v[g] = _warp_sum(v[g])
 
     @cuda.jit(device=True)
-    def block_max_n(v, n, red):
-        """v[0:n] <- their maxima over the block: warp shuffles, then the warps' results in
-        order from shared memory (two barriers)."""
+    def _block_reduce_n(v, n, red, take_max):
+        """v[0:n] <- their maxima (take_max) or sums over the block: warp shuffles, then the
+        warps' results in order from shared memory (two barriers)."""
         tid = cuda.threadIdx.x
         nw = cuda.blockDim.x // WARP
         for g in range(n):
-            x = _warp_max(v[g])
+            x = _warp_max(v[g]) if take_max else _warp_sum(v[g])
             if tid % WARP == 0:
                 red[g * nw + tid // WARP] = x
         cuda.syncthreads()
         for g in range(n):
             r = red[g * nw]
             for i in range(1, nw):
-                r = max(r, red[g * nw + i])
+                x = red[g * nw + i]
+                r = max(r, x) if take_max else r + x
             v[g] = r
         cuda.syncthreads()
 
-    @cuda.jit(device=True)
-    def block_sum_n(v, n, red):
-        """v[0:n] <- their sums over the block: warp shuffles, then the warps' sums in order
-        from shared memory (two barriers)."""
-        tid = cuda.threadIdx.x
-        nw = cuda.blockDim.x // WARP
-        for g in range(n):
-            x = _warp_sum(v[g])
-            if tid % WARP == 0:
-                red[g * nw + tid // WARP] = x
-        cuda.syncthreads()
-        for g in range(n):
-            r = float32(0.0)
-            for i in range(nw):
-                r += red[g * nw + i]
-            v[g] = r
-        cuda.syncthreads()
+
+@cuda.jit(device=True)
+def block_max_n(v, n, red):
+    """v[0:n] <- their maxima over the block (two barriers)."""
+    _block_reduce_n(v, n, red, True)
+
+
+@cuda.jit(device=True)
+def block_sum_n(v, n, red):
+    """v[0:n] <- their sums over the block (two barriers)."""
+    _block_reduce_n(v, n, red, False)
