@@ -207,6 +207,35 @@ def merge_splits(m_part, l_part, o_part, r, h, out):
     return mh, lh
 
 
+@cuda.jit(device=True)
+def split_blocks(n_ctx, lo, B, dense, cnt, si, nsplit, sp):
+    """(lb_first, n_blocks, k_beg, k_end) of a split: a dense walk covers the logical blocks
+    lb_first .. of the visible tokens [lo, n_ctx), a sparse one set si's cnt[si] selected
+    blocks (lb_first 0); split sp of nsplit takes walk steps [k_beg, k_end)."""
+    lb_first = 0
+    if dense:
+        lb_first = lo // B
+        n_blocks = (n_ctx - 1) // B - lb_first + 1
+    else:
+        n_blocks = cnt[si]
+    per = (n_blocks + nsplit - 1) // nsplit
+    k_beg = sp * per
+    return lb_first, n_blocks, k_beg, min(n_blocks, k_beg + per)
+
+
+@cuda.jit(device=True)
+def attend_shared(nv, D, B):
+    """(qs, o, s, red, vs): the dynamic shared memory of an attention work item with nv
+    virtual heads, as ``_shared_bytes`` sizes it: queries and outputs [nv * D], one block's
+    scores [nv * B], the n-wide reductions' scratch [nv * blockDim], the staged values
+    [VROWS * (B + 1)]."""
+    sh = cuda.shared.array(0, float32)
+    a = nv * D
+    b = 2 * a + nv * B
+    c = b + nv * cuda.blockDim.x
+    return sh[0:a], sh[a:2 * a], sh[2 * a:b], sh[b:c], sh[c:c + VROWS * (B + 1)]
+
+
 @functools.cache
 def _attend_kernel(kfmt: str, vfmt: str):
     """``_attend`` for K stored in format kfmt and V in vfmt (:mod:`pyimp.cuda.kvblocks`)."""
@@ -236,22 +265,9 @@ def _attend_kernel(kfmt: str, vfmt: str):
         lo = 0
         if window > 0:
             lo = max(0, pos0 + r0 + 1 - window)     # ... and its first row the earliest
-        lb_first = 0
-        if dense:
-            lb_first = lo // B
-            n_blocks = (n_ctx - 1) // B - lb_first + 1
-        else:
-            n_blocks = cnt[si]
-        per = (n_blocks + nsplit - 1) // nsplit
-        k_beg = sp * per
-        k_end = min(n_blocks, k_beg + per)
-
-        sh = cuda.shared.array(0, float32)
-        qs = sh[0:nv * D]
-        o = sh[nv * D:2 * nv * D]
-        s = sh[2 * nv * D:2 * nv * D + nv * B]
-        red = sh[2 * nv * D + nv * B:2 * nv * D + nv * B + nv * nt]
-        vs = sh[2 * nv * D + nv * B + nv * nt:2 * nv * D + nv * B + nv * nt + VROWS * (B + 1)]
+        lb_first, n_blocks, k_beg, k_end = split_blocks(n_ctx, lo, B, dense, cnt, si, nsplit,
+                                                        sp)
+        qs, o, s, red, vs = attend_shared(nv, D, B)
         m = cuda.local.array(MAX_UNIT_HEADS, float32)
         l = cuda.local.array(MAX_UNIT_HEADS, float32)
         alpha = cuda.local.array(MAX_UNIT_HEADS, float32)

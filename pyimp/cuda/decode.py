@@ -56,8 +56,8 @@ from numba import cuda, float32, int32
 
 from .. import ops as host_ops
 from . import device, linear
-from .attention import (VROWS, _shared_bytes, accumulate_v_fn, fold_block, merge_splits, prob,
-                        score_block_fn, store_mass)
+from .attention import (_shared_bytes, accumulate_v_fn, attend_shared, fold_block, merge_splits,
+                        prob, score_block_fn, split_blocks, store_mass)
 from .ops import _ACTS, rope_index, rope_pair
 from .sparse import _anchor_body
 
@@ -331,21 +331,9 @@ def _attend(q, kc, vc, bt, rec, scale, window, sel, cnt, dense, nh, m_part, l_pa
     if window > 0:
         lo = max(0, n_ctx - window)
     si = h0 // hps
-    lb_first = lo // B
-    if dense != 0:
-        n_blocks = (n_ctx - 1) // B - lb_first + 1
-    else:
-        n_blocks = cnt[si]
-    per = (n_blocks + nsplit - 1) // nsplit
-    k_beg = sp * per
-    k_end = min(n_blocks, k_beg + per)
-
-    sh = cuda.shared.array(0, float32)
-    qs = sh[0:nh * D]
-    o = sh[nh * D:2 * nh * D]
-    s = sh[2 * nh * D:2 * nh * D + nh * B]
-    red = sh[2 * nh * D + nh * B:2 * nh * D + nh * B + nh * nt]
-    vs = sh[2 * nh * D + nh * B + nh * nt:2 * nh * D + nh * B + nh * nt + VROWS * (B + 1)]
+    lb_first, n_blocks, k_beg, k_end = split_blocks(n_ctx, lo, B, dense != 0, cnt, si, nsplit,
+                                                    sp)
+    qs, o, s, red, vs = attend_shared(nh, D, B)
     ticket = cuda.shared.array(1, int32)
     m = cuda.local.array(MAX_UNIT_HEADS, float32)
     l = cuda.local.array(MAX_UNIT_HEADS, float32)
