@@ -107,19 +107,25 @@ def test_the_table_averages_tasks_with_case_counts():
     assert "| - |" in h2o and h2o.endswith("| 0.0 | 3 |")
 
 
-def test_a_case_runs_under_full_attention_and_a_policy(tmp_path):
-    """tools.eval_ruler.run_case on a small synthetic model: the row names its configuration,
-    the budget in tokens per layer, and holds fewer KV bytes under h2o than under full."""
+def _synthetic_case(tmp_path, task: str, n: int, max_new: int) -> tuple:
+    """(model path, case, context ids, [(question ids, answers)], case fields) of seed 1000's
+    first ``task`` case at ``n`` tokens on a small synthetic llama model."""
     import pyimp
-    from tools.eval_ruler import run_case
     from tools.write_synthetic_gguf import SynthSpec, write
     path = write(tmp_path / "m.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4,
                                                 n_head_kv=2, n_ff=128, vocab_size=512))
     eng = pyimp.load(path, n_ctx=16)
-    c = ruler.make_case("niah_multikey_1", 1000, 0, 1200, eng.tokenize)
-    ctx = eng.tokenize(c.context)
+    c = ruler.make_case(task, 1000, 0, n, eng.tokenize)
     qs = [(eng.tokenize(q, add_bos=False), a) for q, a in c.questions]
-    case = {"task": c.task, "seed": c.seed, "index": c.index, "max_new_tokens": 4}
+    case = {"task": c.task, "seed": c.seed, "index": c.index, "max_new_tokens": max_new}
+    return path, c, eng.tokenize(c.context), qs, case
+
+
+def test_a_case_runs_under_full_attention_and_a_policy(tmp_path):
+    """tools.eval_ruler.run_case on a small synthetic model: the row names its configuration,
+    the budget in tokens per layer, and holds fewer KV bytes under h2o than under full."""
+    from tools.eval_ruler import run_case
+    path, c, ctx, qs, case = _synthetic_case(tmp_path, "niah_multikey_1", 1200, 4)
     full = run_case(path, 1400, ctx, qs, case, "full", "f16", 0.25)
     h2o = run_case(path, 1400, ctx, qs, case, "h2o", "f16", 0.25)
     once = run_case(path, 1400, ctx, qs, case, "h2o", "f16", 0.25, "once", str(tmp_path))
@@ -138,10 +144,8 @@ def test_a_case_runs_under_full_attention_and_a_policy(tmp_path):
 def test_block_sparse_configurations_parse_and_run(tmp_path):
     """sparse:MODE runs block-sparse decode at a block budget of fraction x the context; it
     holds the whole cache (the same KV bytes as full attention); bad names are refused."""
-    import pyimp
     from tools import eval_kv
     from tools.eval_ruler import _config, parse_sparse, run_case
-    from tools.write_synthetic_gguf import SynthSpec, write
     assert parse_sparse("sparse:quest@rt0.9") == dict(sparse=True, anchor="quest",
                                                       select="anchors", recall_target=0.9)
     assert parse_sparse("sparse:lowrank") == dict(sparse=True, select="lowrank")
@@ -152,13 +156,7 @@ def test_block_sparse_configurations_parse_and_run(tmp_path):
     base, budget, opts = _config("sparse:quest", "f16", 0.25, 1200)
     # 0.25 x 1200 tokens = 9.4 blocks of 32: 9 blocks, init 1 + local 2 + 6 picked
     assert (base, opts["topk"], budget) == ("sparse", 6, 9 * 32)
-    path = write(tmp_path / "m.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4,
-                                                n_head_kv=2, n_ff=128, vocab_size=512))
-    eng = pyimp.load(path, n_ctx=16)
-    c = ruler.make_case("niah_single_1", 1000, 0, 1200, eng.tokenize)
-    ctx = eng.tokenize(c.context)
-    qs = [(eng.tokenize(q, add_bos=False), a) for q, a in c.questions[:1]]
-    case = {"task": c.task, "seed": c.seed, "index": c.index, "max_new_tokens": 4}
+    path, c, ctx, qs, case = _synthetic_case(tmp_path, "niah_single_1", 1200, 4)
     full = run_case(path, 1400, ctx, qs, case, "full", "f16", 1.0)
     sp = run_case(path, 1400, ctx, qs, case, "sparse:quest", "f16", 0.25)
     _, budget, opts = _config("sparse:quest", "f16", 0.25, len(ctx))
@@ -241,16 +239,8 @@ def test_rows_count_what_decoding_evicts(tmp_path):
     """h2o keeps evicting as the answer grows (a block of 32 slots at a time), snapkv only at the
     prefill's end; full attention never: the rows say how many tokens each generated and
     evicted meanwhile, and the KV bytes held at the answer's end."""
-    import pyimp
     from tools.eval_ruler import run_case
-    from tools.write_synthetic_gguf import SynthSpec, write
-    path = write(tmp_path / "m.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4,
-                                                n_head_kv=2, n_ff=128, vocab_size=512))
-    eng = pyimp.load(path, n_ctx=16)
-    c = ruler.make_case("vt", 1000, 0, 600, eng.tokenize)
-    ctx = eng.tokenize(c.context)
-    qs = [(eng.tokenize(q, add_bos=False), a) for q, a in c.questions]
-    case = {"task": c.task, "seed": c.seed, "index": c.index, "max_new_tokens": 70}
+    path, c, ctx, qs, case = _synthetic_case(tmp_path, "vt", 600, 70)
     rows = {p: run_case(path, 720, ctx, qs, case, p, "f16", 0.25)[0]
             for p in ("full", "h2o", "snapkv")}
     assert all(r["generated"] == 70 for r in rows.values())      # no end of generation here
