@@ -111,7 +111,13 @@ def test_reductions_compile(ptx):
     def k(x, out):
         red = cuda.shared.array(256, float32)
         v = x[cuda.threadIdx.x]
-        out[0] = ptx.block_sum(v, red) + ptx.block_max(v, red)
+        w = cuda.local.array(2, float32)
+        w[0] = v
+        w[1] = v
+        ptx.block_max_n(w, 2, red)
+        ptx.block_sum_n(w, 2, red)
+        ptx.lane_sums(w, 2, red)
+        out[0] = ptx.block_sum(v, red) + w[0] + w[1]
 
     with ptx.compile_only((9, 0)):
         ptx.launch(k, 1, 64, np.zeros(64, np.float32), np.zeros(1, np.float32))
