@@ -386,14 +386,15 @@ class Engine:
             self.policy.after_forward(len(self.tokens), True)
 
     @exclusive
-    def save_state(self, path: str | os.PathLike) -> dict:
+    def save_state(self, path: str | os.PathLike, level: int | None = None) -> dict:
         """Save the cached tokens, KV, importance_ and anchors to ``path`` (see :mod:`pyimp.kv.state`);
-        returns the writer's statistics."""
+        returns the writer's statistics. ``level``: the zstd level (None: the format's default;
+        0 stores every section raw, for a short-lived file written and read at memory speed)."""
         if self.file is None:
             raise _closed()
         self._host_only("saving a state")
         from .kv import state
-        return state.save(self, path)
+        return state.save(self, path, level)
 
     @exclusive
     def load_state(self, path: str | os.PathLike) -> int:

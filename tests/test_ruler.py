@@ -97,14 +97,33 @@ def test_unknown_task_is_named():
 
 
 def test_the_table_averages_tasks_with_case_counts():
-    rows = [{"policy": "full", "kv": "f16", "fraction": 1.0, "task": t, "score": s}
-            for t, scores in (("a", (1.0, 1.0, 0.0)), ("b", (0.5, 0.5, 0.5))) for s in scores]
-    rows += [{"policy": "h2o", "kv": "f16", "fraction": 0.25, "task": "a", "score": 0.0}] * 3
+    rows = [{"policy": "full", "kv": "f16", "fraction": 1.0, "task": t, "score": s,
+             "kv_bytes": 4e6} for t, scores in (("a", (1.0, 1.0, 0.0)), ("b", (0.5, 0.5, 0.5)))
+            for s in scores]
+    rows += [{"policy": "h2o", "kv": "f16", "fraction": 0.25, "task": "a", "score": 0.0,
+              "kv_bytes": 1e6}] * 3
     table = format_markdown(summarize(rows), ["a", "b"])
     full = next(line for line in table.splitlines() if line.startswith("| full"))
-    assert "66.7 [" in full and "| 50.0 [50, 50] |" in full and full.endswith("| 58.3 | 3 |")
+    assert "66.7 [" in full and "| 50.0 [50, 50] |" in full
+    assert full.endswith("| 58.3 | 4.0 (100 %) | 3 |")
     h2o = next(line for line in table.splitlines() if line.startswith("| h2o"))
-    assert "| - |" in h2o and h2o.endswith("| 0.0 | 3 |")
+    assert "| - |" in h2o and h2o.endswith("| 0.0 | 1.0 (25 %) | 3 |")
+    assert "Left out" not in table
+
+
+def test_the_averages_leave_out_what_full_attention_cannot_do():
+    """A task full attention (f16) scores 0 on is left out of every configuration's average
+    and named under the table; the niah average covers the niah tasks only."""
+    rows = [{"policy": p, "kv": "f16", "fraction": f, "task": t, "score": s, "kv_bytes": 2e6}
+            for p, f, scores in (("full", 1.0, (1.0, 0.5, 0.0)), ("h2o", 0.5, (0.5, 0.0, 1.0)))
+            for t, s in zip(("niah_single_1", "cwe", "vt"), scores)]
+    table = format_markdown(summarize(rows), ["niah_single_1", "cwe", "vt"])
+    h2o = next(line for line in table.splitlines() if line.startswith("| h2o"))
+    # vt (full attention 0) is out: average (50 + 0) / 2, niah average 50; h2o's 100 on vt
+    # would have raised its average to 50
+    assert h2o.endswith("| 25.0 | 50.0 | 2.0 (100 %) | 1 |")
+    assert table.splitlines()[-1] == ("Left out of the averages (full attention, f16, scores 0 "
+                                      "on them): vt.")
 
 
 def _synthetic_case(tmp_path, task: str, n: int, max_new: int) -> tuple:
@@ -208,8 +227,9 @@ def test_shared_prefills_give_the_direct_paths_rows(tmp_path, monkeypatch, arch)
     def recording(e, logits, n):
         blocks = [e.cache.slots(0, e.cache.slot_count(il), layer=il) for il in range(e.cfg.n_layer)]
         # streaming reads no importance (its engine tracks the default 128 rows, the shared
-        # state every row): compared where a policy ranks by it
-        imp = () if e.policy.opts.policy == "streaming" else tuple(
+        # state every row), full attention tracks none when it prefills itself: compared where
+        # a policy ranks by it
+        imp = () if e.policy.opts.policy in ("streaming", "full") else tuple(
             e.sparse.importance_[il, b, r].tobytes() for il, (b, r) in enumerate(blocks))
         starts.append((repr(e.policy.opts), tuple(e.tokens), logits.tobytes(),
                        tuple(e.cache.positions(il).tobytes() for il in range(e.cfg.n_layer)),
@@ -218,9 +238,12 @@ def test_shared_prefills_give_the_direct_paths_rows(tmp_path, monkeypatch, arch)
 
     monkeypatch.setattr(er, "greedy_answer", recording)
     policies = ["streaming", "h2o+nbr2+depth2", "snapkv", "pyramidkv+follow4"]
-    assert all(er.shares_prefill(p) for p in policies)
-    assert not any(er.shares_prefill(p) for p in ("full", "h2o+obs1", "snapkv+merge0.9"))
-    configs = [(p, 0.25, m) for p in policies for m in ("aware", "once")]
+    assert all(er.shares_prefill(p) for p in policies + ["full"])
+    assert not any(er.shares_prefill(p) for p in ("h2o+obs1", "snapkv+merge0.9", "full+merge0.9",
+                                                  "sparse:quest"))
+    # full attention decodes from the every-row prefill's engine, which tracks importance
+    configs = [("full", 1.0, "aware")] + [(p, 0.25, m) for p in policies
+                                          for m in ("aware", "once")]
     direct = [r for p, f, m in configs
               for r in er.run_case(path, 720, ctx, qs, case, p, "f16", f, m, str(tmp_path))]
     direct_starts, starts[:] = sorted(starts), []
@@ -232,6 +255,7 @@ def test_shared_prefills_give_the_direct_paths_rows(tmp_path, monkeypatch, arch)
     assert sorted(map(repr, map(key, direct))) == sorted(map(repr, map(key, shared)))
     assert sorted(starts) == direct_starts and len(starts) == len(direct)
     assert len({s[3] for s in starts}) > len(policies)       # the policies kept different tokens
+    assert sum(r["policy"] == "full" for r in shared) == len(qs)
     assert list(tmp_path.glob("*.pkv")) == []                # the shared states are removed
 
 
@@ -247,3 +271,17 @@ def test_rows_count_what_decoding_evicts(tmp_path):
     assert rows["full"]["evicted_decoding"] == rows["snapkv"]["evicted_decoding"] == 0
     assert rows["h2o"]["evicted_decoding"] >= 2 * 32           # 70 steps: two whole blocks
     assert rows["h2o"]["kv_bytes_end"] <= rows["h2o"]["kv_bytes"] < rows["snapkv"]["kv_bytes_end"]
+
+
+def test_also_adds_one_configuration_and_names_what_is_wrong(capsys):
+    """--also POLICY,KV,FRACTION: one configuration outside the cross product (a KV type at
+    one budget); a bad part is named in one line, before any model is loaded."""
+    from tools.eval_ruler import main, parse_also
+    assert parse_also("snapkv+follow8,q8_0/q4_0,0.25") == ("snapkv+follow8", "q8_0/q4_0", 0.25)
+    assert parse_also("full,q8_0,0.5") == ("full", "q8_0", 1.0)     # full attention: no budget
+    for bad, what in (("snapkv", "expected POLICY,KV,FRACTION"), ("snapkv,q9,0.5", "'q9'"),
+                      ("snapkv,f16,0", "'0' must be a number in (0, 1]"),
+                      ("snapkv+zz,f16,0.5", "+zz")):
+        assert main(["--also", bad, "--out", "/nonexistent/x"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("eval_ruler: ") and what in err and err.count("\n") == 1, err

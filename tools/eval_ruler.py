@@ -3,6 +3,7 @@
     python -m tools.eval_ruler [MODEL] --ctx 4096 --cases 8 --seed 1000 [--tasks niah_single_1,vt]
         [--policies full,h2o,snapkv] [--fractions 0.25,0.5] [--kv-types f16] [--out DIR]
         [--modes aware,once] [--all-questions]     # policies take tools.eval_kv's suffixes: h2o+nbr4
+        [--also snapkv+follow8,q8_0/q4_0,0.25]
     python -m tools.eval_ruler --scheduler tcp://host:8786 ...      # an existing Dask cluster
 
 The grid is task x case x policy x KV type x memory fraction. Besides the eviction policies,
@@ -34,11 +35,18 @@ Shared prefills: every policy evicts once, at the end of its one-chunk prefill, 
 importance that prefill accumulated, so the policies of a prompt need not prefill it each:
 a Dask task per case prefills each of its prompts once per importance window the policies
 read (every row for h2o and streaming, the observation window for snapkv and pyramidkv) with
-a full-attention engine that tracks importance as theirs do, saves the state, and each
-configuration loads it, evicts and decodes (:func:`run_case_shared`). The rows are the ones
-each configuration's own prefill gives (tests/test_ruler.py checks them, the logits and the
-kept positions and importance against :func:`run_case`); full attention, ``+merge`` and
-``+obs`` run their own prefills, and ``--direct`` runs every configuration that way.
+a full-attention engine that tracks importance as theirs do, saves the state (raw: a work file
+read back at once), and each configuration loads it, evicts and decodes
+(:func:`run_case_shared`); full attention decodes from the every-row prefill's own engine
+(tracking importance changes no attention output). The rows are the ones each
+configuration's own prefill gives (tests/test_ruler.py checks them, the logits and the kept
+positions and importance against :func:`run_case`); ``+merge`` and ``+obs`` run their own
+prefills, and ``--direct`` runs every configuration that way.
+
+The table's averages leave out the tasks full attention (f16) scores 0 on (the model's limits,
+not the policies'), and its ``KV MB`` column gives the KV held after the compression with its
+share of full attention's f16 KV. ``--also POLICY,KV,FRACTION`` adds one configuration
+outside the cross product (a KV type at one budget).
 
 Dask: a ``LocalCluster`` of ``--workers`` single-threaded processes by default, or
 ``--scheduler``; workers keep an engine per configuration (``tools.eval_kv``'s cache).
@@ -185,20 +193,21 @@ def shares_prefill(policy: str) -> bool:
     """Can this policy's runs start from a shared full-attention prefill? Every policy evicts
     once at the end of the one-chunk prefill (the policy engines' batch is the context), from
     the importance that prefill accumulated; what differs is only the decision, unless the
-    policy is full attention (no tracking: its own prefill), merges tokens during the prefill
-    (+merge) or runs its observation window as a chunk of its own (+obs)."""
+    policy merges tokens during the prefill (+merge) or runs its observation window as a chunk
+    of its own (+obs). Full attention decodes from the shared prefill's own engine (tracking
+    importance changes no attention output: tests/test_ruler.py checks its rows)."""
     if policy.startswith(SPARSE_PREFIX):
         return False                    # block-sparse decoding: its own (dense) prefill
     base, extra = parse_policy(policy)
     extra.pop("batch_size", None)
-    return base != "full" and set(extra) <= DECISION_SUFFIXES
+    return not extra if base == "full" else set(extra) <= DECISION_SUFFIXES
 
 
 def importance_rows(base: str) -> int:
     """The importance window a policy's engine prefills with (pyimp.options'
     sparse_options): every row for h2o (and streaming, which reads none), the observation
-    window for snapkv / pyramidkv."""
-    return 0 if base in ("h2o", "streaming") else PolicyOptions().obs_window
+    window for snapkv / pyramidkv; full attention decodes from the every-row prefill."""
+    return 0 if base in ("h2o", "streaming", "full") else PolicyOptions().obs_window
 
 
 def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict,
@@ -216,8 +225,12 @@ def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case
     tag = os.path.join(workdir, f"{os.getpid()}-{case['task']}-{case['seed']}-{case['index']}-"
                                 f"{kv.replace('/', '-')}")
     kv_opts = kv_options(kv)
+    full = [(p, f) for p, f, m in configs if parse_policy(p)[0] == "full"]
 
-    def prefill(ids: list) -> dict:
+    def prefill(ids: list, answer=None) -> dict:
+        """Each window's prefill of ``ids``, saved raw (a work file, read back at once); with
+        ``answer`` (question index, answers, tokens to generate) full attention's rows are
+        decoded from the every-row prefill's engine once its state is saved."""
         out = {}
         for w in windows:
             eng = worker_engine(model, n_ctx, batch_size=n_ctx, track=True,
@@ -226,8 +239,17 @@ def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case
             t0 = time.perf_counter()
             logits = np.array(eng.eval(ids)[-1])        # a copy: the engine may be reused
             path = f"{tag}-w{w}.pkv"
-            eng.save_state(path)
+            eng.save_state(path, level=0)
             out[w] = (path, logits, time.perf_counter() - t0)
+            if answer is not None and w == 0:
+                qi, answers, n_new = answer
+                for policy, fraction in full:
+                    t1 = time.perf_counter()
+                    held = int(eng.cache.bytes_held())
+                    pred = _answer(eng, logits, n_new)
+                    rows.append(_row(case, qi, "aware", policy, kv, fraction, "full", 0,
+                                     len(ids), pred, answers, held, time.perf_counter() - t1,
+                                     out[w][2]))
         return out
 
     def policy_engine(policy: str, fraction: float):
@@ -235,11 +257,11 @@ def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case
         eng = worker_engine(model, n_ctx, batch_size=n_ctx, track=True, **opts)
         return eng, base, budget
 
-    aware = [(p, f) for p, f, m in configs if m == "aware"]
+    aware = [(p, f) for p, f, m in configs if m == "aware" and (p, f) not in full]
     once = [(p, f) for p, f, m in configs if m == "once"]
-    for qi, (q_ids, answers) in enumerate(questions if aware else []):
-        shared = prefill(list(ctx_ids) + list(q_ids))
+    for qi, (q_ids, answers) in enumerate(questions if aware or full else []):
         n_new = min(case["max_new_tokens"], n_ctx - len(ctx_ids) - len(q_ids) - 1)
+        shared = prefill(list(ctx_ids) + list(q_ids), (qi, answers, n_new))
         for policy, fraction in aware:
             eng, base, budget = policy_engine(policy, fraction)
             path, logits, dt = shared[importance_rows(base)]
@@ -262,7 +284,7 @@ def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case
             eng.evict()
             held = int(eng.cache.bytes_held())
             state = f"{tag}-once.pkv"
-            eng.save_state(state)
+            eng.save_state(state, level=0)
             for qi, (q_ids, answers) in enumerate(questions):
                 t0 = time.perf_counter()
                 eng.load_state(state)
@@ -301,41 +323,64 @@ def make_cases(model: str, tasks: list, n_cases: int, seed: int, ctx: int,
 
 
 def summarize(rows: list) -> list:
-    """Per (policy, kv, fraction, task): mean score, its 95 % t interval, the case count."""
+    """Per (policy, kv, fraction, task): mean score, its 95 % t interval, the case count and the
+    mean KV bytes held after the compression."""
     groups: dict = {}
     for r in rows:
         label = r["policy"] + ("" if r.get("mode", "aware") == "aware" else f" ({r['mode']})")
         groups.setdefault((label, r["kv"], float(r["fraction"]), r["task"]), []).append(
-            float(r["score"]))
+            (float(r["score"]), float(r.get("kv_bytes", "nan"))))
     out = []
-    for (policy, kv, fraction, task), scores in sorted(groups.items()):
+    for (policy, kv, fraction, task), runs in sorted(groups.items()):
+        scores = [sc for sc, _ in runs]
         m, lo, hi = mean_interval(scores)          # scores lie in [0, 1]: so does the interval
         out.append({"policy": policy, "kv": kv, "fraction": fraction, "task": task, "mean": m,
-                    "lo": max(0.0, lo), "hi": min(1.0, hi), "cases": len(scores)})
+                    "lo": max(0.0, lo), "hi": min(1.0, hi), "cases": len(scores),
+                    "kv_bytes": float(np.mean([b for _, b in runs]))})
     return out
+
+
+FULL = ("full", "f16", 1.0)        # the reference configuration: full attention, f16 KV
 
 
 def format_markdown(summary: list, tasks: list) -> str:
     """One row per configuration, one column per task (mean score x 100 with its 95 %
-    interval), the case count and the average over the tasks."""
+    interval), the average over the tasks and over the niah tasks, the KV held (MB, and the
+    share of full attention's f16 KV when the grid has it) and the case count. Tasks full
+    attention (f16) scores 0 on are the model's limits, not the policies': they are left out
+    of the averages, and a line under the table names them."""
     configs = sorted({(s["policy"], s["kv"], s["fraction"]) for s in summary},
                      key=lambda c: (-c[2], c[0], c[1]))
     by = {(s["policy"], s["kv"], s["fraction"], s["task"]): s for s in summary}
-    lines = ["| policy | KV | fraction | " + " | ".join(tasks) + " | average | cases per task |",
-             "|---" * (len(tasks) + 5) + "|"]
+    left_out = [t for t in tasks if FULL + (t,) in by and by[FULL + (t,)]["mean"] == 0.0]
+    niah = [t for t in tasks if t.startswith("niah") and t not in left_out]
+
+    def held(c) -> float:
+        return float(np.nanmean([s["kv_bytes"] for t in tasks if (s := by.get(c + (t,)))]
+                                or [np.nan]))
+    full_bytes = held(FULL) if any(FULL + (t,) in by for t in tasks) else np.nan
+    cols = tasks + ["average"] + (["niah average"] if niah else []) + ["KV MB", "cases per task"]
+    lines = ["| policy | KV | fraction | " + " | ".join(cols) + " |", "|---" * (len(cols) + 3) + "|"]
     for c in configs:
-        cells, means, n = [], [], 0
+        cells, n = [], 0
         for t in tasks:
             s = by.get(c + (t,))
             if s is None:
                 cells.append("-")
                 continue
             n = s["cases"]
-            means.append(s["mean"])
             ci = "" if np.isnan(s["lo"]) else f" [{100 * s['lo']:.0f}, {100 * s['hi']:.0f}]"
             cells.append(f"{100 * s['mean']:.1f}{ci}")
-        avg = f"{100 * np.mean(means):.1f}" if means else "-"
-        lines.append(f"| {c[0]} | {c[1]} | {c[2]:g} | " + " | ".join(cells) + f" | {avg} | {n} |")
+        for group in [[t for t in tasks if t not in left_out]] + ([niah] if niah else []):
+            means = [by[c + (t,)]["mean"] for t in group if c + (t,) in by]
+            cells.append(f"{100 * np.mean(means):.1f}" if means else "-")
+        b = held(c)
+        share = "" if np.isnan(full_bytes) or np.isnan(b) else f" ({100 * b / full_bytes:.0f} %)"
+        cells.append("-" if np.isnan(b) else f"{b / 1e6:.1f}{share}")
+        lines.append(f"| {c[0]} | {c[1]} | {c[2]:g} | " + " | ".join(cells) + f" | {n} |")
+    if left_out:
+        lines.append(f"\nLeft out of the averages (full attention, f16, scores 0 on them): "
+                     f"{', '.join(left_out)}.")
     return "\n".join(lines)
 
 
@@ -373,6 +418,30 @@ def plot(summary: list, tasks: list, path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def parse_also(spec: str) -> tuple[str, str, float]:
+    """``"snapkv+follow8,q8_0/q4_0,0.25"`` -> (policy, KV type, fraction), each checked as
+    --policies, --kv-types and --fractions check theirs (full attention's fraction is 1);
+    ValueError naming the part that is wrong."""
+    parts = spec.split(",")
+    if len(parts) != 3:
+        raise ValueError(f"--also {spec!r}: expected POLICY,KV,FRACTION")
+    policy, kv, frac = parts
+    parse_sparse(policy) if policy.startswith(SPARSE_PREFIX) else parse_policy(policy)
+    parse_kv(kv)
+    try:
+        f = float(frac)
+    except ValueError:
+        f = float("nan")
+    if not 0 < f <= 1:
+        raise ValueError(f"--also {spec!r}: the fraction {frac!r} must be a number in (0, 1]")
+    return policy, kv, 1.0 if is_full(policy) else f
+
+
+def is_full(policy: str) -> bool:
+    """Full attention (with or without suffixes): no budget, asked with the question only."""
+    return not policy.startswith(SPARSE_PREFIX) and parse_policy(policy)[0] == "full"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tools.eval_ruler",
                                  description=__doc__.split("\n\n")[0])
@@ -388,6 +457,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "sparse:lsh, sparse:sink_window, sparse:strided")
     ap.add_argument("--fractions", default="0.25", help="eviction budgets, share of the prompt")
     ap.add_argument("--kv-types", default="f16")
+    ap.add_argument("--also", action="append", default=[], metavar="POLICY,KV,FRACTION",
+                    help="one more configuration outside the cross product (repeatable), e.g. "
+                         "snapkv+follow8,q8_0/q4_0,0.25: a KV type at one budget")
     ap.add_argument("--modes", default="aware",
                     help="aware: compress with the question in the prompt; once: compress the "
                          "context alone, save it, append each question to the loaded state")
@@ -425,6 +497,7 @@ def main(argv=None) -> int:
             raise ValueError("--kv-types needs at least one entry")
         for k in kvs:
             parse_kv(k)
+        also = [parse_also(a) for a in args.also]
         modes = [m for m in args.modes.split(",") if m]
         if not modes or any(m not in ("aware", "once") for m in modes):
             raise ValueError(f"--modes {args.modes!r}: each must be aware or once")
@@ -448,11 +521,11 @@ def main(argv=None) -> int:
     os.makedirs(workdir, exist_ok=True)
     print(f"seed {args.seed} ({'development' if args.seed in DEV_SEEDS else 'held out'}): "
           f"{len(tasks)} tasks x {args.cases} cases at {args.ctx} tokens", flush=True)
-    full = {p: not p.startswith(SPARSE_PREFIX) and parse_policy(p)[0] == "full"
-            for p in policies}
     configs = [(p, kv, f, m) for p in policies for kv in kvs
-               for f in ([1.0] if full[p] else fractions)
-               for m in (["aware"] if full[p] else modes)]
+               for f in ([1.0] if is_full(p) else fractions)
+               for m in (["aware"] if is_full(p) else modes)]
+    configs += [c + (m,) for c in also for m in (["aware"] if is_full(c[0]) else modes)
+                if c + (m,) not in configs]
     shared = [] if args.direct else [c for c in configs if shares_prefill(c[0])]
     direct = [c for c in configs if c not in shared]
     with dask_client(args.scheduler, args.workers) as client:
@@ -464,7 +537,7 @@ def main(argv=None) -> int:
         futures += [client.submit(run_case_shared, model, n_ctx, ctx_ids, qs, case,
                                   [(p, f, m) for (p, k, f, m) in shared if k == kv], kv,
                                   workdir, pure=False)
-                    for kv in kvs if any(k == kv for _, k, _, _ in shared)
+                    for kv in dict.fromkeys(k for _, k, _, _ in shared)
                     for ctx_ids, qs, case in cases]
         rows = [r for part in client.gather(futures) for r in part]
     with open(os.path.join(args.out, "eval_ruler.csv"), "w", newline="") as f:

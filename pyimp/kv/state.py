@@ -157,8 +157,9 @@ def _rope_frame(engine, il: int, positions: np.ndarray, n_rows: int) -> Rotary |
     return Rotary(rows, theta, pairs)
 
 
-def save(engine, path: str | os.PathLike) -> dict:
-    """Write the engine's cached tokens, KV, importance_ and anchors to ``path`` (atomic)."""
+def save(engine, path: str | os.PathLike, level: int | None = None) -> dict:
+    """Write the engine's cached tokens, KV, importance_ and anchors to ``path`` (atomic);
+    ``level``: :func:`pyimp.kv.statefile.write_state`'s zstd level (None: its default, 0: raw)."""
     c = engine.cache
     n = len(engine.tokens)
     B = c.block_len
@@ -207,7 +208,7 @@ def save(engine, path: str | os.PathLike) -> dict:
               "geometry": geometry(engine), "sparse": _sparse_desc(engine), "n_tokens": n,
               "slots": slots, "max_evicted": [int(x) for x in c.max_evicted[0]],
               "tail_k": tails["k"], "tail_v": tails["v"], "merged": c.lmul is not None}
-    return write_state(path, header, arrays, rotary=frames)
+    return write_state(path, header, arrays, level=level, rotary=frames)
 
 
 def _check_header(engine, path, header: dict) -> None:
