@@ -130,6 +130,25 @@ def test_float16_kv_gets_the_predictive_codec_and_the_keys_their_rope_frame(mode
     assert state_mod._rope_frame(rotated, 0, np.arange(4), 4) is None
 
 
+def test_level_0_stores_every_section_raw_and_reloads_the_same(model, tmp_path):
+    """save_state(path, level=0): a short-lived file (a grid's shared prefill) skips the codecs,
+    and loads back to the same greedy continuation as the compressed file."""
+    a = pyimp.load(model, n_ctx=256, block_len=32, batch_size=32, kv_type="f16", track=True)
+    first = a.eval(_ids(120))[-1]
+    raw, packed = tmp_path / "raw.pkv", tmp_path / "packed.pkv"
+    stats = a.save_state(raw, level=0)
+    assert {s["codec"] for s in stats["sections"].values()} == {"raw"}
+    assert stats["file_bytes"] >= stats["raw_bytes"]
+    assert a.save_state(packed)["sections"]["k.0"]["codec"] == "pred-f16"
+    rows = []
+    for path in (raw, packed):
+        b = pyimp.load(model, n_ctx=256, block_len=32, batch_size=32, kv_type="f16", track=True)
+        assert b.load_state(path) == 120
+        assert np.array_equal(np.asarray(b.sparse.importance_), np.asarray(a.sparse.importance_))
+        rows.append(_greedy(b, first, 20))
+    assert np.array_equal(rows[0], rows[1])
+
+
 def test_prefix_reuse_evaluates_only_the_rest(model, tmp_path):
     p1, p2 = _ids(100, seed=1), _ids(100, seed=1)[:70] + _ids(30, seed=2)
     a = pyimp.load(model, n_ctx=256, block_len=32, batch_size=32, kv_type="f32")
