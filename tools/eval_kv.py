@@ -548,9 +548,10 @@ def dask_client(scheduler: str | None, workers: int):
             yield client
         return
     # memory_limit 0: Dask's pause at 80% of a share of the RAM would stall the grid on the
-    # pages the engines' caches keep (a worker holds one engine per configuration)
+    # pages the engines' caches keep (a worker holds one engine per configuration); the
+    # dashboard on a free port, so a second grid on the machine starts without a warning
     with LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
-                      dashboard_address=None, memory_limit=0) as cluster, Client(cluster) as client:
+                      dashboard_address=":0", memory_limit=0) as cluster, Client(cluster) as client:
         yield client
 
 
