@@ -98,16 +98,16 @@ def test_unknown_task_is_named():
 
 def test_the_table_averages_tasks_with_case_counts():
     rows = [{"policy": "full", "kv": "f16", "fraction": 1.0, "task": t, "score": s,
-             "kv_bytes": 4e6} for t, scores in (("a", (1.0, 1.0, 0.0)), ("b", (0.5, 0.5, 0.5)))
-            for s in scores]
+             "kv_bytes": 4e6, "budget_tokens": 0}
+            for t, scores in (("a", (1.0, 1.0, 0.0)), ("b", (0.5, 0.5, 0.5))) for s in scores]
     rows += [{"policy": "h2o", "kv": "f16", "fraction": 0.25, "task": "a", "score": 0.0,
-              "kv_bytes": 1e6}] * 3
+              "kv_bytes": 1e6, "budget_tokens": b} for b in (1000, 1000, 1030)]
     table = format_markdown(summarize(rows), ["a", "b"])
     full = next(line for line in table.splitlines() if line.startswith("| full"))
     assert "66.7 [" in full and "| 50.0 [50, 50] |" in full
-    assert full.endswith("| 58.3 | 4.0 (100 %) | 3 |")
+    assert full.endswith("| 58.3 | 0 | 4.0 (100 %) | 3 |")
     h2o = next(line for line in table.splitlines() if line.startswith("| h2o"))
-    assert "| - |" in h2o and h2o.endswith("| 0.0 | 1.0 (25 %) | 3 |")
+    assert "| - |" in h2o and h2o.endswith("| 0.0 | 1010 | 1.0 (25 %) | 3 |")
     assert "Left out" not in table
 
 
@@ -121,7 +121,7 @@ def test_the_averages_leave_out_what_full_attention_cannot_do():
     h2o = next(line for line in table.splitlines() if line.startswith("| h2o"))
     # vt (full attention 0) is out: average (50 + 0) / 2, niah average 50; h2o's 100 on vt
     # would have raised its average to 50
-    assert h2o.endswith("| 25.0 | 50.0 | 2.0 (100 %) | 1 |")
+    assert h2o.endswith("| 25.0 | 50.0 | - | 2.0 (100 %) | 1 |")       # no budget column given
     assert table.splitlines()[-1] == ("Left out of the averages (full attention, f16, scores 0 "
                                       "on them): vt.")
 
@@ -285,3 +285,29 @@ def test_also_adds_one_configuration_and_names_what_is_wrong(capsys):
         assert main(["--also", bad, "--out", "/nonexistent/x"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("eval_ruler: ") and what in err and err.count("\n") == 1, err
+
+
+def test_from_csv_rebuilds_the_table_and_names_a_bad_file(tmp_path, capsys):
+    """--from-csv: an earlier run's CSV gives the same table as its rows did, without running
+    anything; a file that is no such CSV gets one line naming it."""
+    import csv
+    from tools.eval_ruler import main
+    rows = [{"task": t, "policy": p, "kv": "f16", "fraction": f, "score": sc, "kv_bytes": b,
+             "budget_tokens": bt}
+            for t in ("niah_single_1", "cwe")
+            for p, f, sc, b, bt in (("full", 1.0, 1.0, 4e6, 0), ("h2o", 0.25, 0.5, 2e6, 1024))]
+    path = tmp_path / "eval_ruler.csv"
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    assert main(["--from-csv", str(path), "--out", str(tmp_path / "o")]) == 0
+    md = (tmp_path / "o" / "eval_ruler.md").read_text()
+    want = format_markdown(summarize(rows), ["niah_single_1", "cwe"])     # the task order kept
+    assert md.endswith(want + "\n") and "| h2o | f16 | 0.25 | 50.0" in md
+    capsys.readouterr()
+    (tmp_path / "bad.csv").write_text("a,b\n1,2\n")
+    for bad in (tmp_path / "bad.csv", tmp_path / "none.csv"):
+        assert main(["--from-csv", str(bad), "--out", str(tmp_path / "o2")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"eval_ruler: --from-csv {bad}: ") and err.count("\n") == 1, err

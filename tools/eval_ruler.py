@@ -5,6 +5,7 @@
         [--modes aware,once] [--all-questions]     # policies take tools.eval_kv's suffixes: h2o+nbr4
         [--also snapkv+follow8,q8_0/q4_0,0.25]
     python -m tools.eval_ruler --scheduler tcp://host:8786 ...      # an existing Dask cluster
+    python -m tools.eval_ruler --from-csv DIR/eval_ruler.csv --out DIR2   # table and plot again
 
 The grid is task x case x policy x KV type x memory fraction. Besides the eviction policies,
 ``--policies`` takes block-sparse decode configurations, ``sparse:ANCHOR[@rtR]`` (an anchor type,
@@ -45,7 +46,7 @@ prefills, and ``--direct`` runs every configuration that way.
 
 The table's averages leave out the tasks full attention (f16) scores 0 on (the model's limits,
 not the policies'), and its ``KV MB`` column gives the KV held after the compression with its
-share of full attention's f16 KV. ``--also POLICY,KV,FRACTION`` adds one configuration
+share of full attention's f16 KV, beside the budget in tokens per layer. ``--also POLICY,KV,FRACTION`` adds one configuration
 outside the cross product (a KV type at one budget).
 
 Dask: a ``LocalCluster`` of ``--workers`` single-threaded processes by default, or
@@ -323,20 +324,22 @@ def make_cases(model: str, tasks: list, n_cases: int, seed: int, ctx: int,
 
 
 def summarize(rows: list) -> list:
-    """Per (policy, kv, fraction, task): mean score, its 95 % t interval, the case count and the
-    mean KV bytes held after the compression."""
+    """Per (policy, kv, fraction, task): mean score, its 95 % t interval, the case count, and the
+    means of the KV bytes held after the compression and of the budget in tokens per layer."""
     groups: dict = {}
     for r in rows:
         label = r["policy"] + ("" if r.get("mode", "aware") == "aware" else f" ({r['mode']})")
         groups.setdefault((label, r["kv"], float(r["fraction"]), r["task"]), []).append(
-            (float(r["score"]), float(r.get("kv_bytes", "nan"))))
+            (float(r["score"]), float(r.get("kv_bytes", "nan")),
+             float(r.get("budget_tokens", "nan"))))
     out = []
     for (policy, kv, fraction, task), runs in sorted(groups.items()):
-        scores = [sc for sc, _ in runs]
+        scores = [sc for sc, _, _ in runs]
         m, lo, hi = mean_interval(scores)          # scores lie in [0, 1]: so does the interval
         out.append({"policy": policy, "kv": kv, "fraction": fraction, "task": task, "mean": m,
                     "lo": max(0.0, lo), "hi": min(1.0, hi), "cases": len(scores),
-                    "kv_bytes": float(np.mean([b for _, b in runs]))})
+                    "kv_bytes": float(np.mean([b for _, b, _ in runs])),
+                    "budget_tokens": float(np.mean([t for _, _, t in runs]))})
     return out
 
 
@@ -345,8 +348,9 @@ FULL = ("full", "f16", 1.0)        # the reference configuration: full attention
 
 def format_markdown(summary: list, tasks: list) -> str:
     """One row per configuration, one column per task (mean score x 100 with its 95 %
-    interval), the average over the tasks and over the niah tasks, the KV held (MB, and the
-    share of full attention's f16 KV when the grid has it) and the case count. Tasks full
+    interval), the average over the tasks and over the niah tasks, the budget in tokens per
+    layer (0: full attention), the KV held (MB, and the share of full attention's f16 KV when
+    the grid has it) and the case count. Tasks full
     attention (f16) scores 0 on are the model's limits, not the policies': they are left out
     of the averages, and a line under the table names them."""
     configs = sorted({(s["policy"], s["kv"], s["fraction"]) for s in summary},
@@ -355,11 +359,15 @@ def format_markdown(summary: list, tasks: list) -> str:
     left_out = [t for t in tasks if FULL + (t,) in by and by[FULL + (t,)]["mean"] == 0.0]
     niah = [t for t in tasks if t.startswith("niah") and t not in left_out]
 
+    def mean(c, field: str) -> float:          # over the tasks that have it; nan: none
+        vals = [s[field] for t in tasks if (s := by.get(c + (t,))) and not np.isnan(s[field])]
+        return float(np.mean(vals)) if vals else float("nan")
+
     def held(c) -> float:
-        return float(np.nanmean([s["kv_bytes"] for t in tasks if (s := by.get(c + (t,)))]
-                                or [np.nan]))
+        return mean(c, "kv_bytes")
     full_bytes = held(FULL) if any(FULL + (t,) in by for t in tasks) else np.nan
-    cols = tasks + ["average"] + (["niah average"] if niah else []) + ["KV MB", "cases per task"]
+    cols = tasks + ["average"] + (["niah average"] if niah else []) + [
+        "tokens per layer", "KV MB", "cases per task"]
     lines = ["| policy | KV | fraction | " + " | ".join(cols) + " |", "|---" * (len(cols) + 3) + "|"]
     for c in configs:
         cells, n = [], 0
@@ -374,6 +382,8 @@ def format_markdown(summary: list, tasks: list) -> str:
         for group in [[t for t in tasks if t not in left_out]] + ([niah] if niah else []):
             means = [by[c + (t,)]["mean"] for t in group if c + (t,) in by]
             cells.append(f"{100 * np.mean(means):.1f}" if means else "-")
+        tok = mean(c, "budget_tokens")
+        cells.append("-" if np.isnan(tok) else f"{tok:.0f}")
         b = held(c)
         share = "" if np.isnan(full_bytes) or np.isnan(b) else f" ({100 * b / full_bytes:.0f} %)"
         cells.append("-" if np.isnan(b) else f"{b / 1e6:.1f}{share}")
@@ -442,6 +452,38 @@ def is_full(policy: str) -> bool:
     return not policy.startswith(SPARSE_PREFIX) and parse_policy(policy)[0] == "full"
 
 
+def write_report(rows: list, tasks: list, out: str, heading: str) -> None:
+    """The markdown table (stdout and ``out/eval_ruler.md`` under ``heading``) and the plot
+    (``out/eval_ruler.png``) of a run's rows."""
+    summary = summarize(rows)
+    table = format_markdown(summary, tasks)
+    try:
+        plot(summary, tasks, os.path.join(out, "eval_ruler.png"))
+    except ImportError:
+        print("eval_ruler: no matplotlib, no plot (pip install 'pyimp[eval]')", file=sys.stderr)
+    with open(os.path.join(out, "eval_ruler.md"), "w") as f:
+        f.write(f"{heading}\n\n{table}\n")
+    print(table)
+
+
+def report_from_csv(path: str, tasks: list, out: str) -> int:
+    """--from-csv: the table and plot of an earlier run's CSV (the tasks of ``tasks`` it has)."""
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+        missing = {"policy", "kv", "fraction", "task", "score"} - set(rows[0] if rows else ())
+        if missing:
+            raise ValueError(f"no {', '.join(sorted(missing))} column" if rows else "no rows")
+        os.makedirs(out, exist_ok=True)
+        have = {r["task"] for r in rows}
+        write_report(rows, [t for t in tasks if t in have], out,
+                     f"{len(rows)} runs from {os.path.abspath(path)}")
+    except (OSError, ValueError, csv.Error) as e:
+        print(f"eval_ruler: --from-csv {path}: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m tools.eval_ruler",
                                  description=__doc__.split("\n\n")[0])
@@ -470,6 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="prefill every configuration's prompt itself instead of sharing one "
                          "full-attention prefill per prompt among the policies (the same rows, "
                          "slower)")
+    ap.add_argument("--from-csv", metavar="CSV",
+                    help="run nothing: write the table and the plot of an earlier run's "
+                         "eval_ruler.csv into --out")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--scheduler", help="address of an existing Dask scheduler")
     ap.add_argument("--out", default="eval_ruler_out")
@@ -508,6 +553,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"eval_ruler: {e}", file=sys.stderr)
         return 2
+    if args.from_csv:
+        return report_from_csv(args.from_csv, tasks, args.out)
     from pyimp.runtime.default_model import default_model_path
     model = os.path.abspath(args.model or default_model_path())
     n_ctx = args.ctx + max(ruler.GENERATE.values()) + 8
@@ -544,17 +591,10 @@ def main(argv=None) -> int:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    summary = summarize(rows)
-    table = format_markdown(summary, tasks)
-    try:
-        plot(summary, tasks, os.path.join(args.out, "eval_ruler.png"))
-    except ImportError:
-        print("eval_ruler: no matplotlib, no plot (pip install 'pyimp[eval]')", file=sys.stderr)
-    with open(os.path.join(args.out, "eval_ruler.md"), "w") as f:
-        f.write(f"{args.ctx} tokens, seed {args.seed}, {args.cases} cases per task, "
-                f"{time.perf_counter() - t0:.0f} s, {len(shared)} of {len(configs)} "
-                f"configurations from shared prefills\n\n{table}\n")
-    print(table)
+    write_report(rows, tasks, args.out,
+                 f"{args.ctx} tokens, seed {args.seed}, {args.cases} cases per task, "
+                 f"{time.perf_counter() - t0:.0f} s, {len(shared)} of {len(configs)} "
+                 f"configurations from shared prefills")
     print(f"{len(rows)} runs in {time.perf_counter() - t0:.0f} s -> {args.out}")
     return 0
 
