@@ -46,8 +46,9 @@ prefills, and ``--direct`` runs every configuration that way.
 
 The table's averages leave out the tasks full attention (f16) scores 0 on (the model's limits,
 not the policies'), and its ``KV MB`` column gives the KV held after the compression with its
-share of full attention's f16 KV, beside the budget in tokens per layer. ``--also POLICY,KV,FRACTION`` adds one configuration
-outside the cross product (a KV type at one budget).
+share of full attention's f16 KV, beside the budget in tokens per layer.
+``--also POLICY,KV,FRACTION`` adds one configuration outside the cross product (a KV type at
+one budget).
 
 Dask: a ``LocalCluster`` of ``--workers`` single-threaded processes by default, or
 ``--scheduler``; workers keep an engine per configuration (``tools.eval_kv``'s cache).
@@ -350,9 +351,9 @@ def format_markdown(summary: list, tasks: list) -> str:
     """One row per configuration, one column per task (mean score x 100 with its 95 %
     interval), the average over the tasks and over the niah tasks, the budget in tokens per
     layer (0: full attention), the KV held (MB, and the share of full attention's f16 KV when
-    the grid has it) and the case count. Tasks full
-    attention (f16) scores 0 on are the model's limits, not the policies': they are left out
-    of the averages, and a line under the table names them."""
+    the grid has it) and the case count. Tasks full attention (f16) scores 0 on are the
+    model's limits, not the policies': they are left out of the averages, and a line under the
+    table names them."""
     configs = sorted({(s["policy"], s["kv"], s["fraction"]) for s in summary},
                      key=lambda c: (-c[2], c[0], c[1]))
     by = {(s["policy"], s["kv"], s["fraction"], s["task"]): s for s in summary}
@@ -363,9 +364,7 @@ def format_markdown(summary: list, tasks: list) -> str:
         vals = [s[field] for t in tasks if (s := by.get(c + (t,))) and not np.isnan(s[field])]
         return float(np.mean(vals)) if vals else float("nan")
 
-    def held(c) -> float:
-        return mean(c, "kv_bytes")
-    full_bytes = held(FULL) if any(FULL + (t,) in by for t in tasks) else np.nan
+    full_bytes = mean(FULL, "kv_bytes")        # nan when the grid has no full f16 row
     cols = tasks + ["average"] + (["niah average"] if niah else []) + [
         "tokens per layer", "KV MB", "cases per task"]
     lines = ["| policy | KV | fraction | " + " | ".join(cols) + " |", "|---" * (len(cols) + 3) + "|"]
@@ -384,7 +383,7 @@ def format_markdown(summary: list, tasks: list) -> str:
             cells.append(f"{100 * np.mean(means):.1f}" if means else "-")
         tok = mean(c, "budget_tokens")
         cells.append("-" if np.isnan(tok) else f"{tok:.0f}")
-        b = held(c)
+        b = mean(c, "kv_bytes")
         share = "" if np.isnan(full_bytes) or np.isnan(b) else f" ({100 * b / full_bytes:.0f} %)"
         cells.append("-" if np.isnan(b) else f"{b / 1e6:.1f}{share}")
         lines.append(f"| {c[0]} | {c[1]} | {c[2]:g} | " + " | ".join(cells) + f" | {n} |")
