@@ -311,3 +311,29 @@ def test_from_csv_rebuilds_the_table_and_names_a_bad_file(tmp_path, capsys):
         assert main(["--from-csv", str(bad), "--out", str(tmp_path / "o2")]) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"eval_ruler: --from-csv {bad}: ") and err.count("\n") == 1, err
+
+
+def test_the_grid_writes_its_rows_as_they_finish(tmp_path, capsys):
+    """main on a LocalCluster of one worker: the CSV holds a row per case and configuration
+    (written as each Dask task finished, with a progress line each), the table and the plot
+    come from them, and --from-csv rebuilds the same table."""
+    import csv
+    from tools.eval_ruler import main
+    from tools.write_synthetic_gguf import SynthSpec, write
+    path = write(tmp_path / "m.gguf", SynthSpec(arch="llama", n_layer=2, n_embd=64, n_head=4,
+                                                n_head_kv=2, n_ff=128, vocab_size=512))
+    out = tmp_path / "o"
+    assert main([str(path), "--ctx", "600", "--cases", "2", "--tasks", "niah_single_1,vt",
+                 "--policies", "full,h2o", "--fractions", "0.5", "--workers", "1",
+                 "--out", str(out)]) == 0
+    rows = list(csv.DictReader(open(out / "eval_ruler.csv")))
+    assert sorted((r["task"], r["index"], r["policy"]) for r in rows) == sorted(
+        (t, str(i), p) for t in ("niah_single_1", "vt") for i in (0, 1) for p in ("full", "h2o"))
+    err = capsys.readouterr().err
+    assert "eval_ruler: 4 of 4 tasks (4 cases), 8 runs" in err        # one shared task a case
+    md = (out / "eval_ruler.md").read_text()
+    assert (out / "eval_ruler.png").exists() and "| h2o | f16 | 0.5 |" in md
+    assert main(["--from-csv", str(out / "eval_ruler.csv"), "--tasks", "niah_single_1,vt",
+                 "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "eval_ruler.md").read_text().split("\n\n", 1)[1] == \
+        md.split("\n\n", 1)[1]

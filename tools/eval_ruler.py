@@ -25,7 +25,7 @@ question's answer is decoded greedily (RULER's tokens to generate, stopping at t
 generation) and scored with RULER's ``string_match_all``.
 
 Output: ``DIR/eval_ruler.png`` (score against the budget, a panel per task),
-``DIR/eval_ruler.csv`` (one row per question run: prediction, references, score,
+``DIR/eval_ruler.csv`` (appended to as each Dask task finishes; one row per question run: prediction, references, score,
 budget in tokens per layer, KV bytes held after the compression and at the answer's end, the
 tokens generated and those evicted while generating them: h2o and streaming keep evicting as
 an answer grows, seconds) and a markdown table per
@@ -451,6 +451,28 @@ def is_full(policy: str) -> bool:
     return not policy.startswith(SPARSE_PREFIX) and parse_policy(policy)[0] == "full"
 
 
+def collect(futures: list, path: str, n_cases: int, t0: float) -> list:
+    """The rows of ``futures`` as they finish: each task's rows are appended to the CSV at
+    ``path`` at once (a grid stopped part way keeps what it ran: ``--from-csv`` reports it),
+    with a progress line on stderr. Returns every row, in the order they finished."""
+    from dask.distributed import as_completed
+    rows: list = []
+    writer = None
+    with open(path, "w", newline="") as f:
+        for i, fut in enumerate(as_completed(futures), 1):
+            part = fut.result()
+            if part and writer is None:
+                writer = csv.DictWriter(f, fieldnames=list(part[0]))
+                writer.writeheader()
+            if part:
+                writer.writerows(part)
+                f.flush()
+            rows += part
+            print(f"eval_ruler: {i} of {len(futures)} tasks ({n_cases} cases), {len(rows)} "
+                  f"runs, {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+    return rows
+
+
 def write_report(rows: list, tasks: list, out: str, heading: str) -> None:
     """The markdown table (stdout and ``out/eval_ruler.md`` under ``heading``) and the plot
     (``out/eval_ruler.png``) of a run's rows."""
@@ -585,11 +607,7 @@ def main(argv=None) -> int:
                                   workdir, pure=False)
                     for kv in dict.fromkeys(k for _, k, _, _ in shared)
                     for ctx_ids, qs, case in cases]
-        rows = [r for part in client.gather(futures) for r in part]
-    with open(os.path.join(args.out, "eval_ruler.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
-        w.writeheader()
-        w.writerows(rows)
+        rows = collect(futures, os.path.join(args.out, "eval_ruler.csv"), len(cases), t0)
     write_report(rows, tasks, args.out,
                  f"{args.ctx} tokens, seed {args.seed}, {args.cases} cases per task, "
                  f"{time.perf_counter() - t0:.0f} s, {len(shared)} of {len(configs)} "
