@@ -227,7 +227,7 @@ def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case
     tag = os.path.join(workdir, f"{os.getpid()}-{case['task']}-{case['seed']}-{case['index']}-"
                                 f"{kv.replace('/', '-')}")
     kv_opts = kv_options(kv)
-    full = [(p, f) for p, f, m in configs if parse_policy(p)[0] == "full"]
+    full = [(p, f) for p, f, m in configs if is_full(p)]
 
     def prefill(ids: list, answer=None) -> dict:
         """Each window's prefill of ``ids``, saved raw (a work file, read back at once); with
@@ -435,15 +435,27 @@ def parse_also(spec: str) -> tuple[str, str, float]:
     if len(parts) != 3:
         raise ValueError(f"--also {spec!r}: expected POLICY,KV,FRACTION")
     policy, kv, frac = parts
-    parse_sparse(policy) if policy.startswith(SPARSE_PREFIX) else parse_policy(policy)
+    check_policy(policy)
     parse_kv(kv)
-    try:
-        f = float(frac)
-    except ValueError:
-        f = float("nan")
-    if not 0 < f <= 1:
+    f = fraction(frac)
+    if f is None:
         raise ValueError(f"--also {spec!r}: the fraction {frac!r} must be a number in (0, 1]")
     return policy, kv, 1.0 if is_full(policy) else f
+
+
+def check_policy(name: str) -> None:
+    """ValueError naming what is wrong in a --policies entry (an eviction policy with its
+    suffixes, or a block-sparse configuration)."""
+    parse_sparse(name) if name.startswith(SPARSE_PREFIX) else parse_policy(name)
+
+
+def fraction(text: str) -> float | None:
+    """A budget fraction in (0, 1], or None when ``text`` is not one."""
+    try:
+        f = float(text)
+    except ValueError:
+        return None
+    return f if 0 < f <= 1 else None
 
 
 def is_full(policy: str) -> bool:
@@ -551,12 +563,9 @@ def main(argv=None) -> int:
             if t not in ruler.TASKS:
                 raise ValueError(f"--tasks: unknown task {t!r} (tasks: {', '.join(ruler.TASKS)})")
         for p in policies:
-            parse_sparse(p) if p.startswith(SPARSE_PREFIX) else parse_policy(p)
-        try:
-            fractions = [float(x) for x in args.fractions.split(",") if x]
-        except ValueError:
-            fractions = [float("nan")]
-        if not fractions or any(not 0 < f <= 1 for f in fractions):
+            check_policy(p)
+        fractions = [fraction(x) for x in args.fractions.split(",") if x]
+        if not fractions or None in fractions:
             raise ValueError(f"--fractions {args.fractions!r}: each must be a number in (0, 1]")
         kvs = [k for k in args.kv_types.split(",") if k]
         if not kvs:
