@@ -22,16 +22,18 @@ class Capabilities:
     prompt_cache: bool       # --prompt-cache, save_state / load_state
     trace: bool              # pyimp-dump, Engine.trace
     layer_biases: bool       # models with q / k / v / output biases
+    second_window: bool      # SparseOptions.second_window (importance2_)
 
 
 CAPABILITIES = {
     "cpu": Capabilities(numerics=NUMERICS, kv_policies=None, select_modes=None,
                         kv_rotate=True, kv_merge=True, recall_target=True, prompt_cache=True,
-                        trace=True, layer_biases=True),
+                        trace=True, layer_biases=True, second_window=True),
     # the device keeps every token, selects a fixed top-k by the anchors, and computes in fp32
     "cuda": Capabilities(numerics=("fp32",), kv_policies=("full",), select_modes=("anchors",),
                          kv_rotate=False, kv_merge=False, recall_target=False,
-                         prompt_cache=False, trace=False, layer_biases=False),
+                         prompt_cache=False, trace=False, layer_biases=False,
+                         second_window=False),
 }
 DEVICES = tuple(CAPABILITIES)
 
@@ -67,6 +69,8 @@ def check(opts) -> None:
     if opts.kv_merge and not c.kv_merge:
         raise ValueError(refusal("--kv-merge", "kv_merge"))
     sp = opts.sparse
+    if sp.second_window is not None and not c.second_window:
+        raise ValueError(refusal("second_window", "second_window"))
     if sp.enabled:
         if sp.recall_target > 0 and not c.recall_target:
             raise ValueError(refusal("--recall-target", "recall_target")

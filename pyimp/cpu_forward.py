@@ -153,9 +153,11 @@ class CPUForward:
                            cnt, att[0], None, 1.0, None, 8, cache.bias(il))
         else:
             imp = None if sp is None else sp.importance_[il]
+            imp2 = None if step.obs_start2 < 0 else sp.importance2_[il]
             attention.attention_prefill(q, kc, vc, bt, s0, step.kq_scale, window, att,
                                         importance=imp, obs_start=step.obs_start,
-                                        positions=positions, bias=cache.bias(il))
+                                        positions=positions, bias=cache.bias(il),
+                                        importance2=imp2, obs_start2=step.obs_start2)
         if self.rot is not None:
             att = att @ self.rot                                       # H is its own inverse
         self.tap("kqv", il, att.transpose(1, 0, 2))                   # [Hq, T, D] as ggml's kqv

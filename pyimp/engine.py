@@ -206,10 +206,12 @@ class Engine:
         # decode step or prefill chunk (a lone token that ends a chunked prompt is a prefill chunk;
         # the sparse state also applies the importance decay once per prefill here)
         decode = T == 1 if sp is None else not sp.begin_forward(pos0, T, prompt_end)
-        obs = 0 if sp is None else sp.obs_start(pos0 + T if prompt_end is None else prompt_end)
+        end = pos0 + T if prompt_end is None else prompt_end
+        obs = 0 if sp is None else sp.obs_start(end)
         step = make_step(self.cfg, self.weights.arch, tokens, pos0, decode, obs, prompt_end,
                          all_logits, logits, fused=self.fused_ops and self._tap is _no_tap,
-                         sparse_state=sp, cache=self.cache)
+                         sparse_state=sp, cache=self.cache,
+                         obs_start2=-1 if sp is None else sp.obs_start2(end))
         out = forward(self.cfg.n_layer, self._backend, step)
         self.cache.commit(T)
         self.tokens.extend(int(t) for t in tokens)

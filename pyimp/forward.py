@@ -30,6 +30,7 @@ class Step:
     windows: tuple          # per layer: its sliding window, 0 for a global layer
     kq_scale: float         # the scores' scale (1 where q is scaled before RoPE's output)
     obs_start: int          # a prefill's first row that adds importance (0: every row)
+    obs_start2: int         # ... that adds to the second window's buffer (-1: none)
     prompt_end: int | None  # absolute end of the prompt this chunk belongs to
     all_logits: bool        # logits of every row (else of the last)
     logits: bool            # run the output head
@@ -48,7 +49,7 @@ class Step:
 
 def make_step(cfg, arch, tokens, pos0: int, decode: bool, obs_start: int,
               prompt_end: int | None, all_logits: bool, logits: bool, fused: bool,
-              sparse_state=None, cache=None) -> Step:
+              sparse_state=None, cache=None, obs_start2: int = -1) -> Step:
     """The :class:`Step` of a forward of ``tokens`` after ``pos0`` positions (cfg: the model's
     :class:`loaders.config.ModelConfig`, arch its :class:`pyimp.model.ArchSpec`). A decode
     step with a ``sparse_state`` decides here, once, which layers take the block-sparse path,
@@ -57,8 +58,8 @@ def make_step(cfg, arch, tokens, pos0: int, decode: bool, obs_start: int,
         sparse_state.is_sparse_step(il, cache.slot_count(il) + 1) for il in range(cfg.n_layer))
     kq_scale = 1.0 if arch.q_prescale else 1.0 / math.sqrt(cfg.head_dim)
     return Step(tokens=tokens, pos0=pos0, decode=decode, windows=cfg.windows, kq_scale=kq_scale,
-                obs_start=obs_start, prompt_end=prompt_end, all_logits=all_logits,
-                logits=logits, fused=fused and len(tokens) == 1, sparse=tuple(sparse))
+                obs_start=obs_start, obs_start2=obs_start2, prompt_end=prompt_end,
+                all_logits=all_logits, logits=logits, fused=fused and len(tokens) == 1, sparse=tuple(sparse))
 
 
 def forward(n_layer: int, be, step: Step):

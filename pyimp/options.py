@@ -128,6 +128,11 @@ class SparseOptions:
                        help="print attention recall, attended fraction and buffer sizes "
                             "(stderr; in --json too)")
     track: bool = False             # keep importance_ (and selections) even when not sparse
+    # a second observation window, accumulated in SparseState.importance2_ by the same prefill
+    # (None: none; 0: every row): what importance_window=second_window would have left, so one
+    # prefill serves policies that score by two windows (prefill rows only: decode steps add
+    # to importance_ alone)
+    second_window: int | None = None
 
     def validate(self, n_layer: int) -> None:
         from .sparse.anchors import min_anchor_num     # the kernels' package: not for --help
@@ -147,6 +152,8 @@ class SparseOptions:
         for name in ("topk", "init_blocks", "local_blocks", "importance_window", "anchor_num"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.second_window is not None and self.second_window < 0:
+            raise ValueError(f"second_window must be >= 0 or None, got {self.second_window}")
         for name in ("token_step", "layer_step"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -175,7 +182,7 @@ class SparseOptions:
 
     @property
     def active(self) -> bool:
-        return self.enabled or self.report or self.track
+        return self.enabled or self.report or self.track or self.second_window is not None
 
 
 
@@ -281,6 +288,9 @@ class EngineOptions:
             raise ValueError(f"kv policy {self.kv_policy} drops single tokens, which V quantized "
                              f"by channel (v_layout='channel') cannot: use v_layout='token'")
         self.merge.validate()
+        if self.sparse.second_window is not None and self.kv_merge:
+            raise ValueError("second_window cannot be used with --kv-merge: merging sums "
+                             "importance_ alone")
         if self.merge.enabled and self.kv_obs_weight:
             raise ValueError("--kv-merge and --kv-obs-weight do not combine (merging would move "
                              "tokens without their observation-window scores)")

@@ -333,6 +333,36 @@ def test_prefill_importance_conservation_chunked(c, data):
 
 
 @settings(max_examples=25, deadline=None)
+@given(cache_case(), st.data())
+def test_prefill_second_window_is_a_prefill_with_that_window(c, data):
+    """importance2 / obs_start2 leave importance2 with the bits a call with importance and
+    obs_start = obs_start2 leaves, and importance with those of a call without them, chunk by
+    chunk, on every backend (the same sums over the same rows)."""
+    n, Hq, D, B, NB = c["n"], c["Hq"], c["D"], c["B"], c["NB"]
+    starts = [max(0, n - data.draw(st.integers(1, 80))) for _ in range(2)]
+    window = data.draw(st.sampled_from([0, 3, 20]))
+    cut = data.draw(st.integers(0, n - 1))
+    backend = data.draw(st.sampled_from(["numba", "numba-tiled", "numpy"]))
+    q = c["rng"].standard_normal((n, Hq, D)).astype(np.float32)
+    both, second = np.zeros((NB, B, Hq), np.float16), np.zeros((NB, B, Hq), np.float16)
+    alone = [np.zeros((NB, B, Hq), np.float16) for _ in starts]
+    for a, b in [(0, cut), (cut, n)]:
+        if b == a:
+            continue
+        out = np.empty((b - a, Hq, D), np.float32)
+        args = (q[a:b], c["kc"], c["vc"], c["bt"], a, 0.4, window, out)
+        with prefill_path("tiled" if backend == "numba-tiled" else "kernel"):
+            attention_prefill(*args, both, obs_start=starts[0], importance2=second,
+                              obs_start2=starts[1], backend=backend.split("-")[0])
+            for imp, s0 in zip(alone, starts):
+                attention_prefill(*args, imp, obs_start=s0, backend=backend.split("-")[0])
+    assert np.array_equal(both, alone[0]) and np.array_equal(second, alone[1])
+    assert second.any()
+    with pytest.raises(ValueError, match="importance2 must be given with importance"):
+        attention_prefill(*args, None, importance2=second, obs_start2=0)
+
+
+@settings(max_examples=25, deadline=None)
 @given(cache_case(max_n=100), st.data())
 def test_decode_importance_adds_one_per_head(c, data):
     n, Hq, D, B, NB = c["n"], c["Hq"], c["D"], c["B"], c["NB"]

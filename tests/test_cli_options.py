@@ -11,8 +11,10 @@ from pyimp.trace import dump
 from pyimp.cli.common import Parser, add_option_flags, flag_dest, option_flags, options_from_args
 from pyimp.options import EngineOptions, SparseOptions
 
-# the fields that are not flags (set by the Python API, or by pyimp-run from other flags)
-FLAGLESS = {EngineOptions: {"v_layout", "sparse"}, SparseOptions: {"decay", "track"}}
+# the fields that are not flags (set by the Python API, or by pyimp-run from other flags;
+# second_window serves the evaluation tools)
+FLAGLESS = {EngineOptions: {"v_layout", "sparse"},
+            SparseOptions: {"decay", "track", "second_window"}}
 # pyimp-run's flags that are not options of the engine (dests)
 COMMAND_ONLY = {"help", "version", "model_opt", "prompt", "file", "n_predict", "temp", "top_k",
                 "top_p", "min_p", "repeat_penalty", "seed", "prompt_cache", "prompt_cache_ro",

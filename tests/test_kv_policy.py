@@ -867,3 +867,61 @@ def test_follow_option_refusals_and_engine_wiring(llama):
         k = snapkv_keep(pos, score, 4, 16, 5, m, B, follow=6)
         assert np.array_equal(held[il], pos[k])
         assert not np.array_equal(k, snapkv_keep(pos, score, 4, 16, 5, m, B))
+
+
+# --------------------------------------------------------------------------
+# a second observation window from the same prefill (second_window, importance2_)
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch,policy", [("llama", "full"), ("gemma", "full"),
+                                         ("llama", "streaming")])
+@pytest.mark.parametrize("W", [0, 5, 16])
+def test_second_window_equals_a_prefill_with_that_window(llama, gemma, arch, policy, W):
+    """One prefill with importance_window=0 and second_window=W leaves in importance_ exactly
+    what a prefill with importance_window=0 leaves, and in importance2_ exactly what one with
+    importance_window=W leaves in its importance_ (the same kernel sums over the same rows,
+    so the bits agree): over chunked prompts (batch 16), a second prompt continuing the first,
+    gemma's sliding-window layers (their trim drops leading blocks) and streaming eviction
+    after every chunk, whose compaction moves both buffers with their slots."""
+    path = llama if arch == "llama" else gemma
+    first, second = _ids(70), _ids(23)[3:]
+    evict = dict(kv_policy="streaming", kv_budget=40, keep=4) if policy == "streaming" else {}
+
+    def run(**kw):
+        eng = pyimp.load(path, n_ctx=256, block_len=8, batch_size=16, track=True, **evict,
+                         **kw)
+        logits = [eng.eval(first)[-1], eng.eval(second)[-1]]
+        return eng, np.array(logits)
+
+    both, got = run(importance_window=0, second_window=W)
+    every, want = run(importance_window=0)
+    window, _ = run(importance_window=W)
+    assert np.array_equal(got, want)                     # the forward is unchanged
+    assert both.sparse.importance2_ is not None and every.sparse.importance2_ is None
+    for il in range(both.cache.n_layer):
+        pos = both.cache.positions(il)
+        assert np.array_equal(pos, every.cache.positions(il))
+        assert np.array_equal(pos, window.cache.positions(il))
+        blocks, rows = both.cache.slots(0, pos.size, layer=il)
+        a = both.sparse.importance_[il, blocks, rows]
+        assert np.array_equal(a, every.sparse.importance_[il, blocks, rows])
+        b = both.sparse.importance2_[il, blocks, rows]
+        assert np.array_equal(b, window.sparse.importance_[il, blocks, rows])
+        if W:                    # a real second window: it sums fewer rows than every row
+            assert b.astype(np.float64).sum() < a.astype(np.float64).sum()
+    if arch == "gemma":          # the trim ran: a sliding-window layer holds fewer slots
+        assert min(both.cache.slot_count(il) for il in range(both.cache.n_layer)) < 70 + 20
+    if policy == "streaming":    # slots moved: the middle of the context left
+        assert both.policy.evicted > 0 and both.cache.compacted(0)
+    both.reset()
+    assert not both.sparse.importance2_.any()
+
+
+def test_second_window_refusals(llama):
+    with pytest.raises(ValueError, match="second_window must be >= 0"):
+        pyimp.load(llama, n_ctx=256, second_window=-1)
+    with pytest.raises(ValueError, match="second_window cannot be used with --kv-merge"):
+        pyimp.load(llama, n_ctx=256, second_window=8, kv_merge=0.9)
+    with pytest.raises(ValueError, match="second_window runs on the CPU only"):
+        pyimp.load(llama, n_ctx=256, second_window=8, device="cuda")

@@ -202,8 +202,8 @@ def test_the_plot_has_a_panel_per_task(tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_shared_prefills_give_the_direct_paths_rows(tmp_path, monkeypatch, arch):
-    """tools.eval_ruler.run_case_shared (one full-attention prefill per prompt and importance
-    window, loaded and evicted by each configuration) gives run_case's rows (its own prefill
+    """tools.eval_ruler.run_case_shared (one full-attention prefill per prompt, tracking both
+    importance windows, loaded and evicted by each configuration) gives run_case's rows (its own prefill
     per configuration and question), and each answer starts from the same state: bit-equal
     first logits, the same positions held in every layer (gemma3: sliding-window layers
     trimmed) and the same importance_ on them."""
@@ -247,7 +247,19 @@ def test_shared_prefills_give_the_direct_paths_rows(tmp_path, monkeypatch, arch)
     direct = [r for p, f, m in configs
               for r in er.run_case(path, 720, ctx, qs, case, p, "f16", f, m, str(tmp_path))]
     direct_starts, starts[:] = sorted(starts), []
+    prefills = []
+    ev = pyimp.Engine.eval
+
+    def counting(self, tokens, *a, **kw):
+        if len(tokens) >= len(ctx):
+            prefills.append(len(tokens))
+        return ev(self, tokens, *a, **kw)
+
+    monkeypatch.setattr(pyimp.Engine, "eval", counting)
     shared = er.run_case_shared(path, 720, ctx, qs, case, configs, "f16", str(tmp_path))
+    # one prefill per prompt serves both importance windows (every row, the observation
+    # window): each question's prompt and, for "once", the context alone
+    assert sorted(prefills) == sorted([len(ctx)] + [len(ctx) + len(q) for q, _ in qs])
 
     def key(r):
         return {k: v for k, v in r.items() if k not in ("seconds", "shared_s")}

@@ -34,11 +34,11 @@ case count, and the average over the tasks (on stdout and in ``DIR/eval_ruler.md
 
 Shared prefills: every policy evicts once, at the end of its one-chunk prefill, from the
 importance that prefill accumulated, so the policies of a prompt need not prefill it each:
-a Dask task per case prefills each of its prompts once per importance window the policies
-read (every row for h2o and streaming, the observation window for snapkv and pyramidkv) with
-a full-attention engine that tracks importance as theirs do, saves the state (raw: a work file
-read back at once), and each configuration loads it, evicts and decodes
-(:func:`run_case_shared`); full attention decodes from the every-row prefill's own engine
+a Dask task per case prefills each of its prompts once, with a full-attention engine that
+tracks importance under both windows the policies read (every row for h2o and streaming, the
+observation window for snapkv and pyramidkv: ``second_window``), saves a state per window
+(raw: a work file read back at once), and each configuration loads its window's state, evicts
+and decodes (:func:`run_case_shared`); full attention decodes from the prefill's own engine
 (tracking importance changes no attention output). The rows are the ones each
 configuration's own prefill gives (tests/test_ruler.py checks them, the logits and the kept
 positions and importance against :func:`run_case`); ``+merge`` and ``+obs`` run their own
@@ -208,17 +208,34 @@ def shares_prefill(policy: str) -> bool:
 def importance_rows(base: str) -> int:
     """The importance window a policy's engine prefills with (pyimp.options'
     sparse_options): every row for h2o (and streaming, which reads none), the observation
-    window for snapkv / pyramidkv; full attention decodes from the every-row prefill."""
+    window for snapkv / pyramidkv; full attention decodes from the shared prefill."""
     return 0 if base in ("h2o", "streaming", "full") else PolicyOptions().obs_window
+
+
+def save_second_window(eng, path: str) -> None:
+    """Save ``eng``'s state as a prefill with its second window would have left it: its
+    ``importance2_`` in place of ``importance_`` (nothing else a tracking engine saves depends
+    on the window: it keeps no anchors)."""
+    sp = eng.sparse
+    if sp.importance2_ is None or sp.anchor_.layers:
+        raise ValueError("save_second_window needs a tracking engine with a second window and "
+                         "no anchors")
+    kept = sp.importance_.copy()
+    sp.importance_[...] = sp.importance2_
+    try:
+        eng.save_state(path, level=0)
+    finally:
+        sp.importance_[...] = kept
 
 
 def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case: dict,
                     configs: list, kv: str, workdir: str) -> list:
     """The rows :func:`run_case` gives for each (policy, fraction, mode) of ``configs`` (all
     :func:`shares_prefill`, one KV type), from shared prefills: each prompt (mode "aware":
-    context and question; "once": the context) is prefilled once per importance window the
-    policies need, by a full-attention engine tracking importance as theirs do, and saved;
-    each configuration loads the state into its own engine, evicts (:meth:`Engine.evict`: what
+    context and question; "once": the context) is prefilled once by a full-attention engine
+    tracking importance under the windows the policies need (at most two: the second in
+    importance2_), and saved per window; each configuration loads its window's state into its
+    own engine, evicts (:meth:`Engine.evict`: what
     the end of its own prefill does) and decodes from the prefill's last logits. The rows are
     those of the direct path (tests/test_ruler.py checks them against it); ``shared_s`` gives
     the prefill time each row started from, ``seconds`` the row's own time."""
@@ -230,28 +247,31 @@ def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case
     full = [(p, f) for p, f, m in configs if is_full(p)]
 
     def prefill(ids: list, answer=None) -> dict:
-        """Each window's prefill of ``ids``, saved raw (a work file, read back at once); with
-        ``answer`` (question index, answers, tokens to generate) full attention's rows are
-        decoded from the every-row prefill's engine once its state is saved."""
-        out = {}
-        for w in windows:
-            eng = worker_engine(model, n_ctx, batch_size=n_ctx, track=True,
-                                importance_window=w, **kv_opts)
-            eng.reset()
-            t0 = time.perf_counter()
-            logits = np.array(eng.eval(ids)[-1])        # a copy: the engine may be reused
-            path = f"{tag}-w{w}.pkv"
-            eng.save_state(path, level=0)
-            out[w] = (path, logits, time.perf_counter() - t0)
-            if answer is not None and w == 0:
-                qi, answers, n_new = answer
-                for policy, fraction in full:
-                    t1 = time.perf_counter()
-                    held = int(eng.cache.bytes_held())
-                    pred = _answer(eng, logits, n_new)
-                    rows.append(_row(case, qi, "aware", policy, kv, fraction, "full", 0,
-                                     len(ids), pred, answers, held, time.perf_counter() - t1,
-                                     out[w][2]))
+        """The prefill of ``ids`` for each importance window, saved raw (a work file, read back
+        at once): one forward serves both windows (the second accumulated in importance2_,
+        see SparseOptions.second_window); with ``answer`` (question index, answers, tokens to
+        generate) full attention's rows are then decoded from that engine."""
+        w, second = windows[0], (windows[1] if len(windows) > 1 else None)
+        eng = worker_engine(model, n_ctx, batch_size=n_ctx, track=True, importance_window=w,
+                            second_window=second, **kv_opts)
+        eng.reset()
+        t0 = time.perf_counter()
+        logits = np.array(eng.eval(ids)[-1])            # a copy: the engine may be reused
+        out = {w: f"{tag}-w{w}.pkv"}
+        eng.save_state(out[w], level=0)
+        if second is not None:
+            out[second] = f"{tag}-w{second}.pkv"
+            save_second_window(eng, out[second])
+        dt = time.perf_counter() - t0
+        out = {k: (path, logits, dt) for k, path in out.items()}
+        if answer is not None:
+            qi, answers, n_new = answer
+            for policy, fraction in full:
+                t1 = time.perf_counter()
+                held = int(eng.cache.bytes_held())
+                pred = _answer(eng, logits, n_new)
+                rows.append(_row(case, qi, "aware", policy, kv, fraction, "full", 0,
+                                 len(ids), pred, answers, held, time.perf_counter() - t1, dt))
         return out
 
     def policy_engine(policy: str, fraction: float):

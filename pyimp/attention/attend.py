@@ -114,7 +114,8 @@ def slot_bias(bias, block_table: np.ndarray, n: int, block_len: int) -> np.ndarr
 
 
 def attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window, out,
-                          importance=None, obs_start=0, decay=1.0, positions=None, bias=None):
+                          importance=None, obs_start=0, decay=1.0, positions=None, bias=None,
+                          importance2=None, obs_start2=-1):
     """NumPy reference of :func:`attention_prefill` (float32 throughout)."""
     k_cache, v_cache = as_float(k_cache), as_float(v_cache)
     T, Hq, D = q.shape
@@ -128,7 +129,9 @@ def attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window,
     if window > 0:
         mask &= (pq[:, None] - pk[None, :]) < window
     obs = pq >= obs_start
+    obs2 = pq >= obs_start2
     new = np.zeros((Hq, n), np.float32)
+    new2 = np.zeros((Hq, n), np.float32)
     lse = np.empty((T, Hq), np.float32)
     sb = slot_bias(bias, block_table, n, k_cache.shape[2] // D)
     for h in range(Hq):
@@ -141,8 +144,11 @@ def attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window,
         out[:, h, :] = P @ V[h // G]
         lse[:, h] = (m + np.log(l))[:, 0]
         new[h] = P[obs].sum(axis=0)
+        new2[h] = P[obs2].sum(axis=0)
     if importance is not None and obs.any():
         importance_update(importance, block_table, new, 0, decay, backend="numpy")
+    if importance2 is not None and obs_start2 >= 0 and obs2.any():
+        importance_update(importance2, block_table, new2, 0, decay, backend="numpy")
     return lse
 
 
@@ -328,7 +334,8 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
                       out: np.ndarray, importance: np.ndarray | None = None, obs_start: int = 0,
                       decay: float = 1.0, backend: str = "numba",
                       positions: np.ndarray | None = None,
-                      bias: np.ndarray | None = None) -> np.ndarray:
+                      bias: np.ndarray | None = None, importance2: np.ndarray | None = None,
+                      obs_start2: int = -1) -> np.ndarray:
     """Causal (optionally sliding-window) attention of a prompt chunk over the cache.
 
     q: float32 [T, Hq, D], row i in slot pos0 + i; the chunk's K/V must already be
@@ -342,15 +349,21 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
     ``obs_start = max(0, prompt_len - W)`` (a position) to every chunk of that prompt
     (``obs_start=0``: every row counts). ``bias``: float32 [NB][B] added to the score of the
     key in each physical slot (merged slots' log-multiplicity, :mod:`pyimp.kv.merge`), or
-    None. Returns float32 [T, Hq] log-sum-exp.
+    None. ``importance2`` (same shape as importance) gets the rows at positions >=
+    ``obs_start2`` the same way (a second observation window; -1: none). Returns float32
+    [T, Hq] log-sum-exp.
     """
     check_args(q, k_cache, v_cache, block_table, None, window, out, importance, pos0=pos0,
                decay=decay, bias=bias)
+    if importance2 is not None and (importance is None or importance2.shape != importance.shape
+                                    or importance2.dtype != importance.dtype):
+        raise ValueError("importance2 must be given with importance, of its shape and dtype")
     if positions is not None:
         checks.positions(positions, int(pos0) + q.shape[0])
     if backend == "numpy":
         return attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window, out,
-                                     importance, obs_start, decay, positions, bias)
+                                     importance, obs_start, decay, positions, bias,
+                                     importance2, obs_start2)
     q = np.ascontiguousarray(q, dtype=np.float32)
     T, Hq, D = q.shape
     kc, vc = kernel_view(k_cache), kernel_view(v_cache)
@@ -367,13 +380,13 @@ def attention_prefill(q: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray,
         K.prefill(q, kc, vc, block_table, int(pos0), float(scale), rlo, lut, PREFILL_TILE,
                   out, row_m, row_l, kbias)
     p_row0 = int(pos0) if positions is None else int(positions[pos0])
-    r0 = max(0, int(obs_start) - p_row0)
-    if importance is not None and r0 < T:
-        n = pos0 + T
-        new = np.empty((Hq, n), np.float32)
-        K.prefill_mass(q, kc, block_table, int(pos0), float(scale), rlo, lut, row_m,
-                       row_l, r0, new, kbias)
-        importance_update(importance, block_table, new, int(rlo[r0]), decay)
+    for imp, start in ((importance, obs_start), (importance2, obs_start2)):
+        r0 = max(0, int(start) - p_row0)
+        if imp is not None and start >= 0 and r0 < T:
+            new = np.empty((Hq, pos0 + T), np.float32)
+            K.prefill_mass(q, kc, block_table, int(pos0), float(scale), rlo, lut, row_m,
+                           row_l, r0, new, kbias)
+            importance_update(imp, block_table, new, int(rlo[r0]), decay)
     return row_m + np.log(row_l)
 
 

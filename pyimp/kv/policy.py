@@ -456,7 +456,7 @@ class KVPolicy:
     def _compact(self, il: int, keep: np.ndarray) -> None:
         c, sp = self.cache, self.sparse
         old = c.table(il)[:-(-c.slot_count(il) // c.block_len)].copy()
-        extra = () if sp is None else (sp.importance_[il],)
+        extra = () if sp is None else tuple(imp[il] for imp in sp.importances())
         if self.obs is not None:
             extra += (self.obs[il],)
         c.compact(il, keep, extra=extra)

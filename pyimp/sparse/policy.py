@@ -6,7 +6,10 @@ layer and decode step, which blocks attention reads:
     importance_  float16 [L][NB][B][Hq]      softmax mass each token received, per query head
     anchor_      float16 [L][NB][A][Hq][D]   per-block key summaries used to score blocks
 
-``importance_`` is a plain array on every layer. ``anchor_`` keeps the
+``importance_`` is a plain array on every layer. With ``second_window`` set, ``importance2_``
+(the same shape) holds what the last ``second_window`` rows of each prefill added (0: every
+row), as ``importance_`` would under ``importance_window = second_window``: one prefill serves
+policies that score by two windows. Decode steps add to ``importance_`` alone. ``anchor_`` keeps the
 documented ``[L][NB][A][Hq][D]`` indexing (:class:`AnchorBuffer`) but stores
 only what retrieval reads: the layers that run retrieval (the lead sparse
 layers, see ``layer_step``; none without ``enabled``), and for every anchor
@@ -197,6 +200,9 @@ class SparseState:
         self.sparse_layers, self._lead = plan_layers(opts, cfg)
         # [L][NB][B][Hq]: attention mass per token and query head (old + new, fp16), every layer
         self.importance_ = np.zeros((L, NB, B, Hq), dtype=np.float16)
+        # the second window's prefill mass (None without second_window)
+        self.importance2_ = (None if opts.second_window is None else
+                             np.zeros_like(self.importance_))
         # [L][NB][A][Hq][D] view; storage on the lead layers only, per kv head unless DYNAMIC
         self.anchor_ = AnchorBuffer(L, sorted(set(self._lead.values())), NB, A, Hq, Hkv, D,
                                     group_shared(self.anchor_type))
@@ -299,7 +305,8 @@ class SparseState:
 
     def _zero_buffers(self) -> None:
         """importance_ and the anchors <- 0."""
-        self.importance_[:] = 0
+        for imp in self.importances():
+            imp[:] = 0
         self.anchor_.zero()
 
     def warmup(self) -> None:
@@ -328,6 +335,16 @@ class SparseState:
         W = self.opts.importance_window
         return 0 if W == 0 else max(0, prompt_end - W)
 
+    def obs_start2(self, prompt_end: int) -> int:
+        """First absolute position whose query row adds to ``importance2_`` during a prefill
+        (-1: no second window)."""
+        W = self.opts.second_window
+        return -1 if W is None else 0 if W == 0 else max(0, prompt_end - W)
+
+    def importances(self) -> list:
+        """The importance buffers: ``importance_``, and ``importance2_`` with a second window."""
+        return [self.importance_] + ([] if self.importance2_ is None else [self.importance2_])
+
     # ----------------------------------------------------- engine forward hooks
     def begin_forward(self, pos0: int, T: int, prompt_end: int | None) -> bool:
         """Called by the engine once per forward, before the layers; True for a prefill chunk.
@@ -351,8 +368,10 @@ class SparseState:
     def _decay(self, n_ctx: int) -> None:
         """importance_ <- decay * importance_ for every slot each layer held before this forward
         (``n_ctx``: the positions cached then)."""
-        for il, imp in enumerate(self.importance_):
-            decay_importance(imp, self.cache.table(il), self.cache.slot_count(il), self.opts.decay)
+        for buf in self.importances():
+            for il, imp in enumerate(buf):
+                decay_importance(imp, self.cache.table(il), self.cache.slot_count(il),
+                                 self.opts.decay)
 
     def end_forward(self, n_ctx: int) -> None:
         """Called by the engine once the forward's tokens are in every layer's cache."""
@@ -400,9 +419,10 @@ class SparseState:
         row = c.table(il)
         held = row[:-(-m // B)]
         gone = np.setdiff1d(old_blocks, held)
-        self.importance_[il, gone] = 0
-        if m % B:
-            self.importance_[il, row[m // B], m % B:] = 0
+        for imp in self.importances():
+            imp[il, gone] = 0
+            if m % B:
+                imp[il, row[m // B], m % B:] = 0
         if il in self._dirty:
             self._dirty[il][:] = True
         if il in self._keys:              # slots moved: summarized again (same basis)
@@ -490,8 +510,9 @@ class SparseState:
             n_lb = int((bt >= 0).sum())
             lb0 = s // B
             if lb0 < n_lb:
-                self.importance_[il, bt[lb0], s - lb0 * B:] = 0
-                self.importance_[il, bt[lb0 + 1:n_lb]] = 0
+                for imp in self.importances():
+                    imp[il, bt[lb0], s - lb0 * B:] = 0
+                    imp[il, bt[lb0 + 1:n_lb]] = 0
                 if s % B and il in self._dirty:
                     self._dirty[il][lb0] = True
             lk = self._keys.get(il)
