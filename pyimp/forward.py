@@ -59,7 +59,8 @@ def make_step(cfg, arch, tokens, pos0: int, decode: bool, obs_start: int,
     kq_scale = 1.0 if arch.q_prescale else 1.0 / math.sqrt(cfg.head_dim)
     return Step(tokens=tokens, pos0=pos0, decode=decode, windows=cfg.windows, kq_scale=kq_scale,
                 obs_start=obs_start, obs_start2=obs_start2, prompt_end=prompt_end,
-                all_logits=all_logits, logits=logits, fused=fused and len(tokens) == 1, sparse=tuple(sparse))
+                all_logits=all_logits, logits=logits, fused=fused and len(tokens) == 1,
+                sparse=tuple(sparse))
 
 
 def forward(n_layer: int, be, step: Step):
