@@ -918,6 +918,30 @@ def test_second_window_equals_a_prefill_with_that_window(llama, gemma, arch, pol
     assert not both.sparse.importance2_.any()
 
 
+def test_second_window_decays_with_importance(llama):
+    """With decay < 1 a continued prompt scales what the first left, in both buffers: the
+    second window's buffer still equals importance_ of a prefill with that window."""
+    first, second = _ids(70), _ids(23)[3:]
+    engines = []
+    for kw in (dict(importance_window=0, second_window=16), dict(importance_window=16)):
+        eng = pyimp.load(llama, n_ctx=256, block_len=8, batch_size=16, track=True, decay=0.5,
+                         **kw)
+        eng.eval(first)
+        before = (eng.sparse.importance2_ if "second_window" in kw else
+                  eng.sparse.importance_).copy()
+        eng.eval(second)
+        engines.append((eng, before))
+    (both, b0), (window, w0) = engines
+    assert np.array_equal(b0, w0)
+    for il in range(both.cache.n_layer):
+        blocks, rows = both.cache.slots(0, len(first), layer=il)
+        got = both.sparse.importance2_[il, blocks, rows]
+        assert np.array_equal(got, window.sparse.importance_[il, blocks, rows])
+    # each prompt's 16 window rows add 16 per query head (4) and layer (2); the first's were
+    # halved: 1.5 x 128 (each entry rounded to fp16, 2**-11 relative: far within 1 %)
+    assert both.sparse.importance2_.astype(np.float64).sum() == pytest.approx(192, rel=1e-2)
+
+
 def test_second_window_refusals(llama):
     with pytest.raises(ValueError, match="second_window must be >= 0"):
         pyimp.load(llama, n_ctx=256, second_window=-1)
