@@ -203,8 +203,8 @@ def test_the_plot_has_a_panel_per_task(tmp_path):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_shared_prefills_give_the_direct_paths_rows(tmp_path, monkeypatch, arch):
     """tools.eval_ruler.run_case_shared (one full-attention prefill per prompt, tracking both
-    importance windows, loaded and evicted by each configuration) gives run_case's rows (its own prefill
-    per configuration and question), and each answer starts from the same state: bit-equal
+    importance windows, loaded and evicted by each configuration) gives run_case's rows (its
+    own prefill per configuration and question), and each answer starts from the same state: bit-equal
     first logits, the same positions held in every layer (gemma3: sliding-window layers
     trimmed) and the same importance_ on them."""
     import pyimp

@@ -25,10 +25,10 @@ question's answer is decoded greedily (RULER's tokens to generate, stopping at t
 generation) and scored with RULER's ``string_match_all``.
 
 Output: ``DIR/eval_ruler.png`` (score against the budget, a panel per task),
-``DIR/eval_ruler.csv`` (appended to as each Dask task finishes; one row per question run: prediction, references, score,
-budget in tokens per layer, KV bytes held after the compression and at the answer's end, the
-tokens generated and those evicted while generating them: h2o and streaming keep evicting as
-an answer grows, seconds) and a markdown table per
+``DIR/eval_ruler.csv`` (appended to as each Dask task finishes; one row per question run:
+prediction, references, score, budget in tokens per layer, KV bytes held after the
+compression and at the answer's end, the tokens generated and those evicted while generating
+them: h2o and streaming keep evicting as an answer grows, seconds) and a markdown table per
 policy and fraction of each task's mean score with its 95 % t interval over the cases, the
 case count, and the average over the tasks (on stdout and in ``DIR/eval_ruler.md``).
 
@@ -257,13 +257,12 @@ def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case
         eng.reset()
         t0 = time.perf_counter()
         logits = np.array(eng.eval(ids)[-1])            # a copy: the engine may be reused
-        out = {w: f"{tag}-w{w}.pkv"}
-        eng.save_state(out[w], level=0)
+        paths = {w: f"{tag}-w{w}.pkv"}
+        eng.save_state(paths[w], level=0)
         if second is not None:
-            out[second] = f"{tag}-w{second}.pkv"
-            save_second_window(eng, out[second])
+            paths[second] = f"{tag}-w{second}.pkv"
+            save_second_window(eng, paths[second])
         dt = time.perf_counter() - t0
-        out = {k: (path, logits, dt) for k, path in out.items()}
         if answer is not None:
             qi, answers, n_new = answer
             for policy, fraction in full:
@@ -272,7 +271,7 @@ def run_case_shared(model: str, n_ctx: int, ctx_ids: list, questions: list, case
                 pred = _answer(eng, logits, n_new)
                 rows.append(_row(case, qi, "aware", policy, kv, fraction, "full", 0,
                                  len(ids), pred, answers, held, time.perf_counter() - t1, dt))
-        return out
+        return {k: (path, logits, dt) for k, path in paths.items()}
 
     def policy_engine(policy: str, fraction: float):
         base, budget, opts = _config(policy, kv, fraction, len(ctx_ids))

@@ -128,10 +128,10 @@ def attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window,
     mask = np.arange(n)[None, :] <= (pos0 + np.arange(T))[:, None]
     if window > 0:
         mask &= (pq[:, None] - pk[None, :]) < window
-    obs = pq >= obs_start
-    obs2 = pq >= obs_start2
-    new = np.zeros((Hq, n), np.float32)
-    new2 = np.zeros((Hq, n), np.float32)
+    # (buffer, its observed rows, their mass) of each importance buffer given
+    sums = [(imp, pq >= start, np.zeros((Hq, n), np.float32))
+            for imp, start in ((importance, obs_start), (importance2, obs_start2))
+            if imp is not None and start >= 0]
     lse = np.empty((T, Hq), np.float32)
     sb = slot_bias(bias, block_table, n, k_cache.shape[2] // D)
     for h in range(Hq):
@@ -143,12 +143,11 @@ def attention_prefill_ref(q, k_cache, v_cache, block_table, pos0, scale, window,
         P = e / l
         out[:, h, :] = P @ V[h // G]
         lse[:, h] = (m + np.log(l))[:, 0]
-        new[h] = P[obs].sum(axis=0)
-        new2[h] = P[obs2].sum(axis=0)
-    if importance is not None and obs.any():
-        importance_update(importance, block_table, new, 0, decay, backend="numpy")
-    if importance2 is not None and obs_start2 >= 0 and obs2.any():
-        importance_update(importance2, block_table, new2, 0, decay, backend="numpy")
+        for _, obs, new in sums:
+            new[h] = P[obs].sum(axis=0)
+    for imp, obs, new in sums:
+        if obs.any():
+            importance_update(imp, block_table, new, 0, decay, backend="numpy")
     return lse
 
 
